@@ -1,0 +1,139 @@
+"""ParallelDims builds TP-innermost groups from the torchrun environment at world 4 for TP 1, 2,
+4; settings that would break the leaf tree or the layout are refused with clear errors; megatron's
+initialized groups are adopted as they are."""
+import importlib.util
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tpinv.contract import InvarianceError
+from tpinv.parallel import ParallelDims, ParallelState
+from tpinv.reduce import tree_all_reduce
+from tpinv.testing import RankTimeoutError, bits, record_ops, run_ranks
+
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None \
+    and importlib.util.find_spec("megatron.core") is not None
+
+
+def _layout(state):
+    return {"tp": (state.tp_rank, state.tp_size, dist.get_process_group_ranks(state.tp_group)),
+            "dp": (state.dp_rank, state.dp_size, dist.get_process_group_ranks(state.dp_group)),
+            "world": (state.rank, state.world_size)}
+
+
+def _build_rank(rank, world, with_megatron):
+    out = {"initialized_before": dist.is_initialized()}
+    out[2] = _layout(ParallelDims(2).build(backend="gloo", timeout=60))  # initializes the world
+    out[1] = _layout(ParallelDims(1).build())
+    state = ParallelDims(4, dp=1).build()
+    out[4] = _layout(state)
+    out["tree"] = tree_all_reduce(torch.full((3,), float(rank)), state.tp_group)
+    try:
+        ParallelDims(8).build()
+    except InvarianceError as exc:
+        out["tp8"] = str(exc)
+    if with_megatron:
+        from megatron.core import parallel_state as mpu
+        try:
+            ParallelState.from_megatron()
+        except RuntimeError as exc:
+            out["megatron_uninitialized"] = str(exc)
+        mpu.initialize_model_parallel(tensor_model_parallel_size=2)
+        out["megatron"] = _layout(ParallelState.from_megatron())
+        mpu.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def built():
+    return run_ranks(_build_rank, 4, HAVE_MEGATRON, init_group=False, timeout=240)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_groups_are_tp_innermost(built, tp):
+    dp = 4 // tp
+    for rank, out in enumerate(built):
+        assert not out["initialized_before"]
+        tp_rank, tp_size, tp_ranks = out[tp]["tp"]
+        dp_rank, dp_size, dp_ranks = out[tp]["dp"]
+        assert (tp_rank, tp_size, dp_rank, dp_size) == (rank % tp, tp, rank // tp, dp)
+        first = rank - rank % tp
+        assert tp_ranks == list(range(first, first + tp))
+        assert dp_ranks == list(range(rank % tp, 4, tp))
+        assert out[tp]["world"] == (rank, 4)
+
+
+def test_built_tp_group_reduces(built):
+    for out in built:
+        assert torch.equal(out["tree"], torch.full((3,), float((0 + 1) + (2 + 3))))
+
+
+def test_tp_not_dividing_the_world_is_refused_on_every_rank(built):
+    for out in built:
+        assert "tp=8 does not divide the world size 4" in out["tp8"]
+
+
+@pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core not installed")
+def test_from_megatron_adopts_megatrons_groups(built):
+    for out in built:
+        assert "initialize_model_parallel" in out["megatron_uninitialized"]
+        assert out["megatron"] == out[2]
+
+
+@pytest.mark.parametrize("tp", [3, 6, 0, -2])
+def test_tp_must_be_a_positive_power_of_two(tp):
+    with pytest.raises((InvarianceError, ValueError), match="tp="):
+        ParallelDims(tp)
+
+
+def test_tp_must_divide_the_leaves():
+    with pytest.raises(InvarianceError, match="does not divide leaves=8"):
+        ParallelDims(16)
+    assert ParallelDims(16, leaves=16).resolve(32) == (16, 2)
+
+
+def test_resolve_checks_the_world_size():
+    assert ParallelDims(2).resolve(6) == (2, 3)
+    with pytest.raises(InvarianceError, match=r"tp=4 does not divide the world size 6.*\[1, 2\]"):
+        ParallelDims(4).resolve(6)
+    with pytest.raises(InvarianceError, match="set dp=2"):
+        ParallelDims(2, dp=3).resolve(4)
+    with pytest.raises(ValueError, match="dp=0"):
+        ParallelDims(2, dp=0)
+
+
+def test_build_without_torchrun_says_how_to_start(monkeypatch):
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        ParallelDims(1).build(backend="gloo")
+
+
+# ------------------------------------------------------------- the multi-rank test harness
+def _sleep_rank(rank, world):
+    if rank == 1:
+        time.sleep(300)
+    return rank
+
+
+def test_run_ranks_names_the_ranks_that_did_not_finish():
+    # Generous enough for rank 0 to start and finish on a loaded 2-core machine.
+    with pytest.raises(RankTimeoutError, match=r"ranks \[1\] of 2 did not finish within 40.0 s"):
+        run_ranks(_sleep_rank, 2, timeout=40.0)
+
+
+def test_record_ops_nests_and_bits_digest_exact_bytes():
+    a = torch.randn(5)
+    with record_ops() as outer:
+        with record_ops() as inner:
+            b = a + 1
+        c = a * 2
+    assert "aten::add" in inner and "aten::add.Tensor" in inner and "aten::mul" not in inner
+    assert "aten::add" in outer and "aten::mul" in outer
+    assert bits(b) == bits(b.clone()) and len(bits(b)) == 16
+    assert bits(c) != bits(c.to(torch.float64).to(torch.float32).view(1, 5))  # shape counts
+    assert bits(torch.tensor(0.0)) != bits(torch.tensor(-0.0))  # bytes, not values
+    assert bits(torch.ones(2, dtype=torch.bfloat16)) != bits(torch.ones(2, dtype=torch.float16))

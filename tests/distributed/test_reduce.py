@@ -1,0 +1,251 @@
+"""The tree reducer gives the single-process tree's bits with every algorithm at 1, 2, 4 ranks;
+plain ``all_reduce`` does not keep its bits across TP sizes (the negative controls); bad settings
+raise clear errors on every rank and never hang."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings, strategies as st
+
+from tpinv.contract import rank_leaves, tree_combine, tree_combine_list
+from tpinv.kernels.cpu_tree import leaf_partials, leaf_tree_sum
+from tpinv.reduce import (ALGORITHMS, CollectiveError, all_gather, choose_algorithm,
+                          tree_all_reduce, tree_reduce_scatter)
+from tpinv.testing import RankFailedError, record_ops, run_ranks
+
+WORLDS = (1, 2, 4)
+AUTO = ALGORITHMS + ("auto",)
+SHAPES = [(7,), (4, 3), (5, 3, 17), (3, 12, 5), (), (0, 3), (8, 1001)]
+GATHER_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
+K, LEAVES, ROWS = 8 * 129, 8, 64
+
+
+def _wide(shape):
+    """Random fp32 over seven decades, so different add orders round differently."""
+    return torch.randn(shape) * 10.0 ** torch.randint(-3, 4, shape)
+
+
+# ---------------------------------------------------------------------------- spawned ranks
+def _correctness_rank(rank, world, cases, gathers, x):
+    out = {"reduce": {}, "scatter": {}, "gather": {}, "ops": {}}
+    for i, parts in enumerate(cases):
+        mine = parts[rank].clone()
+        for algorithm, check in [(a, True) for a in AUTO] + [("auto", False)]:
+            out["reduce"][i, algorithm, check] = tree_all_reduce(
+                mine, None, algorithm=algorithm, check=check)
+        assert torch.equal(mine, parts[rank]), "the input partial was modified"
+        for dim in range(mine.dim()):
+            if mine.shape[dim] % world == 0:
+                for algorithm in AUTO:
+                    out["scatter"][i, dim, algorithm] = tree_reduce_scatter(
+                        mine, None, dim=dim, algorithm=algorithm)
+    for i, tensors in enumerate(gathers):
+        for dim in (0, -1):
+            out["gather"][i, dim] = all_gather(tensors[rank], None, dim=dim)
+    strided = cases[-1][rank].t()  # a non-contiguous partial
+    out["strided"] = tree_all_reduce(strided, None, algorithm="halving")
+    for algorithm in ALGORITHMS:
+        with record_ops() as seen:
+            tree_all_reduce(mine, None, algorithm=algorithm)
+        out["ops"][algorithm] = set(seen.names)
+    # TP invariance: leaf sub-trees through the tree reducer; vanilla slice sums + all_reduce.
+    my_leaves = rank_leaves(rank, world, LEAVES)
+    per = x.shape[-1] // LEAVES
+    my_slice = x[:, my_leaves.start * per: my_leaves.stop * per]
+    subtree = tree_combine(leaf_partials(my_slice, len(my_leaves)))
+    out["tree_tp"] = tree_all_reduce(subtree, None)
+    vanilla = my_slice.sum(-1)
+    dist.all_reduce(vanilla)
+    out["vanilla_tp"] = vanilla
+    plain_subtree = subtree.clone()
+    dist.all_reduce(plain_subtree)
+    out["plain_all_reduce_of_subtrees"] = plain_subtree
+    if world == 2:
+        out["errors"] = _errors(rank)
+    if world == 4:  # explicit sub-groups: consecutive pairs, strided pairs, and three ranks
+        three = dist.new_group([0, 1, 2])
+        if rank < 3:
+            out["three"] = _caught(lambda: tree_all_reduce(torch.ones(4), three))
+        for name, layout in (("pairs", [[0, 1], [2, 3]]), ("stride_pairs", [[0, 2], [1, 3]])):
+            groups = [dist.new_group(ranks) for ranks in layout]
+            mine_group = next(g for g, ranks in zip(groups, layout) if rank in ranks)
+            out[name] = {a: tree_all_reduce(cases[-1][rank], mine_group, algorithm=a)
+                         for a in ALGORITHMS}
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    cases = {w: [[_wide(s) for _ in range(w)] for s in SHAPES] for w in WORLDS}
+    gathers = {w: [[_wide((3, 5)).to(d) if d != torch.bool else torch.rand(3, 5) > 0.5
+                    for _ in range(w)] for d in GATHER_DTYPES] for w in WORLDS}
+    x = _wide((ROWS, K))
+    results = {w: run_ranks(_correctness_rank, w, cases[w], gathers[w], x, timeout=240)
+               for w in WORLDS}
+    return cases, gathers, x, results
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_algorithm_equals_single_process_tree(spawned, world):
+    cases, _, _, results = spawned
+    for i, parts in enumerate(cases[world]):
+        reference = tree_combine_list(parts) if world > 1 else parts[0]
+        for rank in range(world):
+            for (j, algorithm, check), got in results[world][rank]["reduce"].items():
+                if j == i:
+                    assert got.shape == reference.shape and got.is_contiguous()
+                    assert torch.equal(got, reference), (world, parts[0].shape, algorithm, check)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter_is_a_chunk_of_the_tree(spawned, world):
+    cases, _, _, results = spawned
+    seen = 0
+    for rank in range(world):
+        for (i, dim, algorithm), got in results[world][rank]["scatter"].items():
+            reference = tree_combine_list(cases[world][i]) if world > 1 else cases[world][i][0]
+            chunk = reference.shape[dim] // world
+            expected = reference.narrow(dim, rank * chunk, chunk)
+            assert got.is_contiguous() and torch.equal(got, expected), (world, i, dim, algorithm)
+            seen += 1
+    assert seen >= world * 4 * len(AUTO)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_gather_is_exact_for_every_dtype(spawned, world):
+    _, gathers, _, results = spawned
+    for rank in range(world):
+        for (i, dim), got in results[world][rank]["gather"].items():
+            expected = torch.cat(gathers[world][i], dim=dim)
+            assert got.dtype == GATHER_DTYPES[i] and torch.equal(got, expected), (i, dim)
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_strided_input_and_invariant_path_ran(spawned, world):
+    cases, _, _, results = spawned
+    reference = tree_combine_list([p.t() for p in cases[world][-1]])
+    for rank in range(world):
+        r = results[world][rank]
+        assert torch.equal(r["strided"], reference)
+        assert "c10d::alltoall_base_" in r["ops"]["all_to_all"]
+        assert "c10d::send" in r["ops"]["halving"] and "c10d::recv_" in r["ops"]["halving"]
+        assert all("c10d::allreduce_" not in ops for ops in r["ops"].values())
+
+
+def test_sub_groups_reduce_in_group_rank_order(spawned):
+    cases, _, _, results = spawned
+    parts = cases[4][-1]
+    for name, layout in (("pairs", [[0, 1], [2, 3]]), ("stride_pairs", [[0, 2], [1, 3]])):
+        for ranks in layout:
+            expected = tree_combine_list([parts[r] for r in ranks])
+            for r in ranks:
+                for algorithm, got in results[4][r][name].items():
+                    assert torch.equal(got, expected), (name, ranks, algorithm)
+
+
+def test_tree_is_tp_invariant_and_plain_all_reduce_is_not(spawned):
+    *_, x, results = spawned
+    single = leaf_tree_sum(x, LEAVES)
+    for world in WORLDS:
+        for rank in range(world):
+            assert torch.equal(results[world][rank]["tree_tp"], single), world
+    # Negative controls on the same inputs: vanilla slice sums + all_reduce change with TP ...
+    vanilla = {w: results[w][0]["vanilla_tp"] for w in WORLDS}
+    assert not torch.equal(vanilla[1], vanilla[2])
+    assert not torch.equal(vanilla[2], vanilla[4])
+    assert not torch.equal(vanilla[1], single)
+    # ... and even the tree's own sub-trees, summed by all_reduce at 4 ranks, lose the tree order.
+    assert not torch.equal(results[4][0]["plain_all_reduce_of_subtrees"], single)
+
+
+# ------------------------------------------------------------------------ single process
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 5), leaf_len=st.integers(1, 33), log_leaves=st.integers(0, 4),
+       data=st.data())
+def test_tree_over_leaves_equals_tree_over_rank_subtrees(rows, leaf_len, log_leaves, data):
+    leaves = 1 << log_leaves
+    size = 1 << data.draw(st.integers(0, log_leaves))
+    x = _wide((rows, leaves * leaf_len))
+    leaf = leaf_partials(x, leaves)
+    subtrees = [tree_combine(leaf[:, rank_leaves(r, size, leaves)]) for r in range(size)]
+    assert torch.equal(tree_combine_list(subtrees), tree_combine(leaf))
+    assert torch.equal(tree_combine(torch.stack(subtrees, -1)), leaf_tree_sum(x, leaves))
+
+
+def test_auto_choice_depends_on_the_bytes_each_rank_receives():
+    assert choose_algorithm(1024, 4) == "all_gather"
+    assert choose_algorithm(64 << 20, 4) == "all_to_all"
+    assert choose_algorithm(8 << 20, 2, "nccl") == "all_gather"
+    assert choose_algorithm(8 << 20, 4, "nccl") == "all_to_all"  # receives 3 x 8 MiB
+    assert {choose_algorithm(n, c, b) for n in (1 << 10, 1 << 20, 1 << 26) for c in (2, 4, 8)
+            for b in ("gloo", "nccl")} == {"all_gather", "all_to_all"}
+
+
+# ---------------------------------------------------------------------------------- errors
+def _caught(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type and message
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _errors(rank):
+    """Every call here must fail the same way on both ranks and leave the group usable."""
+    shape = (5, 3) if rank == 0 else (5, 4)
+    dtype = torch.float32 if rank == 0 else torch.float16
+    bf16 = torch.ones(5, dtype=torch.bfloat16)
+    return {
+        "bf16": _caught(lambda: tree_all_reduce(bf16, None)),
+        "bf16_unchecked": _caught(lambda: tree_all_reduce(bf16, None, check=False)),
+        "shapes": _caught(lambda: tree_all_reduce(torch.ones(shape), None)),
+        "dtypes": _caught(lambda: tree_all_reduce(torch.ones(5, dtype=dtype), None)),
+        "gather_shapes": _caught(lambda: all_gather(torch.ones(shape), None)),
+        "scatter_indivisible": _caught(lambda: tree_reduce_scatter(torch.ones(5, 3), None)),
+        "algorithm": _caught(lambda: tree_all_reduce(torch.ones(5), None, algorithm="ring")),
+        "leaves": _caught(lambda: tree_all_reduce(torch.ones(5), None, leaves=1)),
+        "still_works": tree_all_reduce(torch.full((3,), float(rank + 1)), None),
+    }
+
+
+def test_errors_are_clear_and_raised_on_every_rank(spawned):
+    results = spawned[-1][2]
+    for rank in range(2):
+        r = results[rank]["errors"]
+        assert r["bf16"][0] == "TypeError" and "fp32" in r["bf16"][1]
+        assert r["bf16_unchecked"][0] == "TypeError"
+        assert r["shapes"][0] == "InvarianceError"
+        assert "(5, 3)" in r["shapes"][1] and "(5, 4)" in r["shapes"][1]
+        assert r["dtypes"][0] == "InvarianceError" and "torch.float16" in r["dtypes"][1]
+        assert r["gather_shapes"][0] == "InvarianceError"
+        assert r["scatter_indivisible"][0] == "InvarianceError"
+        assert "multiple of 2" in r["scatter_indivisible"][1]
+        assert r["algorithm"][0] == "ValueError" and "ring" in r["algorithm"][1]
+        assert r["leaves"][0] == "InvarianceError"
+        assert torch.equal(r["still_works"], torch.full((3,), 3.0)), rank
+
+
+def test_group_of_three_is_refused_on_every_rank(spawned):
+    results = spawned[-1][4]
+    for rank in range(3):
+        kind, message = results[rank]["three"]
+        assert kind == "InvarianceError" and "power of two" in message
+
+
+def _rank_dies_rank(rank, world, hang):
+    if rank == 1:
+        if hang:
+            time.sleep(30)
+        os._exit(3)
+    return tree_all_reduce(torch.ones(1000), None, algorithm="all_to_all")
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["exits", "hangs"])
+def test_a_dead_or_stuck_rank_makes_the_others_raise(hang):
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_rank_dies_rank, 2, hang, pg_timeout=3.0, timeout=60)
+    text = str(info.value)
+    assert CollectiveError.__name__ in text and "tree_all_reduce" in text
+    assert "over a group of 2 ranks failed" in text and "process-group timeout" in text

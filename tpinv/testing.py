@@ -1,0 +1,217 @@
+"""Test helpers: spawned multi-rank groups, dispatched-op recording, exact bit digests.
+
+:func:`run_ranks` starts one fresh process per rank, joins them into a process group,
+runs a module-level function in each and returns the results in rank order; it never
+hangs (every wait has a deadline) and a failing rank's full traceback is raised in the
+caller.  :func:`record_ops` records which ops ran, so a test can assert that the
+invariant path was taken rather than a silent fallback.  :func:`bits` digests a
+tensor's exact bytes (dtype, shape and data), for printing and comparing results.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["RankFailedError", "RankTimeoutError", "run_ranks", "record_ops", "OpLog", "bits",
+           "free_port"]
+
+# Seconds a dead rank's last message may still take to arrive through the result pipe.
+_DRAIN_SECONDS = 1.0
+_POLL_SECONDS = 0.05
+
+
+class RankFailedError(RuntimeError):
+    """A spawned rank raised (its traceback is in the message) or died without a result.
+
+    ``results`` maps the ranks that did return to their results.
+    """
+
+    def __init__(self, message: str, results: dict[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.results = dict(results or {})
+
+
+class RankTimeoutError(TimeoutError):
+    """Spawned ranks did not finish within the time limit."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, args, backend, port, pg_timeout, env, threads, init_group,
+               results) -> None:
+    """Body of one spawned rank: set up, run ``fn``, send ``(rank, ok, payload)`` back."""
+    try:
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        os.environ.update(env or {})
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if init_group:
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    init_method=f"tcp://127.0.0.1:{port}",
+                                    timeout=datetime.timedelta(seconds=pg_timeout))
+        payload = pickle.dumps(fn(rank, world_size, *args))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        # Report first: tearing down a group whose peers are stuck may block.
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, payload))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+              timeout: float = 120.0, env: dict[str, str] | None = None,
+              pg_timeout: float | None = None, threads: int | None = 1,
+              init_group: bool = True) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned ranks; results in rank order.
+
+    ``fn`` must be a module-level function and its arguments and result picklable
+    (tensors are copied).  Each rank sets ``torch.set_num_threads(threads)`` (skip with
+    ``threads=None``), the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT), then ``env``, and joins a ``backend`` process group over TCP whose
+    collective timeout is ``pg_timeout`` seconds (default ``timeout``); with
+    ``init_group=False`` ``fn`` creates the group itself.
+
+    Raises :class:`RankFailedError` with the full traceback as soon as any rank raises
+    (the other ranks are killed), or naming a rank that died without a result, and
+    :class:`RankTimeoutError` naming the unfinished ranks after ``timeout`` seconds.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    pg_timeout = timeout if pg_timeout is None else pg_timeout
+    procs = [ctx.Process(target=_rank_main, name=f"tpinv-rank-{r}", daemon=True,
+                         args=(fn, r, world_size, args, backend, port, pg_timeout, env, threads,
+                               init_group, results))
+             for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        return _collect(procs, results, time.monotonic() + timeout, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5.0)
+        results.close()
+
+
+def _collect(procs, results, deadline: float, timeout: float) -> list[Any]:
+    world_size = len(procs)
+    done: dict[int, Any] = {}
+    dead: dict[int, int | None] = {}      # rank -> exit code, for ranks gone without a message
+    dead_seen_at: dict[int, float] = {}
+    while len(done) + len(dead) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=_POLL_SECONDS)
+        except queue.Empty:
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r in done or r in dead or p.is_alive():
+                    continue
+                first = dead_seen_at.setdefault(r, now)
+                if now - first > _DRAIN_SECONDS:
+                    dead[r] = p.exitcode
+            if now > deadline:
+                missing = [r for r in range(world_size) if r not in done and r not in dead]
+                raise RankTimeoutError(
+                    f"ranks {missing} of {world_size} did not finish within {timeout:.1f} s"
+                    + _dead_note(dead) + "; all ranks were killed")
+            continue
+        if not ok:
+            raise RankFailedError(f"rank {rank} of {world_size} raised" + _dead_note(dead)
+                                  + f":\n{payload}", done)
+        done[rank] = pickle.loads(payload)
+    if dead:
+        raise RankFailedError(f"{len(done)} of {world_size} ranks returned" + _dead_note(dead),
+                              done)
+    return [done[r] for r in range(world_size)]
+
+
+def _dead_note(dead: dict[int, int | None]) -> str:
+    if not dead:
+        return ""
+    return "; " + ", ".join(f"rank {r} exited with code {c} without a result"
+                            for r, c in sorted(dead.items()))
+
+
+class OpLog:
+    """Names of dispatched ops in order: ``"ns::op"`` plus the overload form ``"ns::op.overload"``.
+
+    ``"aten::add" in log`` and ``"aten::add.Tensor" in log`` both hold after an add.
+    """
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.overloads: list[str] = []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names or name in self.overloads
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def count(self, name: str) -> int:
+        return self.names.count(name) + self.overloads.count(name)
+
+    def __repr__(self) -> str:
+        return f"OpLog({sorted(set(self.names))})"
+
+
+class _RecordingMode(TorchDispatchMode):
+    def __init__(self, log: OpLog) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        self.log.names.append(name)
+        overload = getattr(func, "_overloadname", "default")
+        self.log.overloads.append(f"{name}.{overload}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def record_ops() -> Iterator[OpLog]:
+    """Record the ops dispatched inside the block (this thread); nests with other modes."""
+    log = OpLog()
+    with _RecordingMode(log):
+        yield log
+
+
+def bits(t: torch.Tensor) -> str:
+    """16 hex digits digesting ``t``'s dtype, shape and exact bytes."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"bits() expects a torch.Tensor, got {type(t).__name__}")
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(data.numpy().tobytes())
+    return h.hexdigest()[:16]
