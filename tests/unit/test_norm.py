@@ -1,0 +1,248 @@
+"""tpinv.ops.norm.rms_norm: bitwise invariance (batch, padding, threads, strides), parity, errors.
+
+Each invariance test has a negative control beside it: Hugging Face's LlamaRMSNorm (torch
+mean / autograd sums) run through the same comparison gives different bits.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from tpinv.contract import InvarianceError
+from tpinv.ops.norm import rms_norm, rms_norm_backward_op, rms_norm_op
+from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
+from tpinv.testing import record_ops
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+EPS = 1e-6
+# Parity with HF (fwd, bwd) as (rtol, atol): fp32 differs only in summation order; the
+# 16-bit HF backward rounds its intermediates to 16 bits, tpinv keeps them in fp32.
+FWD_TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 1e-2), torch.float16: (1e-3, 1e-3)}
+BWD_TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (5e-2, 5e-2), torch.float16: (5e-3, 5e-3)}
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def inputs(tokens: int, hidden: int, dtype=torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    grad = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    return x, weight, grad
+
+
+def tpinv_fwd_bwd(x, weight, grad):
+    x = x.detach().clone().requires_grad_(True)
+    weight = weight.detach().clone().requires_grad_(True)
+    y = rms_norm(x, weight, EPS)
+    y.backward(grad.to(y.dtype))
+    return y.detach(), x.grad, weight.grad
+
+
+def hf_fwd_bwd(x, weight, grad):
+    norm = LlamaRMSNorm(x.shape[-1], eps=EPS).to(weight.dtype)
+    norm.weight.data = weight.detach().clone()
+    x = x.detach().clone().requires_grad_(True)
+    y = norm(x)
+    y.backward(grad.to(y.dtype))
+    return y.detach(), x.grad, norm.weight.grad
+
+
+def rows_alone(fn, x, weight, grad):
+    results = [fn(x[i:i + 1], weight, grad[i:i + 1]) for i in range(x.shape[0])]
+    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
+
+
+# --- row alone == row in batch ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("hidden", [40, 72])
+def test_row_alone_equals_row_in_batch(dtype, batch, hidden):
+    x, weight, grad = inputs(batch, hidden, dtype, seed=batch * hidden)
+    y, dx, _ = tpinv_fwd_bwd(x, weight, grad)
+    y_alone, dx_alone = rows_alone(tpinv_fwd_bwd, x, weight, grad)
+    assert torch.equal(y, y_alone)
+    assert torch.equal(dx, dx_alone)
+
+
+def test_row_alone_vanilla_differs():
+    x, weight, grad = inputs(8, 40000)
+    with num_threads(2):
+        y, dx, _ = hf_fwd_bwd(x, weight, grad)
+        y_alone, dx_alone = rows_alone(hf_fwd_bwd, x, weight, grad)
+        ours = tpinv_fwd_bwd(x, weight, grad)
+        ours_alone = rows_alone(tpinv_fwd_bwd, x, weight, grad)
+    assert not torch.equal(y, y_alone) and not torch.equal(dx, dx_alone)
+    assert torch.equal(ours[0], ours_alone[0]) and torch.equal(ours[1], ours_alone[1])
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=st.integers(1, 9), hidden=st.integers(1, 97), seed=st.integers(0, 2**16))
+def test_row_alone_property(batch, hidden, seed):
+    x, weight, grad = inputs(batch, hidden, torch.float32, seed)
+    row = seed % batch
+    y, dx, _ = tpinv_fwd_bwd(x, weight, grad)
+    y1, dx1, _ = tpinv_fwd_bwd(x[row:row + 1], weight, grad[row:row + 1])
+    assert torch.equal(y[row:row + 1], y1) and torch.equal(dx[row:row + 1], dx1)
+
+
+# --- padding ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,pad", [(7, 6), (13, 3), (5, 27)])
+def test_padding_does_not_change_results(dtype, tokens, pad):
+    """Padding tokens (any x, zero gradient) appended: real rows and dweight keep their bits."""
+    x, weight, grad = inputs(tokens + pad, 40, dtype, seed=tokens)
+    grad[tokens:] = 0
+    y, dx, dw = tpinv_fwd_bwd(x[:tokens], weight, grad[:tokens])
+    y_pad, dx_pad, dw_pad = tpinv_fwd_bwd(x, weight, grad)
+    assert torch.equal(y, y_pad[:tokens]) and torch.equal(dx, dx_pad[:tokens])
+    assert torch.equal(dw, dw_pad)
+    # Padded as [B, S, H] sequences: dweight over the flattened tokens, same bits.
+    _, _, dw_3d = tpinv_fwd_bwd(x.reshape(1, tokens + pad, 40), weight, grad.reshape(1, tokens + pad, 40))
+    assert torch.equal(dw, dw_3d)
+
+
+def test_padding_vanilla_differs():
+    x, weight, grad = inputs(13, 40, seed=7)
+    grad[7:] = 0
+    _, _, dw = hf_fwd_bwd(x[:7], weight, grad[:7])
+    _, _, dw_pad = hf_fwd_bwd(x, weight, grad)
+    assert not torch.equal(dw, dw_pad)
+    assert torch.equal(tpinv_fwd_bwd(x[:7], weight, grad[:7])[2], tpinv_fwd_bwd(x, weight, grad)[2])
+
+
+def test_dweight_order_differs_from_torch_sum():
+    """dweight is the fixed token tree, not torch.sum's order; the two disagree somewhere."""
+    x, weight, grad = inputs(37, 72, seed=3)
+    _, _, dw = tpinv_fwd_bwd(x, weight, grad)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
+    dw_sum = (grad * normed).sum(0)
+    assert not torch.equal(dw, dw_sum)
+    torch.testing.assert_close(dw, dw_sum, rtol=1e-5, atol=1e-5)
+
+
+# --- threads --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(1, 70000), (3, 72), (64, 40)])
+def test_one_thread_equals_two_threads(shape):
+    x, weight, grad = inputs(*shape, seed=11)
+    with num_threads(1):
+        one = tpinv_fwd_bwd(x, weight, grad)
+    with num_threads(2):
+        two = tpinv_fwd_bwd(x, weight, grad)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_threads_vanilla_differs():
+    """Each row alone: torch's mean splits the one row over two threads."""
+    x, weight, grad = inputs(4, 70000, seed=11)
+    differs = []
+    for i in range(4):
+        with num_threads(1):
+            one = hf_fwd_bwd(x[i:i + 1], weight, grad[i:i + 1])
+        with num_threads(2):
+            two = hf_fwd_bwd(x[i:i + 1], weight, grad[i:i + 1])
+        differs.append(not torch.equal(one[0], two[0]))
+    assert any(differs)
+
+
+# --- strides ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [40, 72])
+def test_strided_equals_contiguous(dtype, hidden):
+    x, weight, grad = inputs(5, hidden, dtype, seed=hidden)
+    x_strided = x.t().contiguous().t()
+    assert not x_strided.is_contiguous()
+    contiguous = tpinv_fwd_bwd(x, weight, grad)
+    strided = tpinv_fwd_bwd(x_strided, weight, grad)
+    assert all(torch.equal(a, b) for a, b in zip(contiguous, strided))
+    # A strided view into a wider buffer.
+    wide = torch.zeros(5, 2 * hidden, dtype=dtype)
+    wide[:, ::2] = x
+    assert torch.equal(rms_norm(wide[:, ::2], weight, EPS), contiguous[0])
+
+
+def test_strided_vanilla_differs():
+    x, weight, grad = inputs(5, 72, seed=72)
+    contiguous = hf_fwd_bwd(x, weight, grad)
+    strided = hf_fwd_bwd(x.t().contiguous().t(), weight, grad)
+    assert not torch.equal(contiguous[0], strided[0])
+    assert not torch.equal(contiguous[1], strided[1])
+
+
+# --- parity with Hugging Face ---------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_parity_with_hf(dtype):
+    x, weight, grad = inputs(9, 72, dtype, seed=5)
+    ours, ref = tpinv_fwd_bwd(x, weight, grad), hf_fwd_bwd(x, weight, grad)
+    assert ours[0].dtype == ref[0].dtype == dtype
+    rtol, atol = FWD_TOL[dtype]
+    torch.testing.assert_close(ours[0], ref[0], rtol=rtol, atol=atol)
+    rtol, atol = BWD_TOL[dtype]
+    torch.testing.assert_close(ours[1], ref[1], rtol=rtol, atol=atol)
+    torch.testing.assert_close(ours[2].float(), ref[2].float(), rtol=rtol, atol=atol * 10)
+
+
+def test_mixed_dtype_follows_hf_promotion():
+    x, weight, grad = inputs(4, 40, torch.bfloat16)
+    weight = weight.float()
+    ours, ref = tpinv_fwd_bwd(x, weight, grad), hf_fwd_bwd(x, weight, grad)
+    assert ours[0].dtype == ref[0].dtype == torch.float32
+    assert ours[1].dtype == torch.bfloat16 and ours[2].dtype == torch.float32
+    torch.testing.assert_close(ours[0], ref[0], rtol=1e-5, atol=1e-6)
+
+
+# --- the op ran, registration, errors ---------------------------------------------------
+
+def test_custom_ops_run():
+    x, weight, grad = inputs(3, 40)
+    with record_ops() as log:
+        tpinv_fwd_bwd(x, weight, grad)
+    assert "tpinv::rms_norm" in log
+    assert "tpinv::rms_norm_backward" in log
+
+
+def test_opcheck():
+    x, weight, _ = inputs(3, 40)
+    torch.library.opcheck(torch.ops.tpinv.rms_norm.default,
+                          (x.requires_grad_(), weight.requires_grad_(), EPS),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_bad_inputs():
+    x, weight, _ = inputs(3, 40)
+    with pytest.raises(InvarianceError, match=r"shape \(40,\)"):
+        rms_norm(x, weight[:39])
+    with pytest.raises(InvarianceError, match=r"\[\.\.\., H\]"):
+        rms_norm(torch.tensor(1.0), weight)
+    with pytest.raises(InvarianceError, match="dtype"):
+        rms_norm(x.double(), weight)
+    with pytest.raises(InvarianceError, match="dtype"):
+        rms_norm(x, weight.to(torch.int32))
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, weight, -1.0)
+
+
+@pytest.mark.parametrize("op", [rms_norm_op, rms_norm_backward_op])
+def test_cuda_slot_raises_until_filled(op):
+    assert not has_cuda_kernel(op)
+    with pytest.raises(NotImplementedError, match=op._qualname):
+        cuda_kernel(op)()

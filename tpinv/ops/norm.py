@@ -1,0 +1,66 @@
+"""``tpinv::rms_norm``: a torch.library custom op over :mod:`tpinv.kernels.cpu_norm`.
+
+The op keeps the kernel's order: the hidden sum of each row and the token sum of the
+weight gradient are fixed ``leaf_tree_sum(., 1)`` chains, so a row's output and input
+gradient do not depend on the batch, strides, padding rows or thread count.  The CPU
+kernel is registered here; the CUDA slot raises ``NotImplementedError`` until an
+invariant kernel is registered (:mod:`tpinv.ops.registry`).  The backward is itself a
+custom op (``tpinv::rms_norm_backward``); it has no double backward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tpinv.kernels import cpu_norm
+from tpinv.ops.registry import define_op
+
+__all__ = ["rms_norm", "rms_norm_op", "rms_norm_backward_op"]
+
+
+@define_op("rms_norm")
+def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return cpu_norm.rms_norm_forward(x, weight, eps)
+
+
+@define_op("rms_norm_backward")
+def rms_norm_backward_op(grad: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return cpu_norm.rms_norm_backward(grad, x, weight, eps)
+
+
+@rms_norm_op.register_fake
+def _rms_norm_fake(x, weight, eps):
+    cpu_norm.check_rms_norm_inputs(x, weight, eps)
+    return x.new_empty(x.shape, dtype=cpu_norm.rms_norm_out_dtype(x, weight))
+
+
+@rms_norm_backward_op.register_fake
+def _rms_norm_backward_fake(grad, x, weight, eps):
+    cpu_norm.check_rms_norm_inputs(x, weight, eps)
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.eps = eps
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x, grad_weight = rms_norm_backward_op(grad, x, weight, ctx.eps)
+    return grad_x, grad_weight, None
+
+
+rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """Invariant RMSNorm over the last dim (HF Llama/Qwen3 semantics).
+
+    ``x [..., H]``, ``weight [H]``; returns ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``
+    in the promoted dtype of ``x`` and ``weight``.  The mean is the fixed-order sum divided
+    by ``H``.
+    """
+    cpu_norm.check_rms_norm_inputs(x, weight, eps)
+    return rms_norm_op(x, weight, float(eps))
