@@ -11,7 +11,10 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
-from torch._library.custom_ops import CustomOpDef
+try:
+    from torch.library import CustomOpDef
+except ImportError:                      # older torch keeps it private
+    from torch._library.custom_ops import CustomOpDef
 
 NAMESPACE = "tpinv"
 

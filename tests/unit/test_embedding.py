@@ -1,0 +1,166 @@
+"""tpinv.ops.embedding: exact lookup; each row's gradient is the token-order fp32 chain.
+
+Negative controls: in fp32, PyTorch's CPU ``F.embedding`` backward happens to add a row's
+gradients sequentially in token order too, so it matches the fixed chain; the control
+there sums the same gradients in reversed token order and shows the bits change.  In
+bf16/fp16 ``F.embedding``'s backward itself gives different bits.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpinv.kernels.cpu_embedding import embedding_backward_reference
+from tpinv.ops import embedding, embedding_backward
+from tpinv.ops.embedding import embedding_backward_op, embedding_op
+from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
+from tpinv.testing import record_ops
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def duplicate_heavy(shape, rows, dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, rows, shape, generator=gen)
+    grad = torch.randn(*shape, dim, generator=gen).to(dtype)
+    return ids, grad
+
+
+def reversed_chain(grad, ids, rows):
+    return embedding_backward_reference(grad.reshape(-1, grad.shape[-1]).flip(0), ids.reshape(-1).flip(0), rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lookup_is_exact(dtype):
+    weight = torch.randn(50, 24).to(dtype)
+    ids = torch.randint(0, 50, (3, 17))
+    out = embedding(ids, weight)
+    assert out.shape == (3, 17, 24) and out.dtype == dtype
+    assert torch.equal(out, F.embedding(ids, weight))
+    assert torch.equal(embedding(ids.int(), weight), out)
+    assert embedding(torch.zeros(0, dtype=torch.long), weight).shape == (0, 24)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_is_the_token_order_chain(dtype):
+    ids, grad = duplicate_heavy((4, 300), 7, 33, dtype)
+    got = embedding_backward(grad, ids, 9)
+    assert got.shape == (9, 33) and got.dtype == dtype
+    assert torch.equal(got, embedding_backward_reference(grad, ids, 9))
+    assert torch.equal(got[7:], torch.zeros(2, 33, dtype=dtype))     # rows never hit
+
+
+def test_backward_control_fp32_order_matters():
+    ids, grad = duplicate_heavy((4, 300), 7, 33, torch.float32)
+    ours = embedding_backward(grad, ids, 9)
+    weight = torch.zeros(9, 33, requires_grad=True)
+    F.embedding(ids, weight).backward(grad)
+    assert torch.equal(weight.grad, ours)          # stated above: CPU F.embedding is sequential
+    assert not torch.equal(reversed_chain(grad, ids, 9), ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_backward_control_16bit_vanilla_differs(dtype):
+    ids, grad = duplicate_heavy((4, 300), 7, 33, dtype)
+    weight = torch.zeros(9, 33, dtype=dtype, requires_grad=True)
+    F.embedding(ids, weight).backward(grad)
+    assert not torch.equal(weight.grad, embedding_backward(grad, ids, 9))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_autograd_uses_the_fixed_chain(dtype):
+    ids, grad = duplicate_heavy((2, 5, 40), 11, 16, dtype)
+    weight = torch.randn(13, 16).to(dtype).requires_grad_(True)
+    with record_ops() as log:
+        embedding(ids, weight).backward(grad)
+    assert "tpinv::embedding" in log and "tpinv::embedding_backward" in log
+    assert "aten::index_add" not in log and "aten::embedding_dense_backward" not in log
+    assert torch.equal(weight.grad, embedding_backward_reference(grad, ids, 13))
+
+
+def test_rows_do_not_depend_on_batch_composition():
+    # Sequence A hits rows [0, 20), B rows [20, 40).  Interleaving B's tokens anywhere keeps
+    # A's token order, so A's rows get the same bits alone, first, last or interleaved.
+    gen = torch.Generator().manual_seed(1)
+    a_ids = torch.randint(0, 20, (500,), generator=gen)
+    b_ids = torch.randint(20, 40, (300,), generator=gen)
+    a_g, b_g = torch.randn(500, 16, generator=gen), torch.randn(300, 16, generator=gen)
+    alone = embedding_backward(a_g, a_ids, 40)
+    slots = torch.randperm(800, generator=gen)
+    a_pos, b_pos = slots[:500].sort().values, slots[500:].sort().values
+    mixed_ids = torch.empty(800, dtype=torch.long)
+    mixed_g = torch.empty(800, 16)
+    mixed_ids[a_pos], mixed_ids[b_pos] = a_ids, b_ids
+    mixed_g[a_pos], mixed_g[b_pos] = a_g, b_g
+    for ids, g in ((torch.cat([a_ids, b_ids]), torch.cat([a_g, b_g])),
+                   (torch.cat([b_ids, a_ids]), torch.cat([b_g, a_g])),
+                   (mixed_ids, mixed_g)):
+        batch = embedding_backward(g, ids, 40)
+        assert torch.equal(batch[:20], alone[:20])
+        assert torch.equal(batch[20:], embedding_backward(b_g, b_ids, 40)[20:])
+    # Control: the same tokens in another order (reversed) give other bits.
+    assert not torch.equal(reversed_chain(mixed_g, mixed_ids, 40)[:20], alone[:20])
+
+
+def test_threads_do_not_change_bits():
+    ids, grad = duplicate_heavy((8, 512), 30, 64, torch.float32)
+    with num_threads(1):
+        one = embedding_backward(grad, ids, 30)
+    with num_threads(2):
+        two = embedding_backward(grad, ids, 30)
+    assert torch.equal(one, two)
+
+
+def test_many_duplicates_stay_fast():
+    ids, grad = duplicate_heavy((16, 1024), 40, 128, torch.bfloat16)   # ~410 steps
+    start = time.perf_counter()
+    got = embedding_backward(grad, ids, 40)
+    assert time.perf_counter() - start < 5.0
+    first = (ids.reshape(-1) == 3).nonzero()[:, 0]
+    chain = torch.zeros(128)
+    for t in first.tolist():
+        chain = chain + grad.reshape(-1, 128)[t].float()
+    assert torch.equal(got[3], chain.to(torch.bfloat16))
+
+
+def test_bad_inputs_raise_clear_errors():
+    weight = torch.randn(10, 4)
+    with pytest.raises(IndexError, match=r"embedding id 10 is out of range .* num_rows=10"):
+        embedding(torch.tensor([1, 10, 3]), weight)
+    with pytest.raises(IndexError, match=r"embedding id -1 is out of range .* num_rows=10"):
+        embedding_backward(torch.randn(2, 4), torch.tensor([-1, 2]), 10)
+    with pytest.raises(TypeError, match="integer dtype"):
+        embedding(torch.tensor([1.0]), weight)
+    with pytest.raises(ValueError, match=r"shape \[num_rows, dim\], got shape \[10\]"):
+        embedding(torch.tensor([1]), weight[:, 0])
+    with pytest.raises(ValueError, match=r"expected grad \[2, 3, dim\]"):
+        embedding_backward(torch.randn(6, 4), torch.zeros(2, 3, dtype=torch.long), 10)
+    with pytest.raises(TypeError, match="float64"):
+        embedding_backward(torch.randn(2, 4, dtype=torch.float64), torch.tensor([0, 1]), 10)
+
+
+def test_opcheck():
+    ids = torch.randint(0, 6, (3, 5))
+    torch.library.opcheck(embedding_op, (ids, torch.randn(6, 4, requires_grad=True)))
+    torch.library.opcheck(embedding_backward_op, (torch.randn(3, 5, 4), ids, 6))
+
+
+def test_cuda_slot_raises_without_kernel():
+    for op in (embedding_op, embedding_backward_op):
+        assert not has_cuda_kernel(op)
+        with pytest.raises(NotImplementedError, match=f"{op._qualname} has no CUDA kernel yet"):
+            cuda_kernel(op)(torch.zeros(2, dtype=torch.long), torch.randn(3, 4))

@@ -1,0 +1,108 @@
+"""``tpinv::attention``: invariant attention as a torch.library custom op, with autograd.
+
+The CPU kernels (:mod:`tpinv.kernels.cpu_attention`, :mod:`tpinv.kernels.cpu_attention_bwd`)
+fix every reduction order, so a query's output, log-sum-exp and gradients are the same
+bits in prefill, chunked prefill and decode, at any batch size and padding.  The CUDA
+slots raise until an invariant GPU kernel exists: a CUDA tensor never reaches SDPA.
+
+``tpinv::attention_backward`` is an op of its own so the backward traces under
+torch.compile / fake tensors too; it has no autograd formula (no double backward).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from tpinv.kernels.cpu_attention import attention_forward, check_attention_inputs
+from tpinv.kernels.cpu_attention_bwd import attention_backward
+
+__all__ = ["attention", "attention_op", "attention_backward_op"]
+
+
+@torch.library.custom_op("tpinv::attention", mutates_args=(), device_types="cpu")
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                 mask: Optional[torch.Tensor], causal: bool, window: Optional[int],
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, S, D] in q.dtype, lse [B, Hq, S] fp32)``; see :func:`attention`."""
+    return attention_forward(q, k, v, q_pos, mask, causal, window, scale)
+
+
+@torch.library.custom_op("tpinv::attention_backward", mutates_args=(), device_types="cpu")
+def attention_backward_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                          q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, q_pos: torch.Tensor, mask: Optional[torch.Tensor],
+                          causal: bool, window: Optional[int],
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`attention_op`, in the dtypes of ``q, k, v``."""
+    return attention_backward(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask, causal,
+                              window, scale)
+
+
+def _no_cuda_kernel(name: str):
+    def no_cuda_kernel(*args, **kwargs):
+        raise NotImplementedError(f"{name} has no CUDA kernel yet")
+    return no_cuda_kernel
+
+
+attention_op.register_kernel("cuda", _no_cuda_kernel("tpinv::attention"))
+attention_backward_op.register_kernel("cuda", _no_cuda_kernel("tpinv::attention_backward"))
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, q_pos, mask, causal, window, scale):
+    check_attention_inputs(q, k, v, q_pos, mask, causal, window)
+    B, Hq, S, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, Hq, S), dtype=torch.float32)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask, causal, window,
+                             scale):
+    check_attention_inputs(q, k, v, q_pos, mask, causal, window)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_pos, mask, causal, window, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_pos, mask)
+    ctx.causal, ctx.window, ctx.scale = causal, window, scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, q_pos, mask = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = attention_backward_op(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask,
+                                       ctx.causal, ctx.window, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, *,
+              causal: bool = True, window: Optional[int] = None,
+              mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+              return_lse: bool = False):
+    """Batch-, chunk- and padding-invariant attention (GQA, causal, sliding window, mask).
+
+    ``q [B, Hq, S, D]``, ``k, v [B, Hkv, T, D]`` share one dtype (fp32/bf16/fp16),
+    ``Hq = g * Hkv`` (query head ``h`` reads kv head ``h // g``); key slot ``j`` holds
+    absolute position ``j``; ``q_pos`` int64 ``[B, S]`` is each query's position.  Key
+    ``j`` is visible to a query at ``p`` when ``j <= p`` (``causal``), ``j > p - window``
+    (``window``) and ``mask[b, i, j]`` (bool ``[B, S, T]``, True = may attend).  A query
+    that sees no key returns zeros.  ``scale`` defaults to ``1/sqrt(D)``.
+
+    Returns ``out [B, Hq, S, D]`` in q's dtype, or ``(out, lse)`` with the fp32
+    log-sum-exp ``[B, Hq, S]`` when ``return_lse``.  Differentiable in q, k, v (and
+    through ``lse``).
+    """
+    check_attention_inputs(q, k, v, q_pos, mask, causal, window)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+    out, lse = attention_op(q, k, v, q_pos, mask, bool(causal), window, scale)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,72 @@
+"""``tpinv::embedding`` and ``tpinv::embedding_backward``: lookup with a fixed-order gradient.
+
+The lookup is exact.  The gradient of each table row is the fp32 chain of its tokens'
+gradients in flattened token order, rounded once (:mod:`tpinv.kernels.cpu_embedding`),
+so a row's gradient bits depend only on its own tokens and their order.  The CUDA
+slots raise until an invariant GPU kernel is registered (:mod:`tpinv.ops.registry`);
+nothing falls back to an atomic-add scatter.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from tpinv.kernels import cpu_embedding
+from tpinv.ops.registry import define_op
+
+__all__ = ["embedding", "embedding_backward", "embedding_op", "embedding_backward_op"]
+
+
+@define_op("embedding")
+def embedding_op(ids: Tensor, weight: Tensor) -> Tensor:
+    return cpu_embedding.embedding_forward(ids, weight)
+
+
+@embedding_op.register_fake
+def _embedding_fake(ids, weight):
+    _, dim = cpu_embedding.check_weight(weight)
+    return weight.new_empty(*ids.shape, dim)
+
+
+@define_op("embedding_backward")
+def embedding_backward_op(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
+    return cpu_embedding.embedding_backward(grad, ids, num_rows)
+
+
+@embedding_backward_op.register_fake
+def _embedding_backward_fake(grad, ids, num_rows):
+    if grad.dim() != ids.dim() + 1:
+        raise ValueError(f"grad has shape {list(grad.shape)} but ids has shape {list(ids.shape)}: "
+                         f"expected grad [*ids.shape, dim]")
+    return grad.new_empty(num_rows, grad.shape[-1])
+
+
+def _setup_context(ctx, inputs, output):
+    ids, weight = inputs
+    ctx.save_for_backward(ids)
+    ctx.num_rows, ctx.dtype = weight.shape[0], weight.dtype
+
+
+def _backward(ctx, grad):
+    (ids,) = ctx.saved_tensors
+    return None, embedding_backward_op(grad.to(ctx.dtype), ids, ctx.num_rows)
+
+
+embedding_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def embedding(ids: Tensor, weight: Tensor) -> Tensor:
+    """``weight[ids]`` (``[*ids.shape, dim]``); the weight gradient sums in token order.
+
+    ``ids`` integer, every value in ``[0, num_rows)`` (else :class:`IndexError` naming the id).
+    """
+    num_rows, _ = cpu_embedding.check_weight(weight)
+    cpu_embedding.check_ids(ids, num_rows)
+    return embedding_op(ids, weight)
+
+
+def embedding_backward(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
+    """``[num_rows, dim]`` in ``grad.dtype``: row ``r`` is ``((0 + g_t1) + g_t2) + ...`` over the
+    tokens ``t1 < t2 < ...`` (flattened order) with ``ids[t] == r``, summed in fp32, rounded once.
+    """
+    cpu_embedding.check_backward_inputs(grad, ids, num_rows)
+    return embedding_backward_op(grad, ids, num_rows)
