@@ -1,0 +1,97 @@
+"""A tiny megatron-core GPTModel on CPU/gloo, stock or with tpinv layers (run in spawned ranks).
+
+megatron-core assumes CUDA for its RNG tracker and current device; :func:`cpu_shims` replaces
+those two for the test process only (tpinv itself never patches megatron).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+VOCAB, SEQ, BATCH = 256, 16, 2
+
+
+def cpu_shims():
+    import megatron.core.tensor_parallel as tensor_parallel
+    import megatron.core.tensor_parallel.random as mrandom
+
+    class _Tracker:
+        def fork(self, *args, **kwargs):
+            return contextlib.nullcontext()
+
+        def add(self, *args, **kwargs):
+            pass
+
+    tensor_parallel.get_cuda_rng_tracker = mrandom.get_cuda_rng_tracker = lambda *a, **k: _Tracker()
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def _config(tp, dtype):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, init_method_std=0.05)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    return tokens, labels, pos, mask
+
+
+def _run(model, group):
+    tokens, labels, pos, mask = _inputs()
+    with torch.no_grad():
+        logits = model(tokens, pos, mask)
+        loss = model(tokens, pos, mask, labels=labels)
+    if dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        logits = torch.cat(parts, dim=-1)
+    return logits, loss
+
+
+def worker(rank, world):
+    return {str(dtype): _worker_dtype(rank, world, dtype) for dtype in (torch.float32, torch.bfloat16)}
+
+
+def _worker_dtype(rank, world, dtype):
+    cpu_shims()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    import tpinv.megatron as tm
+    from tpinv.layers import ColumnParallelLinear, RowParallelLinear
+    from tpinv.testing import record_ops
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    group = parallel_state.get_tensor_model_parallel_group()
+    cfg = _config(world, dtype)
+    out = {}
+    torch.manual_seed(0)
+    stock = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    out["stock"] = _run(stock, group)
+    tm.swap_to_tpinv(stock, tp_group=group)  # in place, keeping the weights
+    with record_ops() as seen:
+        out["swapped"] = _run(stock, group)
+    assert "tpinv::matmul_partial" in seen
+    torch.manual_seed(0)
+    built = tm.build_gpt_model(cfg, tp_group=group, vocab_size=VOCAB, max_sequence_length=SEQ,
+                               spec_kwargs=dict(normalization="RMSNorm"), position_embedding_type="rope")
+    kinds = {type(m) for m in built.modules()}
+    assert ColumnParallelLinear in kinds and RowParallelLinear in kinds
+    out["spec"] = _run(built, group)
+    parallel_state.destroy_model_parallel()
+    return out if rank == 0 else None

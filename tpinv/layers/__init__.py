@@ -1,0 +1,7 @@
+"""TP-invariant parallel layers with megatron-core's names and signatures."""
+from tpinv.layers.cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_log_probs
+from tpinv.layers.embedding import VocabParallelEmbedding
+from tpinv.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "vocab_parallel_log_probs"]

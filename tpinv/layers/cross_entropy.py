@@ -1,0 +1,80 @@
+"""Vocab-parallel cross-entropy and per-token log-probs, the same bits at every TP size.
+
+``loss = logsumexp(logits) - logits[target]``.  The max over the vocabulary is exact in any
+order (an all-reduce MAX); the sum of ``exp(logit - max)`` follows the contract: each rank
+reduces its ``L/C`` vocabulary leaves to an fp32 sub-tree and the tree reducer combines
+them.  The target logit lives on one rank (the sum of it and zeros is exact).  The
+gradient ``softmax - onehot`` is elementwise, hence invariant.  Logits are promoted to fp32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tpinv.contract import DEFAULT_LEAVES, check_divisible, check_tp_size
+from tpinv.ops import sum_exp_partial
+from tpinv.reduce import tree_all_reduce
+
+
+def _size_rank(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _logsumexp_and_target(logits: torch.Tensor, target: torch.Tensor, group, leaves: int):
+    tp, rank = _size_rank(group)
+    check_tp_size(tp, leaves)
+    v = logits.shape[-1]
+    check_divisible("vocab shard", v * tp, leaves)
+    x = logits.float()
+    m = x.amax(dim=-1)
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    s = sum_exp_partial(x, m, leaves // tp)
+    local = target - rank * v
+    outside = (local < 0) | (local >= v)
+    picked = x.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    if tp > 1:
+        both = tree_all_reduce(torch.stack([s, picked], dim=-1), group, leaves=leaves)
+        s, picked = both[..., 0], both[..., 1]
+    lse = torch.log(s) + m
+    return x, lse, picked, local, outside
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, leaves):
+        x, lse, picked, local, outside = _logsumexp_and_target(logits, target, group, leaves)
+        ctx.save_for_backward(x, lse, local, outside)
+        ctx.dtype = logits.dtype
+        return lse - picked
+
+    @staticmethod
+    def backward(ctx, dloss):
+        x, lse, local, outside = ctx.saved_tensors
+        grad = torch.exp(x - lse.unsqueeze(-1))
+        hit = torch.zeros_like(grad).scatter_(-1, local.masked_fill(outside, 0).unsqueeze(-1),
+                                              (~outside).to(grad.dtype).unsqueeze(-1))
+        grad = (grad - hit) * dloss.unsqueeze(-1)
+        return grad.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 label_smoothing: float = 0.0, *, tp_group: Optional[dist.ProcessGroup] = None,
+                                 leaves: int = DEFAULT_LEAVES) -> torch.Tensor:
+    """Per-token loss (fp32) from this rank's vocabulary shard of the logits ``[..., V/C]``."""
+    if label_smoothing:
+        raise NotImplementedError("label_smoothing is not supported by tpinv's vocab-parallel cross-entropy")
+    if target.shape != vocab_parallel_logits.shape[:-1]:
+        raise ValueError(f"target has shape {tuple(target.shape)}, expected {tuple(vocab_parallel_logits.shape[:-1])}")
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target.long(), tp_group, leaves)
+
+
+def vocab_parallel_log_probs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, *,
+                             tp_group: Optional[dist.ProcessGroup] = None,
+                             leaves: int = DEFAULT_LEAVES) -> torch.Tensor:
+    """Per-token log-probabilities of ``target`` (fp32): ``-cross_entropy``, the same bits."""
+    return -vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group=tp_group, leaves=leaves)

@@ -1,0 +1,128 @@
+"""Autograd functions of the parallel linears: every cross-rank sum follows the contract.
+
+* column-parallel: ``y_r = x @ W_r^T`` (K whole, fixed order); ``dX`` is a reduction over
+  the TP-split N, so each rank computes the fp32 sub-tree of its ``L/C`` N-leaves and the
+  tree reducer combines them.
+* row-parallel, ``tree``: each rank computes the fp32 sub-tree of its ``L/C`` K-leaves,
+  the tree reducer combines them, one rounding.
+* row-parallel, ``column_only``: all-gather the input (exact), compute an N-slice of the
+  full ``L``-leaf tree, all-gather the output (exact).  Backward reduce-scatters the
+  ``dX`` partials over the rank's N-leaves.  Same bits as ``tree`` by construction.
+
+``dW`` and ``dbias`` reduce over tokens, which TP never splits: a fixed order
+(``leaves=1``) on every rank.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tpinv.contract import tree_combine
+from tpinv.ops import matmul_partial, tree_sum
+from tpinv.reduce import all_gather, tree_all_reduce, tree_reduce_scatter
+
+
+def _size(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _weight_grad(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dW = dY^T X, reduced over the flattened tokens in a fixed order."""
+    return matmul_partial(_flat(dy).t(), _flat(x).t(), 1).to(dtype)
+
+
+def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tree_sum(_flat(dy).t(), 1).to(dtype)
+
+
+class ColumnParallelMatmul(torch.autograd.Function):
+    """``x @ W_r^T (+ b_r)``; the input's gradient is tree-reduced over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, leaves, reduce_dgrad, stride=1):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.leaves, ctx.reduce_dgrad, ctx.stride = group, leaves, reduce_dgrad, stride
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        y = matmul_partial(x, weight, 1).to(x.dtype)
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        tp = _size(ctx.group) if ctx.reduce_dgrad else 1
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # With stride s (Megatron's interleaved [gate_r; up_r] shards) N is s blocks of
+            # L leaves each: reduce each block by the contract, then add the blocks by the tree.
+            n = weight.shape[0] // ctx.stride
+            parts = torch.stack([matmul_partial(dy.narrow(-1, j * n, n), weight.narrow(0, j * n, n).t(),
+                                                ctx.leaves // tp) for j in range(ctx.stride)], dim=-1)
+            if tp > 1:
+                parts = tree_all_reduce(parts, ctx.group, leaves=ctx.leaves)
+            dx = tree_combine(parts).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _weight_grad(dy, x, weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = _bias_grad(dy, ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+class RowParallelTreeMatmul(torch.autograd.Function):
+    """``tree_all_reduce(x_r @ W_r^T over the rank's K-leaves)``, rounded once."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, leaves):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.leaves = group, leaves
+        tp = _size(group)
+        part = matmul_partial(x, weight, leaves // tp)
+        if tp > 1:
+            part = tree_all_reduce(part, group, leaves=leaves)
+        return part.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            # N (the output) is whole on every rank: the full L-leaf tree, locally.
+            dx = matmul_partial(dy, weight.t(), ctx.leaves).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _weight_grad(dy, x, weight.dtype)
+        return dx, dw, None, None
+
+
+class RowParallelColumnOnlyMatmul(torch.autograd.Function):
+    """All-gather x, N-slice of the full-K tree, all-gather y.  ``weight`` is ``[N/C, K]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group, leaves):
+        tp = _size(group)
+        x_full = all_gather(x, group, dim=-1) if tp > 1 else x
+        ctx.save_for_backward(x_full, weight)
+        ctx.group, ctx.leaves = group, leaves
+        y = matmul_partial(x_full, weight, leaves).to(x.dtype)
+        return all_gather(y, group, dim=-1) if tp > 1 else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_full, weight = ctx.saved_tensors
+        tp = _size(ctx.group)
+        n = weight.shape[0]
+        rank = 0 if tp == 1 else dist.get_rank(ctx.group)
+        dy_r = dy.narrow(-1, rank * n, n)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            part = matmul_partial(dy_r, weight.t(), ctx.leaves // tp)
+            if tp > 1:
+                part = tree_reduce_scatter(part, ctx.group, dim=-1, leaves=ctx.leaves)
+            dx = part.to(x_full.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _weight_grad(dy_r, x_full, weight.dtype)
+        return dx, dw, None, None

@@ -1,0 +1,201 @@
+"""TP-invariant ``ColumnParallelLinear`` and ``RowParallelLinear`` with megatron-core's signatures.
+
+The output, the loss and every gradient have the same bits at every TP size dividing
+the run's leaf count (see :mod:`tpinv.contract`).  Both return ``(output, output_bias)``.
+Keywords tpinv does not support raise ``NotImplementedError`` naming the keyword.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from tpinv.contract import check_divisible
+from tpinv.layers.common import (
+    check_layer_sizes, config_leaves, config_row_strategy, group_size_rank, init_sharded_weight,
+    params_dtype, reject_unsupported,
+)
+from tpinv.layers.functions import ColumnParallelMatmul, RowParallelColumnOnlyMatmul, RowParallelTreeMatmul
+from tpinv.mappings import gather_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region
+
+
+def _device(config: Any) -> torch.device:
+    if torch.cuda.is_available() and not getattr(config, "use_cpu_initialization", False):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reject_config(layer: str, config: Any) -> None:
+    reject_unsupported(
+        layer,
+        sequence_parallel=(bool(getattr(config, "sequence_parallel", False)), False),
+        gradient_accumulation_fusion=(bool(getattr(config, "gradient_accumulation_fusion", False)), False),
+    )
+
+
+def _mark(param: torch.nn.Parameter, dim: int) -> None:
+    """Megatron's tensor-parallel attributes, read by its optimizer and checkpoint code."""
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = 1
+
+
+def _make_bias(size: int, config: Any, device: torch.device) -> torch.nn.Parameter:
+    b = torch.nn.Parameter(torch.zeros(size, dtype=params_dtype(config), device=device))
+    return b
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``Y = X A^T + b`` with ``A`` split by rows (the output dim) across the TP group."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Optional[Callable],
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        skip_bias_add: bool = False,
+        skip_weight_param_allocation: bool = False,
+        embedding_activation_buffer: Optional[list] = None,
+        grad_output_buffer: Optional[list] = None,
+        is_expert: bool = False,
+        tp_comm_buffer_name: Optional[str] = None,
+        disable_grad_reduce: bool = False,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        leaves: Optional[int] = None,
+    ):
+        super().__init__()
+        name = type(self).__name__
+        reject_unsupported(
+            name, keep_master_weight_for_test=(keep_master_weight_for_test, False),
+            embedding_activation_buffer=(embedding_activation_buffer, None),
+            grad_output_buffer=(grad_output_buffer, None), is_expert=(is_expert, False),
+        )
+        _reject_config(name, config)
+        self.config = config
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.disable_grad_reduce = disable_grad_reduce
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = group_size_rank(tp_group)
+        self.leaves = config_leaves(config, leaves)
+        if stride not in (1, 2, 4):
+            raise NotImplementedError(f"{name}: stride={stride} is not supported (1, 2 or 4)")
+        self.stride = stride
+        check_layer_sizes(name, "output_size", output_size, self.tp_size * stride, self.leaves * stride)
+        self.output_size_per_partition = output_size // self.tp_size
+        device = _device(config)
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = init_sharded_weight(
+                (output_size, input_size), init_method, 0, self.tp_size, self.tp_rank, params_dtype(config),
+                device, getattr(config, "perform_initialization", True), stride)
+            _mark(self.weight, 0)
+            self.weight.partition_stride = stride
+        if bias:
+            self.bias = _make_bias(self.output_size_per_partition, config, device)
+            _mark(self.bias, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None):
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError(f"{type(self).__name__} was built with skip_weight_param_allocation=True: "
+                                   "pass weight= to forward")
+            weight = self.weight
+        expected = (self.output_size_per_partition, self.input_size)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {expected}")
+        if input_.shape[-1] != self.input_size:
+            raise ValueError(f"input has last dim {input_.shape[-1]}, expected {self.input_size}")
+        bias = None if self.skip_bias_add else self.bias
+        y = ColumnParallelMatmul.apply(input_, weight, bias, self.tp_group, self.leaves,
+                                       not self.disable_grad_reduce, self.stride)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather and self.tp_size > 1:
+            y = gather_from_tensor_model_parallel_region(y, self.tp_group)
+        return y, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.input_size}, out_features={self.output_size}, "
+                f"bias={self.bias is not None}, TP={self.tp_size}, leaves={self.leaves}")
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``Y = X A^T + b`` with ``A`` split by columns (the input dim, ``tree``) or by rows
+    (``column_only``) across the TP group; the same bits either way and at every TP size."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Optional[Callable],
+        bias: bool,
+        input_is_parallel: bool,
+        skip_bias_add: bool,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        is_expert: bool = False,
+        tp_comm_buffer_name: Optional[str] = None,
+        tp_group: Optional[dist.ProcessGroup] = None,
+        leaves: Optional[int] = None,
+        strategy: Optional[str] = None,
+    ):
+        super().__init__()
+        name = type(self).__name__
+        reject_unsupported(
+            name, stride=(stride, 1), keep_master_weight_for_test=(keep_master_weight_for_test, False),
+            is_expert=(is_expert, False),
+        )
+        _reject_config(name, config)
+        self.config = config
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = group_size_rank(tp_group)
+        self.leaves = config_leaves(config, leaves)
+        self.strategy = config_row_strategy(config, strategy)
+        self.input_size_per_partition = check_layer_sizes(name, "input_size", input_size, self.tp_size, self.leaves)
+        device = _device(config)
+        # tree: W[:, K_r] (Megatron's layout); column_only: W[N_r, :].
+        dim = 1 if self.strategy == "tree" else 0
+        if dim == 0:
+            check_divisible(f"{name}.output_size", output_size, self.tp_size, "tensor-parallel size")
+        self.weight = init_sharded_weight(
+            (output_size, input_size), init_method, dim, self.tp_size, self.tp_rank, params_dtype(config),
+            device, getattr(config, "perform_initialization", True))
+        _mark(self.weight, dim)
+        if bias:
+            self.bias = _make_bias(output_size, config, device)
+            self.bias.sequence_parallel = False
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor):
+        x = input_
+        if not self.input_is_parallel and self.tp_size > 1:
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        if x.shape[-1] != self.input_size_per_partition:
+            raise ValueError(f"input has last dim {x.shape[-1]}, expected {self.input_size_per_partition} "
+                             f"(input_size={self.input_size} / TP={self.tp_size}, input_is_parallel="
+                             f"{self.input_is_parallel})")
+        fn = RowParallelTreeMatmul if self.strategy == "tree" else RowParallelColumnOnlyMatmul
+        y = fn.apply(x, self.weight, self.tp_group, self.leaves)
+        if self.skip_bias_add:
+            return y, self.bias
+        return (y if self.bias is None else y + self.bias), None
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.input_size}, out_features={self.output_size}, "
+                f"bias={self.bias is not None}, TP={self.tp_size}, leaves={self.leaves}, strategy={self.strategy}")
