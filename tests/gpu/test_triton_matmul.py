@@ -1,0 +1,246 @@
+"""The CUDA contract matmul: same bits at any batch size, N slice, K split and launch shape.
+
+Every invariance check is bitwise (``torch.equal``) and has a negative control beside it:
+the vanilla path (cuBLAS ``torch.matmul``, a sum of K-split partials, a different leaf
+tree) shows a difference on the same kind of inputs.  GPU tests skip without CUDA; the
+tile-table and input-check tests run anywhere.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tpinv.contract import InvarianceError, tree_combine
+from tpinv.kernels import tiles
+
+triton = pytest.importorskip("triton")
+from tpinv.kernels.triton_matmul import _launch, matmul_cuda, matmul_partial_cuda  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = "cuda"
+ROW_MS = (1, 2, 3, 7, 64, 1000, 4096)
+#: parity with the fp64 product, per dtype (relative Frobenius error)
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def _rand(*shape, dtype=torch.bfloat16):
+    return (torch.randn(*shape, device=DEV) / shape[-1] ** 0.25).to(dtype)
+
+
+def _rel_err(out, x, w):
+    ref = x.double() @ w.double().T
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+# ---------------------------------------------------------------- tile table (any machine)
+
+def test_block_k_depends_on_dtype_and_leaf_length_only():
+    assert tiles.block_k(torch.bfloat16, 512) == 64
+    assert tiles.block_k(torch.float16, 96) == 32
+    assert tiles.block_k(torch.float32, 512) == 32
+    assert tiles.block_k(torch.bfloat16, 125) == 16   # zero-padded last tile
+    assert tiles.block_k(torch.bfloat16, 3) == 16     # a leaf shorter than 16 pads to 16
+    with pytest.raises(InvarianceError):
+        tiles.block_k(torch.int8, 64)
+
+
+def test_table_configs_are_candidates_and_unknown_configs_refused():
+    for m in (1, 64, 65, 256, 1000, 5000):
+        for leaves in (1, 2, 8):
+            assert tiles.launch_config(m, leaves) in tiles.CANDIDATE_CONFIGS
+    with pytest.raises(InvarianceError, match="CANDIDATE_CONFIGS"):
+        tiles.check_config(tiles.MatmulConfig(32, 32, 4, 2))
+    assert tiles.MatmulConfig(64, 64, 4, 5, split=8).effective_split(2) == 2
+    assert tiles.MatmulConfig(64, 64, 4, 5).effective_split(32) == 4
+
+
+def test_input_errors_name_the_expected_shape():
+    x, w = torch.zeros(3, 64), torch.zeros(5, 64)
+    with pytest.raises(ValueError, match="CUDA"):
+        matmul_cuda(x, w, 8)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"x \[\.\.\., K\] and w \[N, K\]"):
+            matmul_cuda(x.cuda(), torch.zeros(5, 32, device=DEV), 8)
+        with pytest.raises(InvarianceError, match="not divisible"):
+            matmul_cuda(torch.zeros(3, 60, device=DEV), torch.zeros(5, 60, device=DEV), 8)
+        with pytest.raises(InvarianceError, match="power of two"):
+            matmul_cuda(x.cuda(), w.cuda(), 3)
+        with pytest.raises(TypeError, match="must equal x dtype"):
+            matmul_cuda(x.cuda(), w.cuda().half(), 8)
+
+
+# ---------------------------------------------------------------- batch invariance
+
+@cuda
+@pytest.mark.parametrize("leaves", [1, 8])
+@pytest.mark.parametrize("k", [1024, 1000])  # 1000: leaf 125, zero-padded pointer path
+def test_row_alone_equals_row_in_batch(leaves, k):
+    n = 777
+    w = _rand(n, k)
+    big = _rand(max(ROW_MS), k)
+    full = matmul_cuda(big, w, leaves)
+    for m in ROW_MS:
+        x = big[:m]
+        out = matmul_cuda(x, w, leaves)
+        assert torch.equal(out, full[:m]), f"M={m} rows differ from M={max(ROW_MS)} rows"
+        r = int(torch.randint(m, ()))
+        assert torch.equal(matmul_cuda(x[r:r + 1], w, leaves)[0], out[r]), f"M={m} row {r}"
+
+
+@cuda
+def test_negative_control_cublas_rows_depend_on_batch():
+    w = _rand(4096, 4096)
+    x = _rand(512, 4096)
+    assert not torch.equal(torch.matmul(x[:1], w.T), torch.matmul(x, w.T)[:1])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_row_invariance_other_dtypes(dtype):
+    w = _rand(300, 512, dtype=dtype)
+    x = _rand(1000, 512, dtype=dtype)
+    full = matmul_partial_cuda(x, w, 8)
+    for m in (1, 7, 64, 1000):
+        assert torch.equal(matmul_partial_cuda(x[:m], w, 8), full[:m])
+
+
+# ---------------------------------------------------------------- N slices
+
+@cuda
+@pytest.mark.parametrize("leaves", [1, 8])
+def test_n_slice_equals_slice_of_full(leaves):
+    k, n = 2048, 1536
+    w = _rand(n, k)
+    for m in (5, 300):
+        x = _rand(m, k)
+        full = matmul_cuda(x, w, leaves)
+        for a, b in ((0, 64), (8, 1000), (776, 1536), (1000, 1001)):
+            assert torch.equal(matmul_cuda(x, w[a:b], leaves), full[:, a:b]), (m, a, b)
+
+
+@cuda
+def test_negative_control_cublas_n_slice_differs():
+    differs = False
+    for m, k in ((16, 8192), (64, 8192), (1, 16384)):
+        w = _rand(8192, k)
+        x = _rand(m, k)
+        differs |= not torch.equal(torch.matmul(x, w[:128].T), torch.matmul(x, w.T)[:, :128])
+    assert differs
+
+
+# ---------------------------------------------------------------- K split (TP) invariance
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k", [4096, 1000])
+def test_k_split_tree_equals_full(dtype, k):
+    m, n, leaves = 37, 520, 8
+    x, w = _rand(m, k, dtype=dtype), _rand(n, k, dtype=dtype)
+    full = matmul_partial_cuda(x, w, leaves)
+    for c in (1, 2, 4, 8):
+        ks = k // c
+        parts = [matmul_partial_cuda(x[:, i * ks:(i + 1) * ks], w[:, i * ks:(i + 1) * ks],
+                                     leaves // c) for i in range(c)]
+        assert torch.equal(tree_combine(torch.stack(parts, -1)), full), f"C={c}"
+    assert torch.equal(matmul_cuda(x, w, leaves), full.to(dtype))
+
+
+@cuda
+def test_negative_control_cublas_k_split_sum_differs():
+    m, n, k = 37, 520, 4096
+    x, w = _rand(m, k), _rand(n, k)
+    full = torch.matmul(x, w.T)
+    for c in (2, 4, 8):
+        ks = k // c
+        parts = [torch.matmul(x[:, i * ks:(i + 1) * ks], w[:, i * ks:(i + 1) * ks].T).float()
+                 for i in range(c)]
+        assert not torch.equal(sum(parts).to(x.dtype), full), f"C={c}"
+
+
+# ---------------------------------------------------------------- launch shapes
+
+@cuda
+@pytest.mark.parametrize("leaves", [1, 2, 8])
+def test_every_candidate_config_gives_the_same_bits(leaves):
+    k, n = 2048, 392
+    w = _rand(n, k)
+    x = _rand(1000, k)
+    for m in (1, 7, 64, 1000):
+        ref = _launch(x[:m], w, leaves, torch.float32, tiles.launch_config(m, leaves))
+        for cfg in tiles.CANDIDATE_CONFIGS:
+            out = _launch(x[:m], w, leaves, torch.float32, cfg)
+            assert torch.equal(out, ref), f"M={m} {cfg.name()}"
+        for cfg in tiles.CANDIDATE_CONFIGS[:3]:  # pointer loads instead of descriptors
+            out = _launch(x[:m], w, leaves, torch.float32, cfg, allow_tma=False)
+            assert torch.equal(out, ref), f"M={m} {cfg.name()} pointer loads"
+
+
+@cuda
+def test_negative_control_another_leaf_tree_differs():
+    x, w = _rand(64, 2048), _rand(392, 2048)
+    assert not torch.equal(matmul_partial_cuda(x, w, 8), matmul_partial_cuda(x, w, 4))
+
+
+@cuda
+def test_strided_and_transposed_weight_views():
+    k, n = 1024, 320
+    x = _rand(9, 2, k)
+    w = _rand(n, k)
+    ref = matmul_cuda(x, w, 8)
+    assert ref.shape == (9, 2, n)
+    w_t = w.T.contiguous().T                      # [N, K] view of a [K, N] tensor
+    w_s = torch.empty(n, 2 * k, device=DEV, dtype=w.dtype)[:, ::2].copy_(w)  # k stride 2
+    x_s = torch.empty(9, 2, 2 * k, device=DEV, dtype=x.dtype)[..., ::2].copy_(x)
+    for ww, xx in ((w_t, x), (w_s, x), (w, x_s)):
+        assert torch.equal(matmul_cuda(xx, ww, 8), ref)
+
+
+@cuda
+@settings(max_examples=10, deadline=None)
+@given(m=st.integers(1, 300), n=st.integers(1, 300), log2_leaves=st.integers(0, 3),
+       leaf_len=st.sampled_from([1, 8, 16, 24, 64, 100, 256]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_shape_property_rows_and_k_split(m, n, log2_leaves, leaf_len, dtype):
+    leaves = 1 << log2_leaves
+    k = leaves * leaf_len
+    x, w = _rand(m, k, dtype=dtype), _rand(n, k, dtype=dtype)
+    full = matmul_partial_cuda(x, w, leaves)
+    r = int(torch.randint(m, ()))
+    assert torch.equal(matmul_partial_cuda(x[r:r + 1], w, leaves), full[r:r + 1])
+    half = k // 2
+    if leaves >= 2:
+        parts = [matmul_partial_cuda(x[:, :half], w[:, :half], leaves // 2),
+                 matmul_partial_cuda(x[:, half:], w[:, half:], leaves // 2)]
+        assert torch.equal(parts[0] + parts[1], full)
+    assert _rel_err(full, x, w) < REL_TOL[torch.float32] * 10
+
+
+# ---------------------------------------------------------------- accuracy
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_accuracy_matches_cublas(dtype):
+    m, n, k = 256, 1024, 4096
+    x, w = _rand(m, k, dtype=dtype), _rand(n, k, dtype=dtype)
+    ours = _rel_err(matmul_cuda(x, w, 8), x, w)
+    ours_fp32 = _rel_err(matmul_partial_cuda(x, w, 8), x, w)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        theirs = _rel_err(torch.matmul(x, w.T), x, w)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    print(f"{dtype}: rel err ours {ours:.3e} (fp32 partial {ours_fp32:.3e}) cuBLAS {theirs:.3e}")
+    assert ours < REL_TOL[dtype] and ours <= 1.25 * theirs + 1e-7
+    assert ours_fp32 <= ours + 1e-12
+
+
+@cuda
+def test_m_zero_and_every_element_written():
+    w = _rand(130, 256)
+    assert matmul_cuda(_rand(0, 256), w, 8).shape == (0, 130)
+    x = _rand(65, 256)
+    out = matmul_partial_cuda(x, w, 8)
+    assert torch.isfinite(out).all()
+    assert _rel_err(out, x, w) < 1e-5

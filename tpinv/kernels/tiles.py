@@ -1,0 +1,112 @@
+"""The fixed tile table of the GPU contract matmul, in one place.
+
+Invariant kept here: ``BLOCK_K`` -- the tile of the k chain inside each leaf, and so
+the order of every fp32 accumulation -- depends only on the input dtype and on the
+leaf length ``K / leaves``; never on M, N, the TP size or the launch shape.  A leaf
+always starts a fresh chain at its own first k; a leaf whose length is not a multiple
+of ``BLOCK_K`` (or is shorter than 16) is zero-padded in its last tile.
+
+Everything else about a launch -- BLOCK_M, BLOCK_N, warps, pipeline stages and how
+many CTAs share the leaves of one output tile (``split``) -- may follow M for speed,
+because none of it changes a single addition: every config in :data:`CANDIDATE_CONFIGS`
+is checked to give the same bits as every other one (tests/gpu/test_triton_matmul.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tpinv.contract import InvarianceError, check_dtype
+
+#: Shortest k tile of a leaf chain: a leaf shorter than this is zero-padded up to it.
+MIN_BLOCK_K = 16
+
+#: Longest k tile per input dtype (16-bit inputs: tensor-core tiles; fp32: exact FMA chain).
+_MAX_BLOCK_K = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+
+
+def block_k(dtype: torch.dtype, leaf_len: int) -> int:
+    """The k tile of a leaf chain: the largest power of two <= the dtype's maximum that
+    divides ``leaf_len`` (at least :data:`MIN_BLOCK_K`; a remainder is zero-padded)."""
+    check_dtype(dtype)
+    if not isinstance(leaf_len, int) or leaf_len < 1:
+        raise ValueError(f"leaf length must be a positive int, got {leaf_len!r}")
+    bk = _MAX_BLOCK_K[dtype]
+    while bk > MIN_BLOCK_K and leaf_len % bk:
+        bk //= 2
+    return bk
+
+
+#: Leaves one CTA may hold (a saved register tile per tree level: log2 of this).
+MAX_LEAVES_PER_CTA = 8
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """One launch shape of the contract matmul (none of it moves a bit)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split: int = 1        # CTAs per output tile along K; each owns leaves/split whole leaves
+    group_m: int = 8      # output-tile swizzle for L2 reuse
+
+    def effective_split(self, leaves: int) -> int:
+        """CTAs per output tile for ``leaves`` (a power of two dividing leaves)."""
+        return max(min(self.split, leaves), leaves // MAX_LEAVES_PER_CTA)
+
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}w{self.num_warps}s{self.num_stages}k{self.split}"
+
+
+def _c(bm, bn, w, s, split=1):
+    return MatmulConfig(bm, bn, w, s, split)
+
+
+#: Every launch shape the library may use.  BLOCK_M >= 64 keeps every tile on the same
+#: (Hopper wgmma) tensor-core path.  Each one is proven bit-identical to the others.
+#: Tiles for leaves > 1 hold log2(leaves) saved fp32 tiles beside the running one, so
+#: they are small (32 registers a tile a thread); large tiles are for one leaf.
+CANDIDATE_CONFIGS: tuple[MatmulConfig, ...] = (
+    # one 64-row tile (decode), narrow to wide
+    _c(64, 32, 4, 6), _c(64, 64, 4, 5), _c(64, 128, 4, 4), _c(64, 128, 8, 4), _c(64, 256, 8, 4),
+    # 128-row tiles
+    _c(128, 64, 4, 4), _c(128, 64, 8, 4), _c(128, 64, 8, 5), _c(128, 128, 8, 4),
+    _c(128, 128, 8, 5),
+    # large tiles (one leaf per CTA only: a saved 128x256 fp32 tile is 128 registers a thread)
+    _c(128, 256, 8, 3), _c(128, 256, 8, 4), _c(256, 128, 8, 3), _c(256, 128, 8, 4),
+    # leaves shared among CTAs, sub-trees combined by the top of the tree
+    _c(64, 32, 4, 6, split=2), _c(64, 64, 4, 5, split=2), _c(64, 64, 4, 5, split=4),
+    _c(64, 64, 4, 5, split=8), _c(128, 64, 8, 4, split=2), _c(128, 128, 8, 4, split=2),
+    _c(128, 128, 8, 4, split=4),
+)
+
+#: (largest M of the bucket, config for leaves == 1, config for leaves > 1); the last
+#: bucket has no bound.  Chosen by the geometric-mean speed over the Qwen3-8B shapes in
+#: the H100 sweep of docs/benchmarks.md (M=32, 256, 4096; the 257..1024 bucket is not
+#: measured and takes large-M tiles with more CTAs).
+_TABLE: tuple[tuple[int | None, MatmulConfig, MatmulConfig], ...] = (
+    (64, _c(64, 64, 4, 5), _c(64, 64, 4, 5, split=2)),
+    (256, _c(128, 64, 4, 4), _c(64, 64, 4, 5)),
+    (1024, _c(128, 128, 8, 4), _c(128, 128, 8, 4, split=2)),
+    (None, _c(256, 128, 8, 4), _c(128, 128, 8, 4, split=2)),
+)
+
+
+def launch_config(m: int, leaves: int) -> MatmulConfig:
+    """The table's launch shape for ``m`` rows (a speed choice; never a numerics one)."""
+    for bound, one_leaf, tree in _TABLE:
+        if bound is None or m <= bound:
+            return one_leaf if leaves == 1 else tree
+    raise AssertionError("unreachable: the last bucket has no bound")
+
+
+def check_config(config: MatmulConfig) -> MatmulConfig:
+    """Only launch shapes proven bit-identical may run."""
+    if config not in CANDIDATE_CONFIGS:
+        raise InvarianceError(
+            f"launch config {config} is not one of tiles.CANDIDATE_CONFIGS; only configs "
+            f"checked to give identical bits may run (add it there and to the GPU tests)")
+    return config
