@@ -18,7 +18,7 @@ from torch import Tensor
 from tpinv.contract import DEFAULT_LEAVES, SUPPORTED_DTYPES, check_divisible, check_leaves
 from tpinv.kernels import cpu_matmul
 from tpinv.kernels.cpu_tree import leaf_tree_sum
-from tpinv.ops.registry import define_op
+from tpinv.ops.registry import define_op, register_cuda_kernel
 
 __all__ = ["matmul", "matmul_partial", "tree_sum", "matmul_op", "matmul_partial_op", "tree_sum_op"]
 
@@ -151,3 +151,18 @@ def tree_sum(x: Tensor, leaves: int = DEFAULT_LEAVES) -> Tensor:
     """
     _check_tree_sum_input(x, leaves)
     return tree_sum_op(x, leaves)
+
+
+def _matmul_partial_cuda(x: Tensor, w: Tensor, leaves: int) -> Tensor:
+    # Imported on first CUDA use, so CPU-only installs never import Triton.
+    from tpinv.kernels.triton_matmul import matmul_partial_cuda
+    return matmul_partial_cuda(x, w, leaves)
+
+
+def _matmul_cuda(x: Tensor, w: Tensor, leaves: int, grad_leaves: int) -> Tensor:
+    from tpinv.kernels.triton_matmul import matmul_cuda
+    return matmul_cuda(x, w, leaves)
+
+
+register_cuda_kernel(matmul_partial_op, _matmul_partial_cuda)
+register_cuda_kernel(matmul_op, _matmul_cuda)

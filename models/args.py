@@ -1,0 +1,176 @@
+"""Model hyper-parameters of the Qwen3 / Llama / Mistral decoder, and reading them from HF configs.
+
+The three families share one decoder (:mod:`tpinv.models.transformer`); they differ only by
+the flags held here: ``qk_norm`` (Qwen3), ``rope_scaling`` (Llama 3), ``sliding_window``
+(Mistral), ``tie_word_embeddings`` and ``attention_bias``.  Nothing here touches numerics:
+the reduction order is fixed by the layers and ops, whatever the sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Optional, Union
+
+import torch
+
+from tpinv.contract import check_dtype
+
+#: HF ``architectures`` entry -> family.
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+}
+FAMILIES = tuple(ARCHITECTURES.values())
+
+#: RoPE scaling types the decoder supports (``None`` means plain RoPE).
+ROPE_SCALING_TYPES = ("linear", "llama3")
+
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+    """Shape and flags of one decoder-only model (HF naming in the comments)."""
+
+    family: str                       # "qwen3" | "llama" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int                   # num_hidden_layers
+    num_heads: int                    # num_attention_heads
+    num_kv_heads: int                 # num_key_value_heads
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = dataclasses.field(default=None, hash=False)
+    max_position_embeddings: int = 4096
+    sliding_window: Optional[int] = None
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r}: expected one of {FAMILIES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                             f"{self.num_kv_heads}; expected num_heads = g * num_kv_heads (GQA)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim}: RoPE rotates pairs, expected an even head_dim")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"sliding_window={self.sliding_window!r}: expected None or a positive int")
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", dict(self.rope_scaling))
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ROPE_SCALING_TYPES:
+                raise NotImplementedError(f"rope_scaling type {kind!r} is not supported; supported: "
+                                          f"{ROPE_SCALING_TYPES} or None (plain RoPE)")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype={self.dtype!r}: expected a torch.dtype such as torch.bfloat16")
+        check_dtype(self.dtype, "ModelArgs.dtype")
+
+    def replace(self, **changes: Any) -> "ModelArgs":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict: Union[str, os.PathLike, dict], *,
+                       dtype: Optional[torch.dtype] = None) -> "ModelArgs":
+        """Read a HF ``config.json`` (a file, the directory holding it, or its dict).
+
+        ``dtype`` overrides the config's own ``dtype`` / ``torch_dtype`` (default fp32).
+        """
+        cfg = _load_config(path_or_dict)
+        family = _family(cfg)
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu'")
+        if cfg.get("mlp_bias", False):
+            raise NotImplementedError("mlp_bias=True is not supported (the MLP projections have no bias)")
+        theta, scaling = _rope(cfg)
+        heads = cfg["num_attention_heads"]
+        return cls(
+            family=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            sliding_window=_sliding_window(cfg, family),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=family == "qwen3",
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            dtype=dtype if dtype is not None else _config_dtype(cfg),
+        )
+
+
+def _load_config(path_or_dict) -> dict:
+    if isinstance(path_or_dict, dict):
+        return dict(path_or_dict)
+    path = os.fspath(path_or_dict)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _family(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    if not archs and cfg.get("model_type") in FAMILIES:
+        return cfg["model_type"]
+    raise NotImplementedError(
+        f"architecture {archs or cfg.get('model_type')!r} is not supported; supported architectures: "
+        f"{', '.join(ARCHITECTURES)}")
+
+
+def _rope(cfg: dict) -> tuple[float, Optional[dict]]:
+    """``(theta, scaling)`` from either ``rope_parameters`` or ``rope_theta`` + ``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+    scaling = {**legacy, **params}
+    scaling.pop("rope_theta", None)
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return float(theta), None
+    if kind not in ROPE_SCALING_TYPES:
+        raise NotImplementedError(f"rope_type {kind!r} is not supported; supported: 'default', "
+                                  f"{', '.join(repr(t) for t in ROPE_SCALING_TYPES)}")
+    return float(theta), scaling
+
+
+def _sliding_window(cfg: dict, family: str) -> Optional[int]:
+    if family == "mistral":
+        return cfg.get("sliding_window") or None
+    if family == "qwen3" and cfg.get("use_sliding_window", False):
+        raise NotImplementedError("Qwen3 with use_sliding_window=True (per-layer windows from "
+                                  "max_window_layers) is not supported")
+    return None
+
+
+def _config_dtype(cfg: dict) -> torch.dtype:
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if name not in _DTYPE_NAMES:
+        raise NotImplementedError(f"config dtype {name!r} is not supported; expected one of "
+                                  f"{tuple(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name]

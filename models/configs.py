@@ -1,0 +1,56 @@
+"""Named model shapes: tiny ones for CPU tests and real-model shapes for GPU runs.
+
+Every tiny config has vocab 256 and hidden/intermediate/head sizes that split into the
+default 8 leaves and into TP 1, 2 and 4 (``num_kv_heads >= 4``), so the same model can be
+run at every TP size the tests compare.
+"""
+from __future__ import annotations
+
+from tpinv.models.args import ModelArgs
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+CONFIGS: dict[str, ModelArgs] = {
+    # Qwen3: q/k RMSNorm, head_dim decoupled from hidden/heads, tied embeddings.
+    "qwen3-tiny": ModelArgs(
+        family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=192, num_layers=2,
+        num_heads=8, num_kv_heads=4, head_dim=16, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        max_position_embeddings=512, tie_word_embeddings=True, qk_norm=True),
+    # Llama 3: llama3 RoPE scaling, separate lm_head.
+    "llama-tiny": ModelArgs(
+        family="llama", vocab_size=256, hidden_size=64, intermediate_size=176, num_layers=2,
+        num_heads=4, num_kv_heads=4, head_dim=16, rms_norm_eps=1e-5, rope_theta=500_000.0,
+        rope_scaling=dict(_LLAMA3_SCALING, original_max_position_embeddings=64),
+        max_position_embeddings=512),
+    # Mistral: sliding-window attention (a window short enough for test sequences to exceed).
+    "mistral-tiny": ModelArgs(
+        family="mistral", vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2,
+        num_heads=8, num_kv_heads=4, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=512, sliding_window=5),
+    # Qwen3-0.6B's shape (the smallest Qwen3), for GPU runs.
+    "qwen3-0.6b": ModelArgs(
+        family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+        num_heads=16, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        max_position_embeddings=40960, tie_word_embeddings=True, qk_norm=True),
+    # Llama-3.2-1B's shape.
+    "llama3.2-1b": ModelArgs(
+        family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500_000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=True),
+}
+
+#: Other names for the same shapes.
+ALIASES = {"qwen3-0.5b": "qwen3-0.6b"}
+
+
+def get_config(name: str, **overrides) -> ModelArgs:
+    """The named config, with ``overrides`` (e.g. ``dtype=torch.bfloat16``) applied."""
+    key = ALIASES.get(name, name)
+    if key not in CONFIGS:
+        names = ", ".join(sorted(CONFIGS) + sorted(ALIASES))
+        raise KeyError(f"unknown model config {name!r}; known: {names}")
+    args = CONFIGS[key]
+    return args.replace(**overrides) if overrides else args

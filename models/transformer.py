@@ -1,0 +1,272 @@
+"""The shared Qwen3 / Llama / Mistral decoder, built only from tpinv layers and ops.
+
+Invariant: logits, per-token losses and every parameter gradient have the same bits at
+every TP size dividing the leaf count, at every batch size and composition, and in a full
+forward, a chunked prefill or token-by-token decoding with a :class:`KVCache`.  The model
+adds no reduction of its own: every sum runs inside a tpinv layer or op in the contract's
+order; the residual adds are elementwise.  The one cross-head sum, the gradient of the
+Qwen3 q/k norm weights (shared by all heads, heads split by TP), gathers the per-head
+gradients exactly and sums them over all heads in a fixed order on every rank.
+
+Module names follow HF, so a HF checkpoint maps by stripping ``model.``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tpinv.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_tp_size
+from tpinv.kernels.cpu_tree import halving_sum
+from tpinv.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                          vocab_parallel_cross_entropy)
+from tpinv.layers.common import ROW_STRATEGIES, group_size_rank
+from tpinv.mappings import gather_from_tensor_model_parallel_region
+from tpinv.models.args import ModelArgs
+from tpinv.models.kv_cache import KVCache
+from tpinv.ops import apply_rope, attention, rms_norm, rope_cos_sin, silu_mul
+from tpinv.reduce import all_gather
+
+#: Std of the normal init of projection and embedding weights (HF ``initializer_range``).
+INIT_STD = 0.02
+
+
+@dataclasses.dataclass
+class LayerConfig:
+    """The ``config`` object tpinv layers read."""
+
+    params_dtype: torch.dtype
+    tpinv_leaves: int
+    tpinv_row_strategy: str
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = True
+
+
+def normal_init(tensor: torch.Tensor) -> None:
+    torch.nn.init.normal_(tensor, mean=0.0, std=INIT_STD)
+
+
+class RMSNorm(torch.nn.Module):
+    """``weight * x / rms(x)`` over the last dim (tpinv's fixed-order ``rms_norm``)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class _ShareAcrossHeads(torch.autograd.Function):
+    """``weight [D] -> [local heads, D]``; backward sums the gradient over *all* heads.
+
+    Each rank holds the per-head gradients of its heads; they are gathered exactly (rank
+    order = head order) and reduced over the full head count in a fixed order, so every
+    rank and every TP size gets the same bits.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, local_heads, group):
+        ctx.group, ctx.dtype = group, weight.dtype
+        return weight.unsqueeze(0).expand(local_heads, -1).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+            grad = all_gather(grad.contiguous(), ctx.group, dim=0)
+        return halving_sum(grad.float().t()).to(ctx.dtype), None, None
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over head_dim applied to each head of ``x [B, S, heads, D]`` (Qwen3 q/k norm)."""
+
+    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype, group):
+        super().__init__(head_dim, eps, dtype)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One call per head: each head's weight gradient is then a token sum of its own,
+        # independent of how many heads this rank holds.
+        per_head = _ShareAcrossHeads.apply(self.weight, x.shape[-2], self.group).unbind(0)
+        heads = [rms_norm(x[..., h, :].contiguous(), w, self.eps) for h, w in enumerate(per_head)]
+        return torch.stack(heads, dim=-2)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, args: ModelArgs, config: LayerConfig, tp_group, tp_size: int):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.local_heads = args.num_heads // tp_size
+        self.local_kv_heads = args.num_kv_heads // tp_size
+        self.window = args.sliding_window
+        hd, kvd = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+
+        def column(out_size, bias):
+            return ColumnParallelLinear(args.hidden_size, out_size, config=config, init_method=normal_init,
+                                        bias=bias, gather_output=False, tp_group=tp_group)
+
+        self.q_proj = column(hd, args.attention_bias)
+        self.k_proj = column(kvd, args.attention_bias)
+        self.v_proj = column(kvd, args.attention_bias)
+        self.o_proj = RowParallelLinear(hd, args.hidden_size, config=config, init_method=normal_init,
+                                        bias=args.attention_bias,
+                                        input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+        if args.qk_norm:
+            self.q_norm = HeadRMSNorm(args.head_dim, args.rms_norm_eps, args.dtype, tp_group)
+            self.k_norm = HeadRMSNorm(args.head_dim, args.rms_norm_eps, args.dtype, tp_group)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, positions, mask, cache: Optional[KVCache], layer: int):
+        B, S, _ = x.shape
+        q = self.q_proj(x)[0].view(B, S, self.local_heads, self.head_dim)
+        k = self.k_proj(x)[0].view(B, S, self.local_kv_heads, self.head_dim)
+        v = self.v_proj(x)[0].view(B, S, self.local_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.append(layer, k, v, positions)
+        out = attention(q, k, v, positions, causal=True, window=self.window, mask=mask)
+        out = out.transpose(1, 2).reshape(B, S, self.local_heads * self.head_dim)
+        return self.o_proj(out)[0]
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, args: ModelArgs, config: LayerConfig, tp_group):
+        super().__init__()
+
+        def column():
+            return ColumnParallelLinear(args.hidden_size, args.intermediate_size, config=config,
+                                        init_method=normal_init, bias=False, tp_group=tp_group)
+
+        self.gate_proj = column()
+        self.up_proj = column()
+        self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, config=config,
+                                           init_method=normal_init, bias=False, input_is_parallel=True,
+                                           skip_bias_add=False, tp_group=tp_group)
+
+    def forward(self, x):
+        return self.down_proj(silu_mul(self.gate_proj(x)[0], self.up_proj(x)[0]))[0]
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, args: ModelArgs, config: LayerConfig, tp_group, tp_size: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype)
+        self.self_attn = Attention(args, config, tp_group, tp_size)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype)
+        self.mlp = MLP(args, config, tp_group)
+
+    def forward(self, x, cos, sin, positions, mask, cache, layer):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def check_model_sizes(args: ModelArgs, tp_size: int, leaves: int) -> None:
+    """Raise InvarianceError naming the field that does not split into ``leaves`` / ``tp_size``."""
+    check_tp_size(tp_size, leaves)
+    if tp_size > args.num_kv_heads:
+        raise InvarianceError(
+            f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads}: replicating KV heads across "
+            f"ranks is not supported yet; use TP <= {args.num_kv_heads}")
+    for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+        check_divisible(name, getattr(args, name), tp_size, "tensor-parallel size")
+    for name in ("hidden_size", "intermediate_size", "vocab_size"):
+        check_divisible(name, getattr(args, name), leaves, "leaves")
+    for name, size in (("num_heads*head_dim", args.num_heads * args.head_dim),
+                       ("num_kv_heads*head_dim", args.num_kv_heads * args.head_dim)):
+        check_divisible(name, size, leaves, "leaves")
+
+
+class Transformer(torch.nn.Module):
+    """Decoder-only LM; ``forward`` returns this rank's vocabulary shard of the logits."""
+
+    def __init__(self, args: ModelArgs, *, tp_group: Optional[dist.ProcessGroup] = None,
+                 leaves: int = DEFAULT_LEAVES, row_strategy: str = "tree"):
+        super().__init__()
+        if row_strategy not in ROW_STRATEGIES:
+            raise ValueError(f"row_strategy={row_strategy!r}: expected one of {ROW_STRATEGIES}")
+        self.args, self.tp_group, self.leaves = args, tp_group, leaves
+        self.tp_size, self.tp_rank = group_size_rank(tp_group)
+        check_model_sizes(args, self.tp_size, leaves)
+        config = LayerConfig(params_dtype=args.dtype, tpinv_leaves=leaves, tpinv_row_strategy=row_strategy)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, init_method=normal_init,
+                                                   config=config, tp_group=tp_group)
+        self.layers = torch.nn.ModuleList(
+            DecoderLayer(args, config, tp_group, self.tp_size) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype)
+        self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size, config=config,
+                                            init_method=normal_init, bias=False, gather_output=False,
+                                            skip_weight_param_allocation=args.tie_word_embeddings,
+                                            tp_group=tp_group)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.tp_rank * (self.args.vocab_size // self.tp_size)
+
+    def new_cache(self, batch: int, max_len: int, device: Optional[torch.device] = None) -> KVCache:
+        """An empty KV cache for this rank's KV heads."""
+        return KVCache(batch, max_len, self.args.num_layers, self.args.num_kv_heads // self.tp_size,
+                       self.args.head_dim, dtype=self.args.dtype, device=device)
+
+    def _positions(self, tokens, positions, cache):
+        B, S = tokens.shape
+        if positions is None:
+            if cache is not None:
+                return cache.next_positions(S).to(tokens.device)
+            return torch.arange(S, device=tokens.device).expand(B, S).contiguous()
+        if positions.dtype != torch.int64 or tuple(positions.shape) != (B, S):
+            raise ValueError(f"positions must be int64 of shape [B, S] = [{B}, {S}], got "
+                             f"{positions.dtype} {list(positions.shape)}")
+        if cache is None and not torch.equal(positions, torch.arange(S, device=positions.device).expand(B, S)):
+            raise ValueError("without a KV cache key slot j is token j, so positions must be arange(S) "
+                             "in every row; pass a KVCache to place tokens at other positions")
+        return positions
+
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None, mask: Optional[torch.Tensor] = None, *,
+                num_valid: Optional[torch.Tensor] = None, gather_logits: bool = False) -> torch.Tensor:
+        """Logits ``[B, S, V/C]`` in ``args.dtype`` (``[B, S, V]`` with ``gather_logits``, exact).
+
+        ``positions [B, S]`` default to ``arange(S)`` after each request's cache length.
+        With ``cache`` the new keys/values are written at their positions and attention
+        runs against the whole cache; each request's length then grows by its first
+        ``num_valid[b]`` tokens (default ``S``; right-padded rows pass their lengths).
+        ``mask`` is a bool ``[B, S, T]`` visibility mask over key slots (``T = S`` without a
+        cache, ``T = cache.max_len`` with one), combined with the causal (and window) mask.
+        """
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must have shape [B, S], got {list(tokens.shape)}")
+        positions = self._positions(tokens, positions, cache)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
+        h = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, positions, mask, cache, i)
+        h = self.norm(h)
+        weight = self.embed_tokens.weight if self.args.tie_word_embeddings else None
+        logits = self.lm_head(h, weight=weight)[0]
+        if cache is not None:
+            cache.advance(positions, num_valid)
+        if gather_logits and self.tp_size > 1:
+            logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
+        return logits
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: Optional[torch.Tensor] = None,
+             mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per-token cross-entropy ``[B, S]`` in fp32 (vocab-parallel, invariant)."""
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets must have the shape of tokens, {list(tokens.shape)}, got "
+                             f"{list(targets.shape)}")
+        logits = self.forward(tokens, positions, mask=mask)
+        return vocab_parallel_cross_entropy(logits, targets, tp_group=self.tp_group, leaves=self.leaves)
+
+    def log_probs(self, tokens: torch.Tensor, targets: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                  mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per-token ``log p(target)`` ``[B, S]`` in fp32: ``-loss``, the same bits at every TP size."""
+        return -self.loss(tokens, targets, positions, mask)

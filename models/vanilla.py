@@ -1,0 +1,181 @@
+"""The vanilla control: the same model and weights, run the way Megatron/HF do it.
+
+``vanilla_forward(model, ...)`` reads the parameters of a :class:`~tpinv.models.transformer.
+Transformer` and computes the same function with plain PyTorch: ``F.linear`` (BLAS),
+``F.scaled_dot_product_attention``, ``F.silu``, ``torch.mean`` RMSNorm, and Megatron's
+tensor parallelism (row-parallel partials rounded to the model dtype and added by
+``dist.all_reduce``).  It keeps no invariant -- it exists to show, on the same inputs, that
+the vanilla path changes bits with TP size, batch composition and prefill vs decode while
+tpinv's does not.  Only the ``tree`` row layout is supported (Megatron's weight shards).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tpinv.models.kv_cache import KVCache
+from tpinv.ops import rope_cos_sin
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if _size(ctx.group) > 1:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        if _size(group) > 1:
+            dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.n = group, x.shape[-1]
+        parts = [torch.empty_like(x) for _ in range(_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank = dist.get_rank(ctx.group)
+        return grad.narrow(-1, rank * ctx.n, ctx.n).contiguous(), None
+
+
+class _VanillaCrossEntropy(torch.autograd.Function):
+    """Megatron's vocab-parallel cross-entropy: plain sums and ``all_reduce``."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start):
+        x = logits.float()
+        m = x.max(dim=-1).values
+        if _size(group) > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = torch.exp(x - m.unsqueeze(-1))
+        s = e.sum(dim=-1)
+        local = target - vocab_start
+        outside = (local < 0) | (local >= x.shape[-1])
+        local = local.masked_fill(outside, 0)
+        picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0) - m
+        if _size(group) > 1:
+            dist.all_reduce(s, group=group)
+            dist.all_reduce(picked, group=group)
+        ctx.save_for_backward(e / s.unsqueeze(-1), local, outside)
+        ctx.dtype = logits.dtype
+        return torch.log(s) - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, outside = ctx.saved_tensors
+        hit = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1), (~outside).float().unsqueeze(-1))
+        return ((softmax - hit) * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
+
+
+def _rms_norm(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(x, cos, sin):
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _column(x, layer, group):
+    return F.linear(_CopyToTP.apply(x, group), layer.weight, layer.bias)
+
+
+def _row(x, layer, group):
+    y = _ReduceFromTP.apply(F.linear(x, layer.weight), group)
+    return y if layer.bias is None else y + layer.bias
+
+
+def _visibility(positions, T, window, mask):
+    keys = torch.arange(T, device=positions.device)
+    seen = keys[None, None, :] <= positions[:, :, None]
+    if window is not None:
+        seen = seen & (keys[None, None, :] > positions[:, :, None] - window)
+    return seen if mask is None else seen & mask
+
+
+def _attention(attn, x, cos, sin, positions, mask, cache, layer, group):
+    B, S, _ = x.shape
+    q = _column(x, attn.q_proj, group).view(B, S, attn.local_heads, attn.head_dim)
+    k = _column(x, attn.k_proj, group).view(B, S, attn.local_kv_heads, attn.head_dim)
+    v = _column(x, attn.v_proj, group).view(B, S, attn.local_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q = _rms_norm(q, attn.q_norm.weight, attn.q_norm.eps)
+        k = _rms_norm(k, attn.k_norm.weight, attn.k_norm.eps)
+    q, k, v = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+    if cache is not None:
+        k, v = cache.append(layer, k, v, positions)
+    visible = _visibility(positions, k.shape[2], attn.window, mask).unsqueeze(1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=attn.local_heads != attn.local_kv_heads)
+    return _row(out.transpose(1, 2).reshape(B, S, -1), attn.o_proj, group)
+
+
+def vanilla_forward(model, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                    cache: Optional[KVCache] = None, mask: Optional[torch.Tensor] = None, *,
+                    num_valid: Optional[torch.Tensor] = None, gather_logits: bool = False) -> torch.Tensor:
+    """Logits of ``model`` computed the plain way (same signature as ``Transformer.forward``)."""
+    if getattr(model.layers[0].mlp.down_proj, "strategy", "tree") != "tree":
+        raise NotImplementedError("the vanilla control needs the 'tree' row layout (Megatron's weight shards)")
+    args, group = model.args, model.tp_group
+    positions = model._positions(tokens, positions, cache)
+    cos, sin = rope_cos_sin(positions, args.head_dim, args.rope_theta, args.rope_scaling)
+    emb = model.embed_tokens
+    local = tokens - emb.vocab_start_index
+    outside = (local < 0) | (local >= emb.num_embeddings_per_partition)
+    h = F.embedding(local.masked_fill(outside, 0), emb.weight).masked_fill(outside.unsqueeze(-1), 0)
+    h = _ReduceFromTP.apply(h, group)
+    for i, layer in enumerate(model.layers):
+        a = layer.self_attn
+        h = h + _attention(a, _rms_norm(h, layer.input_layernorm.weight, layer.input_layernorm.eps),
+                           cos, sin, positions, mask, cache, i, group)
+        x = _rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        mlp = layer.mlp
+        h = h + _row(F.silu(_column(x, mlp.gate_proj, group)) * _column(x, mlp.up_proj, group), mlp.down_proj, group)
+    h = _rms_norm(h, model.norm.weight, model.norm.eps)
+    weight = emb.weight if args.tie_word_embeddings else model.lm_head.weight
+    logits = F.linear(_CopyToTP.apply(h, group), weight)
+    if cache is not None:
+        cache.advance(positions, num_valid)
+    if gather_logits and _size(group) > 1:
+        logits = _GatherLastDim.apply(logits, group)
+    return logits
+
+
+def vanilla_loss(model, tokens: torch.Tensor, targets: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-token cross-entropy ``[B, S]`` (fp32) through the vanilla path."""
+    logits = vanilla_forward(model, tokens, positions, mask=mask)
+    return _VanillaCrossEntropy.apply(logits, targets, model.tp_group, model.vocab_start)
+
+
+def vanilla_log_probs(model, tokens, targets, positions=None, mask=None) -> torch.Tensor:
+    return -vanilla_loss(model, tokens, targets, positions, mask)
