@@ -483,7 +483,18 @@ def _megatron_check(rank, world_size, checkpoints, tokens):
             logits = model(tokens, torch.arange(S).expand_as(tokens), mask)
         back = from_megatron_state_dict(model.state_dict(), args)
         same = sorted(back) == sorted(full) and all(torch.equal(back[k], full[k]) for k in full)
-        results.append((logits, same))
+        # The same checkpoint in a GPTModel built with tpinv's spec (tpinv layers throughout).
+        from tpinv.megatron import build_gpt_model
+        tp_model = build_gpt_model(cfg, tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                   vocab_size=args.vocab_size, max_sequence_length=64,
+                                   spec_kwargs=dict(qk_layernorm=args.qk_norm, normalization="RMSNorm"),
+                                   share_embeddings_and_output_weights=args.tie_word_embeddings,
+                                   position_embedding_type="rope", rotary_base=args.rope_theta).eval()
+        missing, unexpected = tp_model.load_state_dict(to_megatron_state_dict(full, args), strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+        with torch.no_grad():
+            tp_logits = tp_model(tokens, torch.arange(S).expand_as(tokens), mask)
+        results.append((logits, same, tp_logits))
     return results
 
 
@@ -498,10 +509,11 @@ def test_megatron_state_dict_loads_and_matches_hf(tmp_path):
         checkpoints.append(convert_hf_to_tpinv(str(tmp_path / family), str(tmp_path / f"{family}-ck")))
     tokens = torch.randint(0, 256, (2, 7))
     results = run_ranks(_megatron_check, 1, checkpoints, tokens, timeout=240)[0]
-    for (logits, round_trip), (family, hf) in zip(results, models.items()):
+    for (logits, round_trip, tp_logits), (family, hf) in zip(results, models.items()):
         with torch.no_grad():
             ref = hf(tokens).logits
         torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)  # fp32 parity with HF
+        torch.testing.assert_close(tp_logits, ref, rtol=1e-5, atol=1e-5)  # tpinv spec, same checkpoint
         assert round_trip, family
 
 
