@@ -95,3 +95,23 @@ def test_tp_group_larger_than_leaves(monkeypatch):
     monkeypatch.setattr(linear, "group_size_rank", lambda group: (16, 0))
     with pytest.raises(InvarianceError, match="group size 16 does not divide leaves=8"):
         ColumnParallelLinear(16, 16, config=cfg(), init_method=init, tp_group=object())
+
+
+def test_megatron_swap_refuses_transformer_engine_modules():
+    pytest.importorskip("megatron.core")
+    from tpinv.megatron import swap_to_tpinv
+
+    TELayerNormColumnParallelLinear = type("TELayerNormColumnParallelLinear", (torch.nn.Module,), {})
+    model = torch.nn.Sequential(torch.nn.Module())
+    model.decoder = torch.nn.Module()
+    model.decoder.linear_qkv = TELayerNormColumnParallelLinear()
+    with pytest.raises(NotImplementedError, match=r"decoder.linear_qkv is .*TELayerNormColumnParallelLinear.*supported"):
+        swap_to_tpinv(model, tp_group=None, config=cfg())
+
+
+def test_megatron_spec_refuses_moe():
+    pytest.importorskip("megatron.core")
+    from tpinv.megatron import get_gpt_layer_tpinv_spec
+
+    with pytest.raises(NotImplementedError, match="num_experts"):
+        get_gpt_layer_tpinv_spec(num_experts=8)
