@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["RankFailedError", "RankTimeoutError", "run_ranks", "record_ops", "OpLog", "bits",
-           "free_port"]
+           "free_port", "num_threads"]
 
 # Seconds a dead rank's last message may still take to arrive through the result pipe.
 _DRAIN_SECONDS = 1.0
@@ -215,3 +215,14 @@ def bits(t: torch.Tensor) -> str:
     h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
     h.update(data.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(n)``; the previous count is restored."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

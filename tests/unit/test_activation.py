@@ -8,7 +8,6 @@ gives the same bits in every layout.
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tpinv.testing import num_threads
 from tpinv.contract import InvarianceError
 from tpinv.ops.activation import silu_mul, silu_mul_backward_op, silu_mul_op
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
@@ -25,16 +25,6 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Parity with F.silu(gate) * up as (rtol, atol): in 16 bits PyTorch rounds silu(gate) before
 # the product, tpinv rounds once.
 TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 1e-2), torch.float16: (1e-3, 1e-3)}
-
-
-@contextlib.contextmanager
-def num_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def randn(*shape, dtype=torch.float32, seed=0, scale=3.0):

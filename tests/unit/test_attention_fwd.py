@@ -90,7 +90,8 @@ def test_packed_documents_equal_each_document_alone(dtype, window):
     T = start2 + L2
     vanilla_differs = False
     for _ in range(CONTROL_TRIES):
-        (q1, k1, v1), (q2, k2, v2) = qkv(1, Hkv, g, L1, L1, D, dtype), qkv(1, Hkv, g, L2, L2, D, dtype)
+        q1, k1, v1 = qkv(1, Hkv, g, L1, L1, D, dtype)
+        q2, k2, v2 = qkv(1, Hkv, g, L2, L2, D, dtype)
         filler = qkv(1, Hkv, g, start2 - L1, start2 - L1, D, dtype)
         q, k, v = (torch.cat([a, f, b], 2) for a, f, b in zip((q1, k1, v1), filler, (q2, k2, v2)))
         doc = torch.zeros(T, dtype=torch.int64)
@@ -185,7 +186,7 @@ def test_any_query_slice_and_batch_subset_is_bit_identical(B, Hkv, g, S, extra, 
 
 
 def test_query_slice_control_vanilla_differs():
-    """Control beside the slice property: vanilla SDPA on a query slice differs from the full call."""
+    """Control beside the slice property: vanilla SDPA on query slices differs from one call."""
     q, k, v = qkv(3, 2, 2, 20, 100, 8, torch.float32)
     pos = arange_pos(3, 20, start=80)
     vis = visibility(pos, 100)

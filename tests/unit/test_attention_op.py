@@ -1,12 +1,14 @@
-"""``tpinv::attention`` as an op: registration, input errors, and the primitives its kernels trust."""
+"""``tpinv::attention`` as an op: registration, input errors, the primitives its kernels trust."""
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from attention_cases import arange_pos, qkv
 from tpinv.contract import InvarianceError
-from tpinv.kernels.cpu_attention import halve, kv_block_range
+from tpinv.kernels.cpu_attention import all_finite, halve, kv_block_range
+from tpinv.kernels.cpu_attention_bwd import halve_span
 from tpinv.kernels.cpu_tree import halving_sum
 from tpinv.ops.attention import attention, attention_backward_op, attention_op
 
@@ -77,6 +79,30 @@ def test_halve_is_cpu_tree_halving_sum_along_any_dim(n, dim):
         assert not torch.equal(halve(y, 1), y.sum(1))
 
 
+@settings(max_examples=40, deadline=None)
+@given(log_n=st.integers(0, 8), data=st.data())
+def test_halve_span_equals_halve_of_the_zero_filled_vector(log_n, data):
+    n = 1 << log_n
+    start = data.draw(st.integers(0, n))
+    length = data.draw(st.integers(0, n - start))
+    dim = data.draw(st.integers(0, 2))
+    shape = [2, 3, 4]
+    shape[dim] = length
+    x = torch.randn(*shape)
+    full_shape = list(shape)
+    full_shape[dim] = n
+    full = torch.zeros(full_shape)
+    full.narrow(dim, start, length).copy_(x)
+    assert torch.equal(halve_span(x, start, n, dim) + 0.0, halve(full, dim) + 0.0)
+
+
+def test_halve_span_control_a_plain_sum_of_the_span_differs():
+    x = torch.randn(64, 300)
+    full = torch.cat([torch.zeros(64, 212), x], 1)
+    assert torch.equal(halve_span(x, 212, 512, 1) + 0.0, halve(full, 1) + 0.0)
+    assert not torch.equal(x.sum(1), halve(full, 1))
+
+
 # ---------------------------------------------------------------- the op
 
 def _inputs(B=2, Hkv=2, g=2, S=5, T=9, D=4, dtype=torch.float32):
@@ -102,6 +128,15 @@ def test_cuda_slots_are_registered_placeholders():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
         with pytest.raises(NotImplementedError, match=f"{name} has no CUDA kernel yet"):
             op._backend_fns["cuda"]()
+
+
+def test_all_finite_sees_nan_and_inf_anywhere():
+    x = torch.randn(3, 70, 5)
+    assert all_finite(x)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[2, 69, 4] = bad
+        assert not all_finite(y)
 
 
 def test_decode_touches_only_the_blocks_it_needs():

@@ -12,11 +12,11 @@ fp32 only (upcast first); every other primitive here passes in fp32, bf16 and fp
 """
 from __future__ import annotations
 
-import contextlib
 import zlib
 
 import pytest
 import torch
+from tpinv.testing import num_threads
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZE = 1031                      # not a multiple of any vector width: body + tail
@@ -52,16 +52,6 @@ BINARY = {
 POSITION_DEPENDENT = {("rsqrt", torch.bfloat16), ("rsqrt", torch.float16)}
 INPLACE = {"add": torch.Tensor.add_, "sub": torch.Tensor.sub_, "mul": torch.Tensor.mul_,
            "div": torch.Tensor.div_}
-
-
-@contextlib.contextmanager
-def num_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def strided(t):

@@ -7,13 +7,13 @@ bf16/fp16 ``F.embedding``'s backward itself gives different bits.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tpinv.testing import num_threads
 from tpinv.kernels.cpu_embedding import embedding_backward_reference
 from tpinv.ops import embedding, embedding_backward
 from tpinv.ops.embedding import embedding_backward_op, embedding_op
@@ -21,16 +21,6 @@ from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.testing import record_ops
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@contextlib.contextmanager
-def num_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def duplicate_heavy(shape, rows, dim, dtype, seed=0):

@@ -5,7 +5,6 @@ mean / autograd sums) run through the same comparison gives different bits.
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from tpinv.testing import num_threads
 from tpinv.contract import InvarianceError
 from tpinv.ops.norm import rms_norm, rms_norm_backward_op, rms_norm_op
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
@@ -24,16 +24,6 @@ EPS = 1e-6
 # 16-bit HF backward rounds its intermediates to 16 bits, tpinv keeps them in fp32.
 FWD_TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 1e-2), torch.float16: (1e-3, 1e-3)}
 BWD_TOL = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (5e-2, 5e-2), torch.float16: (5e-3, 5e-3)}
-
-
-@contextlib.contextmanager
-def num_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def inputs(tokens: int, hidden: int, dtype=torch.float32, seed: int = 0):

@@ -7,7 +7,6 @@ token under the same comparisons.
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from tpinv.testing import num_threads
 from tpinv.contract import InvarianceError
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.ops.rope import apply_rope, apply_rope_backward_op, apply_rope_op, rope_cos_sin, rope_inv_freq
@@ -30,16 +30,6 @@ SCALINGS = {"default": None, "linear": {"rope_type": "linear", "factor": 4.0}, "
 # apply_rotary_pos_emb, which in 16 bits rounds cos/sin and each product, tpinv rounds once.
 TABLE_TOL = (1e-6, 1e-6)
 TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 2e-2), torch.float16: (1e-3, 2e-3)}
-
-
-@contextlib.contextmanager
-def num_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def randn(*shape, dtype=torch.float32, seed=0):

@@ -6,7 +6,6 @@ last dim over C = 1, 2, 4, 8 ranks; each invariance test has a negative control 
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tpinv.testing import num_threads
 from tpinv.contract import DEFAULT_LEAVES, InvarianceError, tree_combine
 from tpinv.kernels.cpu_tree import leaf_tree_sum
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
@@ -30,16 +30,6 @@ TORCH_OPS = {"softmax": lambda x: F.softmax(x, -1), "log_softmax": lambda x: F.l
 # Parity with PyTorch as (rtol, atol): fp32 differs only in summation order, 16-bit results
 # may differ by one rounding of the output.
 TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 1e-2), torch.float16: (1e-3, 1e-3)}
-
-
-@contextlib.contextmanager
-def num_threads(n: int):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def randn(*shape, dtype=torch.float32, seed=0, scale=3.0):
