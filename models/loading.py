@@ -1,8 +1,8 @@
-"""Build a :class:`Transformer` for one TP rank from a named config, a tpinv checkpoint or a HF directory.
+"""Load this rank's :class:`~tpinv.models.Transformer` from a named config, a tpinv checkpoint or a HF directory.
 
-Whatever the source and the TP size, a rank ends up with its slices of the same full
-weights: named configs are initialised from the full master weights with a seeded RNG,
-checkpoints are resharded tensor by tensor at load (nothing is held twice in memory).
+Loading only moves bytes: every source gives rank ``r`` of a TP group of size ``C`` exactly
+the slice ``r`` of the full tensors (random init included: the full tensors are drawn on
+CPU from ``init_seed`` and sliced), so the model holds the same weights at every TP size.
 """
 from __future__ import annotations
 
@@ -10,68 +10,73 @@ import os
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
-from tpinv.checkpoint import CheckpointError, load_shard, param_meta_from_module, read_info, shard_index
+from tpinv.checkpoint import META_FILE, load_shard, param_meta_from_module, read_info, shard_index
 from tpinv.contract import DEFAULT_LEAVES
-from tpinv.layers.common import group_size_rank
-from tpinv.models.configs import ALIASES, CONFIGS, get_config
+from tpinv.models.configs import CONFIGS, get_config
 from tpinv.models.hf_keys import args_from_dict
 from tpinv.models.transformer import Transformer
+from tpinv.tokenizer import HF_FILE, SENTENCEPIECE_FILE, load_tokenizer
+
+__all__ = ["load_model", "source_kind"]
 
 
-def _empty_model(args, tp_group, leaves, row_strategy) -> Transformer:
-    # Random init is wasted work here but keeps one construction path; weights are overwritten.
-    return Transformer(args, tp_group=tp_group, leaves=leaves, row_strategy=row_strategy)
+def source_kind(source: str) -> str:
+    """``"config"`` (a named config), ``"tpinv"`` (a checkpoint directory) or ``"hf"`` (a HF directory)."""
+    if os.path.isdir(source):
+        if os.path.isfile(os.path.join(source, META_FILE)):
+            return "tpinv"
+        if os.path.isfile(os.path.join(source, "config.json")):
+            return "hf"
+        raise FileNotFoundError(f"{source} holds neither {META_FILE} (tpinv checkpoint) nor config.json (HF model)")
+    try:
+        get_config(source)
+    except KeyError:
+        raise ValueError(f"model source {source!r} is neither a directory nor a named config; named configs: "
+                         f"{', '.join(sorted(CONFIGS))}") from None
+    return "config"
 
 
-def _load_state(model: Transformer, state: dict, source: str) -> Transformer:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{source}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
-    return model
+def _rank(tp_group) -> tuple[int, int]:
+    if tp_group is None:
+        return 1, 0
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
 
-def _from_hf_dir(path: str, tp_group, leaves, row_strategy, dtype) -> Transformer:
-    from tpinv.models.hf_convert import HFWeights, plan_import, read_hf_config
-    from tpinv.models.transformer import check_model_sizes
-
-    _, args = read_hf_config(path)
-    tp, rank = group_size_rank(tp_group)
-    check_model_sizes(args, tp, leaves)
-    sources = plan_import(HFWeights(path), args, dtype, row_strategy)
-    args = args.replace(dtype=sources[0].dtype)
-    model = _empty_model(args, tp_group, leaves, row_strategy)
-    meta = param_meta_from_module(model)
-    state = {}
-    for src in sources:
-        index = shard_index(src.shape, meta.get(src.name), tp, rank, src.name)
-        state[src.name] = src.read(index).to(src.dtype).contiguous()
-    return _load_state(model, state, path)
+def _tokenizer_in(directory: str):
+    if any(os.path.isfile(os.path.join(directory, f)) for f in (HF_FILE, SENTENCEPIECE_FILE)):
+        return load_tokenizer(directory)
+    return None
 
 
-def build_model(source: str, *, tp_group=None, leaves: int = DEFAULT_LEAVES, row_strategy: str = "tree",
-                dtype: Optional[torch.dtype] = None, seed: int = 0) -> Transformer:
-    """This rank's model from ``source``: a config name (``get_config``), a tpinv checkpoint
-    directory (``tpinv.json``) or a HF model directory (``config.json`` + safetensors).
+def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = None, row_strategy: str = "tree",
+               leaves: Optional[int] = None, init_seed: int = 0):
+    """``(model, tokenizer or None)`` for ``source`` at the TP size of ``tp_group`` (eval mode).
 
-    ``dtype`` casts the weights (``None`` keeps the checkpoint's, or the config's default);
-    ``seed`` seeds the initialisation of a named config.
+    ``leaves`` defaults to the checkpoint's (tpinv) or :data:`~tpinv.contract.DEFAULT_LEAVES`.
     """
-    if source in CONFIGS or source in ALIASES:
+    tp, rank = _rank(tp_group)
+    kind = source_kind(source)
+    if kind == "config":
         args = get_config(source, **({"dtype": dtype} if dtype is not None else {}))
-        torch.manual_seed(seed)
-        return Transformer(args, tp_group=tp_group, leaves=leaves, row_strategy=row_strategy)
-    if os.path.isfile(os.path.join(source, "tpinv.json")):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(init_seed)
+            model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
+        return model.eval(), None
+    if kind == "tpinv":
         info = read_info(source)
         args = args_from_dict(info.model_args)
-        if dtype is not None:
-            args = args.replace(dtype=dtype)
-        tp, rank = group_size_rank(tp_group)
-        model = _empty_model(args, tp_group, leaves, row_strategy)
+        args = args.replace(dtype=dtype) if dtype is not None else args
+        model = Transformer(args, tp_group=tp_group, leaves=leaves or info.leaves, row_strategy=row_strategy)
         state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype)
-        return _load_state(model, state, source)
-    if os.path.isfile(os.path.join(source, "config.json")):
-        return _from_hf_dir(source, tp_group, leaves, row_strategy, dtype)
-    names = ", ".join(sorted(CONFIGS))
-    raise FileNotFoundError(f"model {source!r} is neither a named config ({names}) nor a directory with "
-                            f"tpinv.json (tpinv checkpoint) or config.json (HF model)")
+        model.load_state_dict(state, strict=True)
+        return model.eval(), _tokenizer_in(source)
+    from tpinv.models.hf_convert import HFWeights, plan_import, read_hf_config
+    _, args = read_hf_config(source)
+    args = args.replace(dtype=dtype) if dtype is not None else args
+    model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
+    sources = plan_import(HFWeights(source), args, args.dtype, row_strategy)
+    state = {s.name: s.read(shard_index(s.shape, s.partition_dim, tp, rank, s.name)).to(s.dtype) for s in sources}
+    model.load_state_dict(state, strict=True)
+    return model.eval(), _tokenizer_in(source)

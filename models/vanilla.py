@@ -79,7 +79,7 @@ class _VanillaCrossEntropy(torch.autograd.Function):
         local = target - vocab_start
         outside = (local < 0) | (local >= x.shape[-1])
         local = local.masked_fill(outside, 0)
-        picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0) - m
+        picked = (x.gather(-1, local.unsqueeze(-1)).squeeze(-1) - m).masked_fill(outside, 0.0)
         if _size(group) > 1:
             dist.all_reduce(s, group=group)
             dist.all_reduce(picked, group=group)

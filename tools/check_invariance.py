@@ -106,7 +106,7 @@ def run_config(model, forward, prompts, batch, new_tokens, seed, leaves):
 
 
 def rank_main(rank, world, a):
-    from tpinv.models.loading import build_model
+    from tpinv.models.loading import load_model
     from tpinv.models.vanilla import vanilla_forward
 
     groups = {t: dist.new_group(list(range(t))) for t in a.tp}
@@ -116,7 +116,7 @@ def rank_main(rank, world, a):
     for tp in a.tp:
         if rank >= tp:
             continue
-        model = build_model(a.model, tp_group=groups[tp], dtype=dtype, seed=a.seed)
+        model, _ = load_model(a.model, tp_group=groups[tp], dtype=dtype, init_seed=a.seed)
         prompts = make_prompts(a.prompts, model.args.vocab_size, a.seed)
         for path in a.paths:
             for batch in a.batch:
