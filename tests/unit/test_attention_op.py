@@ -56,6 +56,17 @@ def test_kernel_primitives_are_position_independent(name):
             assert torch.equal(torch.signbit(whole), torch.signbit(other))
 
 
+def test_cummax_is_the_running_maximum():
+    """The forward's block-group running max: exact, whatever the layout."""
+    x = _data().reshape(7, 143)
+    running = [x[:, 0]]
+    for i in range(1, x.shape[1]):
+        running.append(torch.maximum(running[-1], x[:, i]))
+    expected = torch.stack(running, 1)
+    assert torch.equal(torch.cummax(x, dim=1).values, expected)
+    assert torch.equal(torch.cummax(x.t().contiguous(), dim=0).values.t(), expected)
+
+
 def test_position_check_catches_sigmoid():
     """Control: the same check flags torch.sigmoid (vectorized and scalar-tail paths differ)."""
     whole, *others = _position_variants(torch.sigmoid, torch.randn(1001) * 6)

@@ -8,7 +8,7 @@ Fixed order, per query row (query head ``h`` uses kv head ``h // g``):
   ``KV_BLOCK``, ``2*KV_BLOCK`` ... (slot ``j`` holds position ``j``) and visited in slot
   order by an online softmax: ``m' = max(m, max_block s)``, ``alpha = exp(m - m')``,
   ``l = l*alpha + halving_sum_block(exp(s - m'))``, ``o = o*alpha + halving_sum_block(p*v)``;
-* ``out = o / l`` rounded once to the input dtype; ``lse = m + log(l)`` in fp32.
+* ``out = o / l`` in fp32, then one rounding to the input dtype; ``lse = m + log(l)`` (fp32).
 
 Keys a query may not see contribute exact zeros (whatever the slot holds, NaN included), a
 block with no visible key leaves ``(m, l, o)`` unchanged (``alpha`` is exactly 1 there), and
@@ -30,8 +30,8 @@ from tpinv.contract import check_dtype
 
 #: Key slots per online-softmax block; blocks start at absolute slots 0, KV_BLOCK, ...
 KV_BLOCK = 64
-#: Upper bound on the bytes of one intermediate tensor of a chunk (speed only, never bits).
-CHUNK_BYTES = 64 << 20
+#: Bytes of one intermediate tensor of a chunk: small, to stay in cache (speed only, never bits).
+CHUNK_BYTES = 4 << 20
 #: Most query rows per forward chunk (speed only: smaller chunks skip more causal blocks).
 QUERY_CHUNK = 64
 
@@ -59,6 +59,12 @@ def halve(x: torch.Tensor, dim: int) -> torch.Tensor:
         h = x.shape[dim] // 2
         x = x.narrow(dim, 0, h) + x.narrow(dim, h, h)
     return x.squeeze(dim)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """No inf/NaN in ``x`` (min and max are exact; NaN and inf reach them)."""
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -101,7 +107,8 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
             raise ValueError("window needs causal=True (a sliding window looks back only)")
     devices = {t.device for t in (q, k, v, q_pos) + (() if mask is None else (mask,))}
     if len(devices) != 1:
-        raise ValueError(f"q, k, v, q_pos and mask must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError(f"q, k, v, q_pos and mask must be on one device, "
+                         f"got {sorted(map(str, devices))}")
     return Hq // Hkv
 
 
@@ -132,45 +139,72 @@ def block_visibility(pos: torch.Tensor, j0: int, j1: int, causal: bool, window: 
 
 
 def block_scores(q: torch.Tensor, k_blk: torch.Tensor, scale: float) -> torch.Tensor:
-    """``[..., hc, g, n, D] x [..., hc, kb, D] -> [..., hc, g, n, kb]``: ``halving_sum_D(q*k) * scale``."""
+    """``[..., hc, g, n, D] x [..., hc, kb, D] -> [..., hc, g, n, kb]``, fp32.
+
+    ``s = halving_sum_D(q * k) * scale``: products in fp32, halving over the head dim.
+    """
     prod = q[..., :, None] * k_blk.transpose(-1, -2)[..., None, None, :, :]
     return halve(prod, -2) * scale
 
 
+def _block_group(q, k, v, pos, mask, causal, window, scale, b0, b1, m, l, o, skip_blocks):
+    """Blocks ``[b0, b1)`` of the online softmax, the heavy work vectorised over the blocks.
+
+    The running max after each block is the ``cummax`` of the block maxima (exact), so
+    ``alpha`` and ``p`` equal the block-by-block recurrence's; only ``l`` and ``o`` are
+    then carried block by block, in slot order.  A partial last block is padded to
+    ``KV_BLOCK`` with invisible slots (zero padding of a halving sum is exact).
+    """
+    T = k.shape[2]
+    j0, j1 = b0 * KV_BLOCK, min(b1 * KV_BLOCK, T)
+    vis = block_visibility(pos, j0, j1, causal, window, None if mask is None else mask[..., j0:j1])
+    if skip_blocks and not bool(vis.any()):
+        return m, l, o
+    k_g, v_g = k[:, :, j0:j1].float(), v[:, :, j0:j1].float()
+    pad = (b1 - b0) * KV_BLOCK - (j1 - j0)
+    if pad:
+        vis = torch.nn.functional.pad(vis, (0, pad), value=False)
+        k_g = torch.nn.functional.pad(k_g, (0, 0, 0, pad))
+        v_g = torch.nn.functional.pad(v_g, (0, 0, 0, pad))
+    vis = vis.unflatten(-1, (b1 - b0, KV_BLOCK))[:, None, None]  # [bc, 1, 1, n, nb, KV_BLOCK]
+    s = torch.where(vis, block_scores(q, k_g, scale).unflatten(-1, (b1 - b0, KV_BLOCK)), _NEG_INF)
+    m_run = torch.cummax(torch.cat([m[..., None], torch.amax(s, dim=-1)], -1), dim=-1).values
+    m_prev, m_new = m_run[..., :-1], m_run[..., 1:]
+    m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
+    alpha = torch.where(m_new == m_prev, 1.0, torch.exp(m_prev - m_safe))
+    p = torch.exp(s - m_safe[..., None])
+    block_l = halve(p, -1)
+    pv = p[..., None] * v_g.unflatten(2, (b1 - b0, KV_BLOCK))[:, :, None, None]
+    if not all_finite(v_g):  # 0 * inf/NaN in a slot a query cannot see
+        pv = torch.where(vis[..., None], pv, 0.0)
+    block_o = halve(pv, -2)
+    for i in range(b1 - b0):
+        l = l * alpha[..., i] + block_l[..., i]
+        o = o * alpha[..., i, None] + block_o[..., i, :]
+    return m_run[..., -1], l, o
+
+
 def _forward_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                   mask: Optional[torch.Tensor], causal: bool, window: Optional[int], scale: float,
-                  skip_blocks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  skip_blocks: bool, chunk_bytes: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Online softmax of one chunk: q [bc, hc, g, n, D] fp32; k, v [bc, hc, T, D] (any float
     dtype); pos [bc, n]; mask [bc, n, T] or None.
 
     Returns fp32 ``(o, l, m)``: unnormalised output, softmax sum and running max.  Blocks
-    are shared by the chunk's rows; a block a row cannot see is an exact no-op for it.
+    are shared by the chunk's rows (a block a row cannot see is an exact no-op for it) and
+    taken in groups that fit ``chunk_bytes``.
     """
     T = k.shape[2]
     m = q.new_full(q.shape[:-1], _NEG_INF)
     l = q.new_zeros(q.shape[:-1])
     o = q.new_zeros(q.shape)
     blocks = kv_block_range(pos, T, causal, window) if skip_blocks else range(-(-T // KV_BLOCK))
-    for blk in blocks:
-        j0, j1 = blk * KV_BLOCK, min((blk + 1) * KV_BLOCK, T)
-        vis = block_visibility(pos, j0, j1, causal, window,
-                               None if mask is None else mask[..., j0:j1])
-        if skip_blocks and not bool(vis.any()):
-            continue
-        vis = vis[:, None, None]  # [bc, 1, 1, n, kb]: the same for every head
-        k_blk = k[:, :, j0:j1].float()
-        v_blk = v[:, :, j0:j1].float()
-        s = torch.where(vis, block_scores(q, k_blk, scale), _NEG_INF)
-        m_new = torch.maximum(m, torch.amax(s, dim=-1))
-        m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
-        alpha = torch.where(m_new == m, 1.0, torch.exp(m - m_safe))
-        p = torch.exp(s - m_safe[..., None])
-        l = l * alpha + halve(p, -1)
-        pv = p[..., None] * v_blk[:, :, None, None]
-        if not bool(torch.isfinite(v_blk).all()):  # 0 * inf/NaN in a slot a query cannot see
-            pv = torch.where(vis[..., None], pv, 0.0)
-        o = o * alpha[..., None] + halve(pv, -2)
-        m = m_new
+    per_block = q[..., 0].numel() * KV_BLOCK * next_pow2(q.shape[-1]) * 4
+    group = max(1, chunk_bytes // per_block)
+    for b0 in range(blocks.start, blocks.stop, group):
+        m, l, o = _block_group(q, k, v, pos, mask, causal, window, scale, b0,
+                               min(blocks.stop, b0 + group), m, l, o, skip_blocks)
     return o, l, m
 
 
@@ -209,7 +243,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
                 h1 = min(Hkv, h0 + n_h)
                 q_c = qg[b0:b1, h0:h1, :, s0:s1].float()
                 o, l, m = _forward_rows(q_c, k[b0:b1, h0:h1], v[b0:b1, h0:h1], pos, mask_c,
-                                        causal, window, scale, skip_blocks)
+                                        causal, window, scale, skip_blocks, chunk_bytes)
                 seen = l > 0
                 l_safe = torch.where(seen, l, 1.0)
                 res = torch.where(seen[..., None], o / l_safe[..., None], 0.0)

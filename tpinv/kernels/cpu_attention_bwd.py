@@ -26,8 +26,9 @@ from typing import Optional
 
 import torch
 
-from tpinv.kernels.cpu_attention import (CHUNK_BYTES, KV_BLOCK, block_scores, block_visibility,
-                                         check_attention_inputs, halve, kv_block_range, next_pow2)
+from tpinv.kernels.cpu_attention import (CHUNK_BYTES, KV_BLOCK, all_finite, block_scores,
+                                         block_visibility, check_attention_inputs, halve,
+                                         kv_block_range, next_pow2)
 
 _NEG_INF = float("-inf")
 
@@ -62,42 +63,88 @@ def _chunking(Hkv: int, g: int, P: int, D: int, chunk_bytes: int) -> tuple[int, 
     return 1, min(P, next_pow2(-(-g * P // rows)))
 
 
+def halve_span(x: torch.Tensor, start: int, n: int, dim: int) -> torch.Tensor:
+    """:func:`halve` over a length-``n`` (power of two) zero vector holding ``x`` from ``start``.
+
+    Only the span is materialised: a zero partner is never added (``x + 0 = x``), so the
+    result equals ``halve`` of the zero-filled vector up to the sign of an all-zero sum.
+    """
+    dim = dim % x.dim()
+    if start < 0 or start + x.shape[dim] > n:
+        raise ValueError(f"span [{start}, {start + x.shape[dim]}) does not fit in length {n}")
+    while n > 1 and x.shape[dim] > 0:
+        h = n // 2
+        end = start + x.shape[dim]
+        if end <= h:  # the upper half is zero
+            n = h
+            continue
+        if start >= h:  # the lower half is zero
+            start, n = start - h, h
+            continue
+        lower = x.narrow(dim, 0, h - start)  # slots [start, h)
+        upper = x.narrow(dim, h - start, end - h)  # slots [h, end), paired with [0, end - h)
+        if start == 0 and end == n:
+            x = lower + upper
+        else:
+            shape = list(x.shape)
+            shape[dim] = h
+            y = x.new_zeros(shape)
+            y.narrow(dim, 0, end - h).copy_(upper)
+            y.narrow(dim, start, h - start).add_(lower)
+            x = y
+        start, n = 0, h
+    if x.shape[dim] == 0:
+        shape = list(x.shape)
+        del shape[dim]
+        return x.new_zeros(shape)
+    return x.squeeze(dim)
+
+
 def _head_chunk_backward(q, k, v, do, delta, lse, pos, valid, mask, causal, window, scale,
                          n_c, skip_blocks):
     """One batch row, ``hc`` kv heads: fp32 ``(dq [hc, g, P, D], dk, dv [hc, T, D])``.
 
     ``q, do`` are ``[hc, g, P, D]`` fp32, ``delta, lse`` ``[hc, g, P]``; rows ``>= S`` are
-    padding (``valid`` False).
+    padding (``valid`` False).  Strided chunk ``c`` holds rows ``c, c + n_c, ...``; within
+    it only the span from the first to the last row that sees the block is computed
+    (the rows outside add exact zeros) unless ``skip_blocks`` is False.
     """
     hc, g, P, D = q.shape
     T = k.shape[1]
+    P_c = P // n_c
     dq = torch.zeros_like(q)
     dk = q.new_zeros((hc, T, D))
     dv = q.new_zeros((hc, T, D))
-    real = pos[valid]
-    blocks = kv_block_range(real, T, causal, window) if skip_blocks else range(-(-T // KV_BLOCK))
+    blocks = (kv_block_range(pos[valid], T, causal, window) if skip_blocks
+              else range(-(-T // KV_BLOCK)))
     for blk in blocks:
         j0, j1 = blk * KV_BLOCK, min((blk + 1) * KV_BLOCK, T)
         k_blk = k[:, j0:j1].float()
         v_blk = v[:, j0:j1].float()
-        k_finite = bool(torch.isfinite(k_blk).all())
+        k_finite = all_finite(k_blk)
         dk_parts, dv_parts = [], []
         for c in range(n_c):
-            rows = slice(c, P, n_c)
-            vis = block_visibility(pos[rows], j0, j1, causal, window,
-                                   None if mask is None else mask[rows, j0:j1])
-            vis &= valid[rows, None]
-            if skip_blocks and not bool(vis.any()):
-                dk_parts.append(q.new_zeros((hc, g, j1 - j0, D)))
-                dv_parts.append(q.new_zeros((hc, g, j1 - j0, D)))
-                continue
+            chunk = slice(c, P, n_c)
+            vis = block_visibility(pos[chunk], j0, j1, causal, window,
+                                   None if mask is None else mask[chunk, j0:j1])
+            vis &= valid[chunk, None]
+            r, e = 0, P_c
+            if skip_blocks:
+                live = vis.any(-1).nonzero()
+                if live.numel() == 0:
+                    dk_parts.append(q.new_zeros((hc, g, j1 - j0, D)))
+                    dv_parts.append(q.new_zeros((hc, g, j1 - j0, D)))
+                    continue
+                r, e = int(live[0]), int(live[-1]) + 1
+            rows = slice(c + r * n_c, c + (e - 1) * n_c + 1, n_c)
+            vis = vis[r:e]
             q_c, do_c = q[:, :, rows], do[:, :, rows]
             s = block_scores(q_c, k_blk, scale)
             p = torch.where(vis, torch.exp(s - lse[:, :, rows, None]), 0.0)
             dp = halve(do_c[..., :, None] * v_blk.transpose(-1, -2)[:, None, None], -2)
             ds = torch.where(vis, p * (dp - delta[:, :, rows, None]), 0.0)
-            dv_parts.append(halve(p[..., None] * do_c[..., None, :], -3))
-            dk_parts.append(halve(ds[..., None] * q_c[..., None, :], -3))
+            dv_parts.append(halve_span(p[..., None] * do_c[..., None, :], r, P_c, -3))
+            dk_parts.append(halve_span(ds[..., None] * q_c[..., None, :], r, P_c, -3))
             dsk = ds[..., None] * k_blk[:, None, None]
             if not k_finite:  # 0 * inf/NaN in a slot the query cannot see
                 dsk = torch.where(vis[..., None], dsk, 0.0)
