@@ -218,10 +218,6 @@ def test_custom_ops_run_and_are_registered():
     with record_ops() as log:
         tpinv_fwd_bwd(gate, up, grad)
     assert "tpinv::silu_mul" in log and "tpinv::silu_mul_backward" in log
-    for op in (silu_mul_op, silu_mul_backward_op):
-        assert not has_cuda_kernel(op)
-        with pytest.raises(NotImplementedError, match=op._qualname):
-            cuda_kernel(op)()
     torch.library.opcheck(torch.ops.tpinv.silu_mul.default,
                           (gate.requires_grad_(), up.requires_grad_()),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

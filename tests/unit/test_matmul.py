@@ -330,20 +330,3 @@ def test_bad_inputs_raise_clear_errors():
         matmul_partial(x, w[:, :16])
     with pytest.raises(InvarianceError, match="N .* is not divisible by grad_leaves=8"):
         matmul(x.requires_grad_(True), rand(5, 24))
-
-
-def test_cuda_slots_hold_the_triton_kernel_or_raise():
-    # matmul and matmul_partial run the Triton contract kernel on CUDA; tree_sum has none yet
-    # and its placeholder raises instead of falling back to an order-changing kernel.
-    assert has_cuda_kernel(matmul_partial_op) and has_cuda_kernel(matmul_op)
-    assert "triton" in cuda_kernel(matmul_partial_op).__code__.co_names or \
-        "matmul_partial_cuda" in cuda_kernel(matmul_partial_op).__code__.co_names
-    assert not has_cuda_kernel(tree_sum_op)
-    with pytest.raises(NotImplementedError, match="tpinv::tree_sum has no CUDA kernel yet"):
-        cuda_kernel(tree_sum_op)(rand(2, 8), 8)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tensor_never_falls_back():
-    with pytest.raises(NotImplementedError, match="tpinv::tree_sum has no CUDA kernel yet"):
-        tree_sum(rand(2, 8).cuda(), 8)

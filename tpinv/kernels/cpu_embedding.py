@@ -100,7 +100,7 @@ def embedding_backward_reference(grad: torch.Tensor, ids: torch.Tensor, num_rows
     dim = check_backward_inputs(grad, ids, num_rows)
     flat_ids = ids.reshape(-1).tolist()
     g = grad.reshape(len(flat_ids), dim).float()
-    acc = torch.zeros(num_rows, dim, dtype=torch.float32)
+    acc = torch.zeros(num_rows, dim, dtype=torch.float32, device=grad.device)
     for t, row in enumerate(flat_ids):
         acc[row] = acc[row] + g[t]
     return acc.to(grad.dtype)

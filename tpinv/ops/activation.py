@@ -3,9 +3,8 @@
 Each output element depends only on its own ``gate`` and ``up`` values (see
 :mod:`tpinv.kernels.cpu_activation`: no ``torch.sigmoid``/``F.silu``, whose results depend
 on an element's position), so the result is the same bits at any batch size, layout,
-chunking or thread count.  The CPU kernel is registered here; the CUDA slot raises
-``NotImplementedError`` until an invariant kernel is registered
-(:mod:`tpinv.ops.registry`).  No double backward.
+chunking or thread count.  The CPU kernel is registered here; on CUDA the same
+fixed-order code runs (:mod:`tpinv.ops.cuda_torch`).  No double backward.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 The CPU kernels (:mod:`tpinv.kernels.cpu_attention`, :mod:`tpinv.kernels.cpu_attention_bwd`)
 fix every reduction order, so a query's output, log-sum-exp and gradients are the same
-bits in prefill, chunked prefill and decode, at any batch size and padding.  The CUDA
-slots raise until an invariant GPU kernel exists: a CUDA tensor never reaches SDPA.
+bits in prefill, chunked prefill and decode, at any batch size and padding.  On CUDA the
+same fixed-order code runs (:mod:`tpinv.ops.cuda_torch`): a CUDA tensor never reaches SDPA.
 
 ``tpinv::attention_backward`` is an op of its own so the backward traces under
 torch.compile / fake tensors too; it has no autograd formula (no double backward).

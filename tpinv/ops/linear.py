@@ -7,8 +7,8 @@ results combined by the adjacent-pair tree, in fp32.  ``matmul_partial`` is a ra
 fp32 partial (its ``leaves`` are the rank's share of the global leaves); ``matmul``
 rounds it once to the input dtype and differentiates with the same order:
 ``dX`` reduces over N with ``grad_leaves`` leaves, ``dW`` over the flattened tokens in
-one fixed chain.  The CUDA slots raise until an invariant GPU kernel is registered
-(:mod:`tpinv.ops.registry`); nothing falls back to BLAS.
+one fixed chain.  On CUDA the matmuls run the Triton contract kernel
+(:mod:`tpinv.kernels.triton_matmul`); nothing falls back to BLAS.
 """
 from __future__ import annotations
 

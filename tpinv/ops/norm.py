@@ -3,8 +3,8 @@
 The op keeps the kernel's order: the hidden sum of each row and the token sum of the
 weight gradient are fixed ``leaf_tree_sum(., 1)`` chains, so a row's output and input
 gradient do not depend on the batch, strides, padding rows or thread count.  The CPU
-kernel is registered here; the CUDA slot raises ``NotImplementedError`` until an
-invariant kernel is registered (:mod:`tpinv.ops.registry`).  The backward is itself a
+kernel is registered here; on CUDA the same fixed-order
+code runs (:mod:`tpinv.ops.cuda_torch`).  The backward is itself a
 custom op (``tpinv::rms_norm_backward``); it has no double backward.
 """
 from __future__ import annotations

@@ -3,9 +3,8 @@
 ``rope_cos_sin`` builds fp32 ``cos``/``sin`` tables whose row for position ``p`` has the same
 bits however many positions are computed with it; ``apply_rope`` rotates ``x [B, H, S, D]``
 by them in fp32 from separate elementwise ops, rounded once (see
-:mod:`tpinv.kernels.cpu_rope`).  The CPU kernel is registered here; the CUDA slot raises
-``NotImplementedError`` until an invariant kernel is registered
-(:mod:`tpinv.ops.registry`).  The tables receive no gradient.
+:mod:`tpinv.kernels.cpu_rope`).  The CPU kernel is registered here; on CUDA the same
+fixed-order code runs (:mod:`tpinv.ops.cuda_torch`).  The tables receive no gradient.
 """
 from __future__ import annotations
 

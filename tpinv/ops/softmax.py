@@ -5,8 +5,8 @@ the one sum over the last dim (which may be a tensor-parallel vocabulary) follow
 contract with ``leaves`` leaves, forward and backward.  The split pieces
 (``sum_exp_partial`` and the ``*_from_parts`` functions) compose over ``C`` ranks to the
 same bits as the unsplit ops; the recipe is in the kernel module's docstring.  CPU kernels
-are registered here; the CUDA slots raise ``NotImplementedError`` until invariant
-kernels are registered (:mod:`tpinv.ops.registry`).
+are registered here; on CUDA the same fixed-order code runs
+(:mod:`tpinv.ops.cuda_torch`).
 """
 from __future__ import annotations
 

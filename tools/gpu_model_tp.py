@@ -1,0 +1,175 @@
+"""The decoder at TP=1 and TP=2 on two GPUs (NCCL): the same logits, loss and gradients, bit for bit.
+
+Run with ``torchrun --nproc-per-node 2 tools/gpu_model_tp.py [--models qwen3-tiny,qwen3-0.6b:24]``.
+Each rank builds the model at TP=1 in a group of its own (one GPU each) and then at TP=2
+(both GPUs) from the same seed; rank 0 compares the gathered logits, the per-token loss
+(``model.loss``) and every parameter gradient gathered to its full tensor, and checks the
+negative control: the plain-torch path (:func:`tpinv.models.vanilla.vanilla_forward`,
+cuBLAS and a plain all-reduce) gives different logits at TP=1 and TP=2.  It also times a
+forward+backward of both paths.  Prints a table; ``--json`` writes the results.
+Without CUDA it runs on CPU with gloo (a check of the script itself).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from tpinv.models import Transformer, get_config
+from tpinv.models.vanilla import vanilla_forward, vanilla_loss
+from tpinv.reduce import all_gather
+
+
+def parse_models(text: str) -> list[tuple[str, int | None]]:
+    """``"qwen3-tiny,qwen3-0.6b:24"`` -> ``[("qwen3-tiny", None), ("qwen3-0.6b", 24)]`` (layers)."""
+    out = []
+    for item in text.split(","):
+        name, _, layers = item.partition(":")
+        out.append((name, int(layers) if layers else None))
+    return out
+
+
+def build(name: str, layers: int | None, dtype: torch.dtype, group, device) -> Transformer:
+    """The model from seed 0 (weights drawn on the CPU, then sharded), moved to ``device``."""
+    overrides = {"dtype": dtype} if layers is None else {"dtype": dtype, "num_layers": layers}
+    args = get_config(name, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Transformer(args, tp_group=group)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():   # non-unit norm weights and larger projections: differences show
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):      # replicated: the same draw on every rank
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif pname.endswith("proj.weight"):
+                p.mul_(3.0)
+    return model.to(device)
+
+
+def full_tensor(t: torch.Tensor, p: torch.nn.Parameter, group, tp: int) -> torch.Tensor:
+    if tp == 1 or not getattr(p, "tensor_model_parallel", False):
+        return t.detach().clone()
+    return all_gather(t.detach().contiguous(), group, dim=p.partition_dim)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, iters: int) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after one warm-up."""
+    fn()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def run_case(name, layers, group, tp, device, batch, seq, iters):
+    model = build(name, layers, torch.bfloat16, group, device)
+    vocab = model.args.vocab_size
+    gen = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    targets = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    weights = torch.rand(batch, seq, generator=gen).to(device)   # a non-uniform d(loss) per token
+    with torch.no_grad():
+        logits = model(tokens, gather_logits=True)
+        vanilla = vanilla_forward(model, tokens, gather_logits=True)
+    loss = model.loss(tokens, targets)
+    loss.backward(weights)
+    grads = {n: full_tensor(p.grad, p, group, tp) for n, p in model.named_parameters()}
+
+    def step_tpinv():
+        model.zero_grad(set_to_none=True)
+        model.loss(tokens, targets).backward(weights)
+
+    def step_vanilla():
+        model.zero_grad(set_to_none=True)
+        vanilla_loss(model, tokens, targets).backward(weights)
+
+    t_tpinv = timed(step_tpinv, device, iters)
+    t_vanilla = timed(step_vanilla, device, iters)
+    params = sum(g.numel() for g in grads.values())
+    del model
+    return {"logits": logits, "vanilla": vanilla, "loss": loss.detach(), "grads": grads,
+            "t_tpinv": t_tpinv, "t_vanilla": t_vanilla, "params": params}
+
+
+def compare(one: dict, two: dict) -> dict:
+    grads_equal = sum(torch.equal(one["grads"][n], g) for n, g in two["grads"].items())
+    return {
+        "logits_equal": torch.equal(one["logits"], two["logits"]),
+        "loss_equal": torch.equal(one["loss"], two["loss"]),
+        "grads_equal": int(grads_equal), "grads_total": len(one["grads"]),
+        "grad_names_match": one["grads"].keys() == two["grads"].keys(),
+        "vanilla_logits_differ": not torch.equal(one["vanilla"], two["vanilla"]),
+        "vanilla_max_abs_diff": (one["vanilla"].float() - two["vanilla"].float()).abs().max().item(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="qwen3-tiny,qwen3-0.6b:24")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    opts = parser.parse_args()
+
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != 2:
+        raise SystemExit(f"run with 2 ranks (torchrun --nproc-per-node 2), got {world}")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    own = [dist.new_group([r]) for r in range(world)]
+    both = dist.new_group(list(range(world)))
+
+    rows = []
+    for name, layers in parse_models(opts.models):
+        one = run_case(name, layers, own[rank], 1, device, opts.batch, opts.seq, opts.iters)
+        dist.barrier()
+        two = run_case(name, layers, both, 2, device, opts.batch, opts.seq, opts.iters)
+        if rank == 0:
+            row = {"model": name, "num_layers": layers or get_config(name).num_layers,
+                   "params": two["params"], "batch": opts.batch, "seq": opts.seq,
+                   **compare(one, two),
+                   "tp1_fwd_bwd_s": one["t_tpinv"], "tp2_fwd_bwd_s": two["t_tpinv"],
+                   "tp1_vanilla_fwd_bwd_s": one["t_vanilla"], "tp2_vanilla_fwd_bwd_s": two["t_vanilla"]}
+            rows.append(row)
+        del one, two
+        dist.barrier()
+
+    if rank == 0:
+        head = (f"{'model':<12} {'layers':>6} {'params':>11} {'logits':>6} {'loss':>5} {'grads':>9} "
+                f"{'vanilla differs':>15} {'tp1 s':>7} {'tp2 s':>7} {'van1 s':>7} {'van2 s':>7}")
+        print(f"device: {torch.cuda.get_device_name(device) if use_cuda else 'cpu'} x{world}, bf16")
+        print(head)
+        for r in rows:
+            print(f"{r['model']:<12} {r['num_layers']:>6} {r['params']:>11} {str(r['logits_equal']):>6} "
+                  f"{str(r['loss_equal']):>5} {r['grads_equal']:>4}/{r['grads_total']:<4} "
+                  f"{str(r['vanilla_logits_differ']):>15} {r['tp1_fwd_bwd_s']:>7.3f} {r['tp2_fwd_bwd_s']:>7.3f} "
+                  f"{r['tp1_vanilla_fwd_bwd_s']:>7.3f} {r['tp2_vanilla_fwd_bwd_s']:>7.3f}")
+        if opts.json:
+            os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
+            with open(opts.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
+                           "world": world, "dtype": "bfloat16", "rows": rows}, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
