@@ -1,0 +1,354 @@
+"""Units of tpinv.training and tpinv.determinism, in one process.
+
+Bitwise (torch.equal) for invariance, each beside a negative control that differs; allclose
+(stated tolerance) for parity with plain PyTorch.  Checkpoint errors (corrupt, mismatched,
+disk full, a crash mid-save) leave the previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from tpinv import determinism
+from tpinv.contract import InvarianceError, tree_combine_list
+from tpinv.training import (ArithmeticTask, CheckpointError, TrainConfig, Trainer, TreeAccumulator, adamw_update,
+                            dp_slice, global_grad_norm, lr_at, make_dataset, micro_batches, read_metrics)
+from tpinv.training import checkpoint as train_ckpt
+from tpinv.training.loop import fp32_hex
+from tpinv.training.model import build_model
+from tpinv.training.optim import ParamLayout
+
+TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch=4, eval_every=0, warmup=1, lr=1e-2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny models run fastest on one thread (bits do not depend on the thread count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- elementwise primitives the optimizer relies on ------------------------------------------------
+PRIMITIVES = {
+    "sqrt": lambda x: torch.sqrt(x.abs()),
+    "div_scalar": lambda x: x / 0.999 ** 3,
+    "mul_scalar": lambda x: x * (1.0 - 0.95),
+    "div_tensor": lambda x: x / (x.abs() + 1e-8),
+    "sub": lambda x: x - x * 0.3,
+    "to_bf16": lambda x: x.to(torch.bfloat16),
+    "to_fp16": lambda x: x.to(torch.float16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRIMITIVES))
+def test_elementwise_primitive_is_position_independent(name):
+    f = PRIMITIVES[name]
+    x = torch.randn(1003) * 3
+    whole = f(x)
+    assert torch.equal(torch.cat([f(c) for c in x.split(7)]), whole)
+    assert torch.equal(f(x[::3]), whole[::3])
+    assert torch.equal(torch.cat([f(x[i:i + 1]) for i in range(0, 60)]), whole[:60])
+
+
+def test_sigmoid_is_not_position_independent():
+    """Negative control of the check above: the known-bad primitive fails it."""
+    x = torch.randn(4099)
+    whole = torch.sigmoid(x)
+    assert not torch.equal(torch.cat([torch.sigmoid(x[i:i + 1]) for i in range(x.numel())]), whole)
+
+
+def _invariant_adamw(p, g, n_steps=3):
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for s in range(n_steps):
+        adamw_update(p, g * (s + 1), m, v, step=s + 1, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    return p
+
+
+def _torch_adamw(p, g, n_steps=3, fused=True):
+    p = p.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=fused)
+    for s in range(n_steps):
+        p.grad = g * (s + 1)
+        opt.step()
+    return p.detach()
+
+
+def test_adamw_update_same_bits_whole_and_sharded():
+    p0, g = torch.randn(1001), torch.randn(1001) * 1e-2
+    whole = _invariant_adamw(p0.clone(), g)
+    assert torch.equal(torch.cat([_invariant_adamw(a.clone(), b) for a, b in zip(p0.split(7), g.split(7))]), whole)
+    assert torch.equal(torch.cat([_invariant_adamw(p0[i:i + 1].clone(), g[i:i + 1]) for i in range(40)]), whole[:40])
+    # negative control: torch's fused AdamW on the same inputs gives other bits for 7-element shards
+    fused = _torch_adamw(p0, g)
+    assert not torch.equal(torch.cat([_torch_adamw(a, b) for a, b in zip(p0.split(7), g.split(7))]), fused)
+
+
+def test_adamw_update_parity_with_torch():
+    p0, g = torch.randn(513), torch.randn(513) * 1e-2
+    ours = _invariant_adamw(p0.clone(), g, n_steps=5)
+    ref = _torch_adamw(p0, g, n_steps=5, fused=False)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)  # fp32 tolerance
+
+
+# -- reductions of the loop ---------------------------------------------------------------------
+def _pushed(parts):
+    acc = TreeAccumulator()
+    for t in parts:
+        acc.push(t)
+    return acc.result()
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(1, 13))
+def test_tree_accumulator_is_the_zero_padded_pair_tree(n):
+    parts = [torch.randn(5) * 10 ** torch.randint(-3, 4, (5,)) for _ in range(n)]
+    size = 1 << (n - 1).bit_length()
+    padded = parts + [torch.zeros(5)] * (size - n)
+    assert torch.equal(_pushed(parts), tree_combine_list(padded))
+
+
+def test_tree_accumulator_over_dp_halves_equals_whole():
+    """A rank's subtree of its micro-batches, then the tree over ranks == the tree over all."""
+    parts = [torch.randn(301) * 1e3 for _ in range(8)]
+    halves = [_pushed(parts[:4]), _pushed(parts[4:])]
+    assert torch.equal(tree_combine_list(halves), _pushed(parts))
+    chain = parts[0]
+    for t in parts[1:]:
+        chain = chain + t
+    assert not torch.equal(chain, _pushed(parts))  # negative control: the plain chain differs
+
+
+def test_lr_schedule():
+    kw = dict(lr=1.0, min_lr=0.1, warmup=4, total=14)
+    assert [lr_at(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, **kw) == 1.0 and lr_at(14, **kw) == pytest.approx(0.1) and lr_at(99, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(0.55)
+
+
+def test_grad_norm_parity_and_single_process_tree():
+    _, model = build_model(TrainConfig(**TINY), None, 1, 0)
+    layout = ParamLayout(model)
+    grads = torch.randn(layout.numel) * torch.rand(layout.numel) ** 4
+    norm = global_grad_norm(grads, layout)
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(grads), rtol=1e-5, atol=0)  # fp32 tolerance
+    assert norm.dtype == torch.float32 and norm.dim() == 0
+
+
+def test_fp32_hex_round_trips():
+    for x in (5.548141002655029, 1.0, 0.0, -2.5, 2.0 ** -130):
+        assert float.fromhex(fp32_hex(x)) == x
+    assert fp32_hex(1.0) == "0x1p+0"
+
+
+# -- data -------------------------------------------------------------------------------------------
+def test_arithmetic_rows_mask_and_order():
+    task = ArithmeticTask(9, seed=3, digits=2)
+    b = task.batch(100, 12)
+    assert torch.equal(b.tokens, task.batch(100, 12).tokens)  # a function of (seed, index) only
+    assert torch.equal(torch.cat([task.batch(100, 5).tokens, task.batch(105, 7).tokens]), b.tokens)
+    for r in range(len(b)):
+        text = bytes(b.tokens[r].tolist() + [b.targets[r, -1].item()]).decode().rstrip("\0")
+        a, rest = text.split("+")
+        x, answer = rest.split("=")
+        assert int(answer) == int(a) + int(x)
+        masked = bytes(b.targets[r][b.loss_mask[r] > 0].tolist()).decode()
+        assert masked == answer  # the answer digits and the newline, nothing else
+    held = {tuple(divmod(c, task.limit)) for c in task.heldout_pairs}
+    assert not held & {task.pair(i) for i in range(3000)}
+
+
+def test_dp_slices_and_micro_batches_partition_the_batch():
+    b = ArithmeticTask(6, seed=1, digits=1).batch(0, 16)
+    parts = [mb for d in range(2) for mb in micro_batches(dp_slice(b, d, 2), 4)]
+    assert torch.equal(torch.cat([p.tokens for p in parts]), b.tokens)
+    with pytest.raises(ValueError, match="micro-batches of 3"):
+        micro_batches(b, 3)
+
+
+def test_text_and_jsonl_data(tmp_path):
+    txt = tmp_path / "a.txt"
+    txt.write_text("hello world, " * 20)
+    ds = make_dataset(str(txt), 8, seed=0)
+    b = ds.batch(0, 5)
+    assert b.tokens.shape == (5, 8) and bool((b.loss_mask == 1).all())
+    assert torch.equal(b.tokens[:, 1:], b.targets[:, :-1])
+    jl = tmp_path / "a.jsonl"
+    jl.write_text("\n".join(json.dumps({"text": f"document {i}"}) for i in range(10)))
+    assert make_dataset(str(jl), 8, seed=0).batch(3, 2).tokens.shape == (2, 8)
+    (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        make_dataset(str(tmp_path / "bad.jsonl"), 8, seed=0)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        make_dataset(str(tmp_path / "missing.txt"), 8, seed=0)
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        make_dataset(str(txt), 8, seed=0, tokenizer=str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match="seq_len >= 9"):
+        ArithmeticTask(8, seed=0, digits=2)
+
+
+def test_text_data_with_a_sentencepiece_tokenizer(tmp_path):
+    import sentencepiece as spm
+    docs = [f"document {i}: the same bits at any tensor parallel size" for i in range(40)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_writer=model, vocab_size=60,
+                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    ds = make_dataset(str(tmp_path / "docs.jsonl"), 16, seed=0, tokenizer=str(tmp_path / "tokenizer.model"))
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    want = [i for d in docs for i in sp.encode(d) + [2]]
+    assert ds.vocab_size == 60 and ds.ids.tolist() == want[:ds.ids.numel()]
+    trainer = Trainer(TrainConfig(**dict(TINY, data=str(tmp_path / "docs.jsonl"), tokenizer=str(
+        tmp_path / "tokenizer.model"), seq_len=16, steps=1)), stream=io.StringIO())
+    assert trainer.train_step()["loss_tokens"] == 8 * 16  # the loss on every token
+
+
+def test_tp_not_dividing_heads_is_refused():
+    with pytest.raises(InvarianceError, match="num_kv_heads"):
+        build_model(TrainConfig(**TINY), None, 8, 0)
+
+
+# -- determinism.enable ---------------------------------------------------------------------------
+@pytest.fixture
+def restore_global_state(monkeypatch):
+    for name in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", *determinism.REFUSED_SETTINGS):
+        monkeypatch.delenv(name, raising=False)
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    rng = torch.get_rng_state()
+    yield monkeypatch
+    torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+    torch.set_rng_state(rng)
+    for name in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG"):
+        os.environ.pop(name, None)
+
+
+def test_enable_sets_and_is_idempotent(restore_global_state):
+    first = determinism.enable(7)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["PYTHONHASHSEED"] == "7"
+    assert torch.are_deterministic_algorithms_enabled()
+    assert first.torch_flags["cuda.matmul.allow_tf32"] is False
+    a = torch.rand(3)
+    second = determinism.enable(7)
+    assert torch.equal(torch.rand(3), a)  # reseeded
+    assert second.changed == () and second.env == first.env and second.torch_flags == first.torch_flags
+
+
+@pytest.mark.parametrize("name,value,cuda", [("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1", False),
+                                             ("CUBLAS_WORKSPACE_CONFIG", ":0:0", False),
+                                             ("TRITON_INTERPRET", "1", True)])
+def test_enable_refuses_settings_that_break_invariance(restore_global_state, name, value, cuda):
+    restore_global_state.setenv(name, value)
+    restore_global_state.setattr(torch.cuda, "is_available", lambda: cuda)
+    with pytest.raises(InvarianceError, match=name):
+        determinism.enable(1)
+    assert "PYTHONHASHSEED" not in os.environ  # nothing was changed
+    restore_global_state.setenv(name, "0" if name != "CUBLAS_WORKSPACE_CONFIG" else ":16:8")
+    determinism.enable(1)  # the safe value is accepted
+
+
+# -- checkpoints (single process) -------------------------------------------------------------------
+def _train(tmp_path, **kw):
+    cfg = TrainConfig(**dict(TINY, **kw))
+    return Trainer(cfg, stream=io.StringIO()).run()
+
+
+def _hexes(result):
+    return [(r["loss_hex"], r["grad_norm_hex"]) for r in result["history"]]
+
+
+def test_resume_continues_bitwise_and_errors_keep_previous(tmp_path, monkeypatch):
+    full = _train(tmp_path, steps=4)
+    ckpt = tmp_path / "ckpt"
+    first = _train(tmp_path, steps=4, save=str(ckpt), save_every=2, stop_after=2, log_dir=str(tmp_path / "log"))
+    assert _hexes(first) == _hexes(full)[:2]
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"
+    resumed = _train(tmp_path, steps=4, load=str(ckpt))
+    assert _hexes(resumed) == _hexes(full)[2:] and resumed["weights_sha256"] == full["weights_sha256"]
+    assert resumed["master_sha256"] == full["master_sha256"]
+    assert [r["step"] for r in read_metrics(str(tmp_path / "log")) if r["event"] == "step"] == [1, 2]
+
+    trainer = Trainer(TrainConfig(**dict(TINY, steps=4, save=str(ckpt), load=str(ckpt))), stream=io.StringIO())
+    trainer.train_step()
+    before = sorted(os.listdir(ckpt))
+
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(train_ckpt, "write_safetensors", disk_full)
+    with pytest.raises(CheckpointError, match="disk full.*step_00000002 is intact"):
+        trainer.save()
+    assert sorted(os.listdir(ckpt)) == before and (ckpt / "latest").read_text().strip() == "step_00000002"
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt  # killed mid-save, after the weights were written
+    monkeypatch.setattr(train_ckpt, "write_safetensors", crash)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save()
+    assert sorted(os.listdir(ckpt)) == before
+    assert _hexes(_train(tmp_path, steps=4, load=str(ckpt))) == _hexes(full)[2:]  # still loads
+
+
+def test_corrupt_and_mismatched_checkpoints_are_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _train(tmp_path, steps=1, save=str(ckpt))
+    with pytest.raises(CheckpointError, match="different model: .*family"):
+        _train(tmp_path, steps=2, load=str(ckpt), model="llama-tiny")
+    with pytest.raises(CheckpointError, match="different model: dtype"):
+        _train(tmp_path, steps=2, load=str(ckpt), dtype="fp32")
+    optim = ckpt / "step_00000001" / train_ckpt.OPTIM_FILE
+    data = bytearray(optim.read_bytes())
+    data[-5] ^= 0x40
+    optim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+        _train(tmp_path, steps=2, load=str(ckpt))
+    with pytest.raises(CheckpointError, match="not a training checkpoint"):
+        _train(tmp_path, steps=2, load=str(tmp_path))
+    with pytest.raises(CheckpointError, match="not found"):
+        _train(tmp_path, steps=2, load=str(tmp_path / "nothing"))
+
+
+def test_model_from_hf_directory_and_from_a_checkpoint(tmp_path):
+    import transformers
+    torch.manual_seed(5)
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, intermediate_size=192,
+                                   num_attention_heads=8, num_key_value_heads=4, head_dim=16, tie_word_embeddings=True)
+    hf = transformers.Qwen3ForCausalLM(cfg)
+    hf.save_pretrained(tmp_path / "hf")
+    trainer = Trainer(TrainConfig(**dict(TINY, model=str(tmp_path / "hf"), steps=1, save=str(tmp_path / "ck"))),
+                      stream=io.StringIO())
+    got = dict(trainer.model.named_parameters())
+    for name, p in hf.named_parameters():
+        if name != "lm_head.weight":
+            assert torch.equal(got[name.removeprefix("model.")], p.detach().to(torch.bfloat16)), name
+    trainer.run()
+    again = Trainer(TrainConfig(**dict(TINY, model=str(tmp_path / "ck" / "step_00000001" / "model"))),
+                    stream=io.StringIO())
+    assert again.weights_sha256() == trainer.weights_sha256()
+
+
+def test_metrics_logger_lines_jsonl_progress_bar_and_plot(tmp_path):
+    from tpinv.training.metrics import MetricsLogger, plot_loss_curve
+    out = io.StringIO()
+    log = MetricsLogger(2, log_dir=str(tmp_path), progress=True, stream=out)
+    for step, loss in ((1, 2.5), (2, 1.25)):
+        log.step({"step": step, "loss": loss, "loss_hex": fp32_hex(loss), "grad_norm": 1.0, "grad_norm_hex": "0x1p+0",
+                  "lr": 1e-3, "tokens_per_s": 10.0, **({"heldout_exact": 0.5, "heldout_token_acc": 0.75}
+                                                          if step == 2 else {})})
+    log.close()
+    text = out.getvalue()
+    assert "step 1/2 | loss 2.500000 (0x1.4p+1)" in text and "heldout exact 50.0% token 75.0%" in text
+    assert "2/2" in text  # the tqdm bar drew on the stream
+    records = read_metrics(str(tmp_path))
+    assert [r["loss_hex"] for r in records] == ["0x1.4p+1", "0x1.4p+0"]
+    png = plot_loss_curve(records, str(tmp_path / "curve.png"))
+    assert os.path.getsize(png) > 1000
+    quiet = MetricsLogger(2, enabled=False, stream=out)
+    quiet.step(records[0])
+    assert out.getvalue() == text  # ranks other than 0 write nothing

@@ -1,0 +1,318 @@
+"""The training loop: the same loss curve and final weights, bit for bit, at every TP size.
+
+Per step, the order of every sum is fixed and independent of the TP size:
+
+* the global batch is a function of (seed, samples consumed); DP rank ``d`` takes rows
+  ``[d*G/D, (d+1)*G/D)`` and cuts them into micro-batches in order (:mod:`tpinv.training.data`);
+* per micro-batch, the summed loss (the per-token losses of the model's invariant
+  cross-entropy, times the loss mask, summed over the flattened tokens by ``tree_sum(.., 1)``)
+  is back-propagated; each parameter's gradient (rounded once by the layers to the parameter
+  dtype) is widened into an fp32 buffer, together with the loss sum;
+* the micro-batch buffers are combined by the adjacent-pair tree in micro-batch order
+  (zero-padded to a power of two), then across DP ranks by the tree reducer -- the same tree
+  over the global micro-batch axis, so with a power-of-two number of micro-batches per DP rank
+  the result does not depend on the DP size either;
+* the sum is divided (elementwise) by the number of loss tokens in the global batch, the
+  gradient norm is taken by :func:`~tpinv.training.optim.global_grad_norm`, clipped, and
+  :class:`~tpinv.training.optim.InvariantAdamW` updates the fp32 masters and the model.
+
+``vanilla=True`` is the control: the plain torch/BLAS model path, ``torch.sum``, plain
+``all_reduce`` and ``torch.optim.AdamW`` on the same data and weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tpinv.contract import InvarianceError
+from tpinv.ops import tree_sum
+from tpinv.reduce import all_gather, tree_all_reduce
+from tpinv.training.checkpoint import load_train_state, save_train_state
+from tpinv.training.data import dp_slice, make_dataset, micro_batches
+from tpinv.training.metrics import PLOT_FILE, MetricsLogger, plot_loss_curve, read_metrics
+from tpinv.training.model import build_model
+from tpinv.training.optim import (InvariantAdamW, ParamLayout, TorchAdamW, clip_coefficient, global_grad_norm,
+                                  lr_at, vanilla_grad_norm)
+
+__all__ = ["TrainConfig", "Trainer", "TreeAccumulator", "train"]
+
+#: Rows per forward when measuring held-out accuracy (the model is batch-invariant).
+EVAL_CHUNK = 64
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every setting of a run (the ``launch/pretrain.py`` flags)."""
+
+    model: str = "qwen3-tiny"
+    dtype: str = "bf16"
+    steps: int = 100
+    global_batch: int = 32
+    micro_batch: int = 8
+    seq_len: int = 16
+    lr: float = 3e-3
+    min_lr: Optional[float] = None      # default lr / 10
+    warmup: int = 10
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 1234
+    data: str = "arithmetic"
+    tokenizer: Optional[str] = None
+    digits: int = 2
+    heldout_size: Optional[int] = None  # arithmetic: a fifth of the problems, at most 256
+    eval_every: int = 25
+    save: Optional[str] = None
+    save_every: int = 0
+    load: Optional[str] = None
+    stop_after: Optional[int] = None
+    vanilla: bool = False
+    leaves: int = 8
+    row_strategy: str = "tree"
+    log_dir: Optional[str] = None
+    progress: Optional[bool] = None
+
+    def check(self, dp: int) -> None:
+        for name in ("steps", "global_batch", "micro_batch", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: expected a positive int")
+        if self.global_batch % (self.micro_batch * dp):
+            raise ValueError(f"global_batch={self.global_batch} must be a multiple of micro_batch * dp = "
+                             f"{self.micro_batch} * {dp} = {self.micro_batch * dp}")
+        if self.lr <= 0 or self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
+            raise ValueError("lr must be positive; warmup, save_every and eval_every must be >= 0")
+        if self.save_every and not self.save:
+            raise ValueError(f"save_every={self.save_every} needs a directory to save to (--save DIR)")
+
+
+def fp32_hex(x: float) -> str:
+    """``float.hex()`` without the trailing zeros an fp32 value leaves: ``0x1.6314cp+2``."""
+    if x != x or x in (float("inf"), float("-inf")):
+        return x.hex()  # "nan", "inf", "-inf"
+    mantissa, exponent = x.hex().split("p")
+    return (mantissa.rstrip("0").rstrip(".") if "." in mantissa else mantissa) + "p" + exponent
+
+
+class TreeAccumulator:
+    """Adds pushed fp32 tensors with the adjacent-pair tree in push order (zero-padded to a power of two).
+
+    A binary counter: equal-sized subtrees merge as soon as both exist, so at most
+    ``log2(n) + 1`` partial sums are held.  The result is ``((t0+t1)+(t2+t3))+...``.
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[tuple[int, torch.Tensor]] = []
+
+    def push(self, t: torch.Tensor) -> None:
+        level = 0
+        while self._stack and self._stack[-1][0] == level:
+            left = self._stack.pop()[1]
+            t, level = left + t, level + 1
+        self._stack.append((level, t))
+
+    def result(self) -> torch.Tensor:
+        if not self._stack:
+            raise ValueError("TreeAccumulator.result() before any push")
+        acc = self._stack[-1][1]
+        for _, left in reversed(self._stack[:-1]):  # missing right subtrees are zeros: x + 0 == x
+            acc = left + acc
+        return acc
+
+
+class Trainer:
+    """One rank's view of a run; ``parallel=None`` is a single process without torch.distributed."""
+
+    def __init__(self, config: TrainConfig, parallel=None, *, stream=None):
+        self.cfg, self.par = config, parallel
+        self.tp, self.dp = (parallel.tp_size, parallel.dp_size) if parallel else (1, 1)
+        self.tp_rank, self.dp_rank = (parallel.tp_rank, parallel.dp_rank) if parallel else (0, 0)
+        self.rank = parallel.rank if parallel else 0
+        self.tp_group = parallel.tp_group if parallel and self.tp > 1 else None
+        self.dp_group = parallel.dp_group if parallel and self.dp > 1 else None
+        config.check(self.dp)
+        if not config.vanilla and self.dp & (self.dp - 1):
+            raise InvarianceError(f"dp={self.dp}: the tree reducer needs a power-of-two data-parallel size")
+        self.dataset = make_dataset(config.data, config.seq_len, config.seed, tokenizer=config.tokenizer,
+                                    digits=config.digits, heldout_size=config.heldout_size)
+        # the model takes the TP group even of size 1: tpinv layers never guess a group
+        model_group = parallel.tp_group if parallel else None
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if parallel is not None and dist.get_backend() == "nccl" else torch.device("cpu")
+        self.model_args, self.model = build_model(config, model_group, self.tp, self.tp_rank)
+        self.model.to(self.device)  # built on the CPU from the seed, moved exactly
+        if self.dataset.vocab_size > self.model_args.vocab_size:
+            raise ValueError(f"the data's vocabulary ({self.dataset.vocab_size} ids) exceeds the model's "
+                             f"vocab_size={self.model_args.vocab_size}; use a model with a larger vocabulary")
+        self.layout = ParamLayout(self.model, self.tp)
+        opt = TorchAdamW if config.vanilla else InvariantAdamW
+        self.optimizer = opt(self.layout, betas=(config.beta1, config.beta2), eps=config.eps,
+                             weight_decay=config.weight_decay)
+        self.step, self.consumed, self.history, self.resumed_from = 0, 0, [], None
+        if config.load:
+            st = load_train_state(config.load, model=self.model, optimizer=self.optimizer, layout=self.layout,
+                                  model_args=self.model_args, leaves=config.leaves, tp_size=self.tp,
+                                  tp_rank=self.tp_rank)
+            self.step, self.consumed, self.resumed_from = st["step"], st["consumed_samples"], st["path"]
+        self.logger = MetricsLogger(config.steps, log_dir=config.log_dir, enabled=self.rank == 0,
+                                    progress=config.progress, stream=stream, start_step=self.step)
+
+    # -- one step -------------------------------------------------------------------------
+    def _micro_loss(self, mb) -> torch.Tensor:
+        if self.cfg.vanilla:
+            from tpinv.models.vanilla import vanilla_loss
+            return (vanilla_loss(self.model, mb.tokens, mb.targets) * mb.loss_mask).sum()
+        per_token = self.model.loss(mb.tokens, mb.targets)
+        return tree_sum((per_token * mb.loss_mask).reshape(-1), 1)
+
+    def _dp_sum(self, total: torch.Tensor) -> torch.Tensor:
+        if self.dp_group is None:
+            return total
+        if self.cfg.vanilla:
+            dist.all_reduce(total, group=self.dp_group)
+            return total
+        return tree_all_reduce(total, self.dp_group, leaves=max(self.cfg.leaves, self.dp))
+
+    def train_step(self) -> dict:
+        cfg, start = self.cfg, time.perf_counter()
+        lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr,
+                   warmup=cfg.warmup, total=cfg.steps)
+        batch = self.dataset.batch(self.consumed, cfg.global_batch).to(self.device)
+        loss_tokens = batch.num_loss_tokens
+        acc, chain = TreeAccumulator(), None
+        for mb in micro_batches(dp_slice(batch, self.dp_rank, self.dp), cfg.micro_batch):
+            loss_sum = self._micro_loss(mb)
+            loss_sum.backward()
+            buf = self.layout.flatten_grads(torch.empty(self.layout.numel + 1, dtype=torch.float32,
+                                                        device=self.device))
+            buf[-1] = loss_sum.detach()
+            self.model.zero_grad(set_to_none=True)
+            if cfg.vanilla:
+                chain = buf if chain is None else chain + buf
+            else:
+                acc.push(buf)
+        total = self._dp_sum(chain if cfg.vanilla else acc.result())
+        grads, loss = total[:-1] / loss_tokens, total[-1] / loss_tokens
+        norm = vanilla_grad_norm(grads, self.layout, self.tp_group) if cfg.vanilla else \
+            global_grad_norm(grads, self.layout, self.tp_group, cfg.leaves)
+        coef = clip_coefficient(norm, cfg.clip_grad)
+        if coef is not None:
+            grads.mul_(coef)
+        self.optimizer.step(grads, lr)
+        self.step, self.consumed = self.step + 1, self.consumed + cfg.global_batch
+        elapsed = time.perf_counter() - start
+        loss_f, norm_f = float(loss), float(norm)
+        return {"step": self.step, "loss": loss_f, "loss_hex": fp32_hex(loss_f), "grad_norm": norm_f,
+                "grad_norm_hex": fp32_hex(norm_f), "lr": lr, "clipped": coef is not None,
+                "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "loss_tokens": loss_tokens,
+                "consumed_samples": self.consumed, "time_s": elapsed}
+
+    # -- evaluation, weights, checkpoints ------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Teacher-forced greedy accuracy on the held-out set: argmax of the full logits per answer token."""
+        held = self.dataset.heldout()
+        if held is None:
+            return {}
+        held = held.to(self.device)
+        n = len(held)
+        lo, hi = self.dp_rank * n // self.dp, (self.dp_rank + 1) * n // self.dp
+        counts = torch.zeros(4, dtype=torch.int64, device=self.device)  # exact, rows, right, answer tokens
+        for start in range(lo, hi, EVAL_CHUNK):
+            b = held.rows(start, min(hi, start + EVAL_CHUNK))
+            if self.cfg.vanilla:
+                from tpinv.models.vanilla import vanilla_forward
+                logits = vanilla_forward(self.model, b.tokens, gather_logits=True)
+            else:
+                logits = self.model(b.tokens, gather_logits=True)
+            need = b.loss_mask > 0
+            right = (logits.argmax(-1) == b.targets) & need
+            counts += torch.stack([(right == need).all(-1).sum(), need.new_tensor(len(b), dtype=torch.int64),
+                                   right.sum(), need.sum()])
+        if self.dp_group is not None:
+            dist.all_reduce(counts, group=self.dp_group)  # integer sums are exact in any order
+        c = counts.tolist()
+        return {"heldout_exact": c[0] / c[1], "heldout_token_acc": c[2] / c[3]}
+
+    def _full(self, t: torch.Tensor, dim) -> torch.Tensor:
+        return t.detach() if dim is None or self.tp_group is None else \
+            all_gather(t.detach().contiguous(), self.tp_group, dim=dim)
+
+    def weights_sha256(self, which: str = "model") -> str:
+        """sha256 of the full tensors (names, dtypes, shapes, bytes) of the model or the fp32 masters."""
+        h = hashlib.sha256()
+        for s in self.layout.slots:
+            t = self.layout.params[s.name] if which == "model" else self.optimizer.tensors(s.name)["master"]
+            full = self._full(t, s.partition_dim).cpu().contiguous()
+            h.update(f"{s.name}|{full.dtype}|{tuple(full.shape)}|".encode())
+            h.update(full.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def save(self) -> str:
+        cfg = self.cfg
+        state = {"consumed_samples": self.consumed, "leaves": cfg.leaves, "row_strategy": cfg.row_strategy,
+                 "data": self.dataset.describe(), "tp_size": self.tp, "dp_size": self.dp, "vanilla": cfg.vanilla,
+                 "config": dataclasses.asdict(cfg)}
+        path = save_train_state(cfg.save, step=self.step, model=self.model, optimizer=self.optimizer,
+                                layout=self.layout, model_args=self.model_args, state=state,
+                                tp_group=self.tp_group, is_writer=self.rank == 0)
+        self.logger.event("checkpoint", {"step": self.step, "path": path}, f"saved checkpoint {path}")
+        return path
+
+    # -- the run -------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
+        self.logger.event("start", self.describe(), self.describe()["line"])
+        saved_at = start = self.step
+        while self.step < end:
+            rec = self.train_step()
+            if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
+                rec.update(self.evaluate())
+            self.history.append(rec)
+            self.logger.step(rec)
+            if cfg.save and cfg.save_every and self.step % cfg.save_every == 0:
+                self.save()
+                saved_at = self.step
+        if cfg.save and saved_at != self.step:  # the end of a session that took steps
+            self.save()
+        result = {"step": self.step, "weights_sha256": self.weights_sha256("model"),
+                  "master_sha256": self.weights_sha256("master"), "history": self.history}
+        self.logger.event("final", {k: v for k, v in result.items() if k != "history"},
+                          f"final weights sha256 {result['weights_sha256']} (step {self.step})")
+        if self.rank == 0 and cfg.log_dir and self.step > start:
+            steps = {r["step"]: r for r in read_metrics(cfg.log_dir) if r["event"] == "step"}  # resumed: all
+            try:
+                path = plot_loss_curve([steps[k] for k in sorted(steps)], os.path.join(cfg.log_dir, PLOT_FILE),
+                                       title=self._title())
+                self.logger.event("plot", {"path": path}, f"loss curve {path}")
+            except ImportError:
+                self.logger.event("plot", {"path": None}, "loss-curve PNG skipped: matplotlib is not installed")
+        self.logger.close()
+        return result
+
+    def _title(self) -> str:
+        return f"{self.cfg.model} TP={self.tp} DP={self.dp}" + (" (vanilla)" if self.cfg.vanilla else "")
+
+    def describe(self) -> dict:
+        cfg, a = self.cfg, self.model_args
+        n_micro = cfg.global_batch // (cfg.micro_batch * self.dp)
+        line = (f"tpinv pretrain: {cfg.model} ({a.num_layers} layers, hidden {a.hidden_size}, {cfg.dtype}) | "
+                f"TP={self.tp} DP={self.dp} | {'vanilla control' if cfg.vanilla else 'invariant'} | "
+                f"data {self.dataset.describe()['kind']} | global batch {cfg.global_batch} = {self.dp} x "
+                f"{n_micro} micro-batches x {cfg.micro_batch} | seq {cfg.seq_len} | steps {self.step + 1}..{cfg.steps}"
+                + (f" | resumed from {self.resumed_from}" if self.resumed_from else ""))
+        return {"tp": self.tp, "dp": self.dp, "vanilla": cfg.vanilla, "start_step": self.step,
+                "config": dataclasses.asdict(cfg), "line": line}
+
+
+def train(config: TrainConfig, parallel=None, *, stream=None) -> dict:
+    """Build a :class:`Trainer` and run it; returns ``{"step", "weights_sha256", "master_sha256", "history"}``."""
+    return Trainer(config, parallel, stream=stream).run()
