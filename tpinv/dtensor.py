@@ -44,10 +44,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
                                                parallelize_module)
 
 from tpinv.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_leaves
+from tpinv.dtensor_hf_ops import TpinvAttention, TpinvHeadRMSNorm, TpinvMLP, TpinvRMSNorm, TpinvRotary
 from tpinv.dtensor_styles import (InvariantColumnOnlyParallel, InvariantColwiseParallel,
-                                  InvariantVocabEmbedding, ShardedHeads, TpinvAttention,
-                                  TpinvHeadRMSNorm, TpinvMLP, TpinvModelGroup, TpinvRMSNorm,
-                                  TpinvRotary)
+                                  InvariantVocabEmbedding, ShardedHeads, TpinvModelGroup)
 from tpinv.layers import vocab_parallel_cross_entropy
 from tpinv.models import ModelArgs, Transformer, check_model_sizes
 
