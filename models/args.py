@@ -27,7 +27,7 @@ FAMILIES = tuple(ARCHITECTURES.values())
 #: RoPE scaling types the decoder supports (``None`` means plain RoPE).
 ROPE_SCALING_TYPES = ("linear", "llama3")
 
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +170,7 @@ def _sliding_window(cfg: dict, family: str) -> Optional[int]:
 
 def _config_dtype(cfg: dict) -> torch.dtype:
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if name not in _DTYPE_NAMES:
+    if name not in MODEL_DTYPES:
         raise NotImplementedError(f"config dtype {name!r} is not supported; expected one of "
-                                  f"{tuple(_DTYPE_NAMES)}")
-    return _DTYPE_NAMES[name]
+                                  f"{tuple(MODEL_DTYPES)}")
+    return MODEL_DTYPES[name]

@@ -16,10 +16,9 @@ from typing import Callable, Optional
 
 import torch
 
-from tpinv.models.args import ARCHITECTURES, ModelArgs
+from tpinv.models.args import ARCHITECTURES, MODEL_DTYPES, ModelArgs
 
 COLUMN, ROW, REPLICATED = "column", "row", None
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Shape = Callable[[ModelArgs], tuple]
 
@@ -196,9 +195,9 @@ def args_to_dict(args: ModelArgs) -> dict:
 
 def args_from_dict(d: dict) -> ModelArgs:
     d = dict(d)
-    if d.get("dtype") not in _DTYPES:
-        raise ValueError(f"model_args dtype {d.get('dtype')!r}: expected one of {tuple(_DTYPES)}")
-    d["dtype"] = _DTYPES[d["dtype"]]
+    if d.get("dtype") not in MODEL_DTYPES:
+        raise ValueError(f"model_args dtype {d.get('dtype')!r}: expected one of {tuple(MODEL_DTYPES)}")
+    d["dtype"] = MODEL_DTYPES[d["dtype"]]
     return ModelArgs(**d)
 
 
