@@ -10,8 +10,12 @@ sits in its tensor, so a row's bits do not depend on batch size, padding or TP s
 (the transcendental functions are different implementations); the order is the same.
 
 Cost: each op becomes many small CUDA launches (one per halving step and per elementwise
-op).  This is correct, not fast; a Triton kernel per op is future work.  Ops that already
-have a CUDA kernel (the Triton contract matmul) keep it: only placeholders are replaced.
+op).  This is correct, not fast.  Ops that already have a CUDA kernel (the Triton contract
+matmul) keep it: only placeholders are replaced.  ``sum_exp_partial``, softmax, log-softmax
+and logsumexp (forward) get Triton kernels with a fixed per-leaf order instead
+(:mod:`tpinv.kernels.triton_softmax`); triton is imported only when one of them runs.
+The RMSNorm Triton kernels (:mod:`tpinv.kernels.triton_norm`, wrapped below) are not
+registered until their fixed version has passed ``tests/gpu/test_triton_norm_softmax.py``.
 """
 from __future__ import annotations
 
@@ -31,18 +35,17 @@ from tpinv.ops.softmax import (
     softmax_op, sum_exp_partial_op,
 )
 
-__all__ = ["TORCH_CUDA_OPS", "register_torch_cuda_kernels"]
+__all__ = ["TORCH_CUDA_OPS", "TRITON_CUDA_KERNELS", "register_torch_cuda_kernels"]
 
 #: Ops defined with :func:`tpinv.ops.registry.define_op` whose CUDA slot gets their torch code.
+#: (The ops in :data:`TRITON_CUDA_KERNELS` get a Triton kernel instead.)
 TORCH_CUDA_OPS = (
     silu_mul_op, silu_mul_backward_op,
     embedding_op, embedding_backward_op,
     tree_sum_op,
     rms_norm_op, rms_norm_backward_op,
     apply_rope_op, apply_rope_backward_op,
-    softmax_op, log_softmax_op, logsumexp_op,
     softmax_backward_op, log_softmax_backward_op, logsumexp_backward_op,
-    sum_exp_partial_op,
 )
 
 
@@ -64,9 +67,52 @@ def _attention_backward_cuda(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask,
                                         causal, window, scale)
 
 
+def _rms_norm_triton(x, weight, eps):
+    from tpinv.kernels.triton_norm import rms_norm_forward_cuda
+    return rms_norm_forward_cuda(x, weight, eps)
+
+
+def _rms_norm_backward_triton(grad, x, weight, eps):
+    from tpinv.kernels.triton_norm import rms_norm_backward_cuda
+    return rms_norm_backward_cuda(grad, x, weight, eps)
+
+
+def _sum_exp_partial_triton(x, max, leaves):
+    from tpinv.kernels.triton_softmax import sum_exp_partial_cuda
+    return sum_exp_partial_cuda(x, max, leaves)
+
+
+def _softmax_triton(x, leaves):
+    from tpinv.kernels.triton_softmax import softmax_forward_cuda
+    return softmax_forward_cuda(x, leaves)
+
+
+def _log_softmax_triton(x, leaves):
+    from tpinv.kernels.triton_softmax import log_softmax_forward_cuda
+    return log_softmax_forward_cuda(x, leaves)
+
+
+def _logsumexp_triton(x, leaves):
+    from tpinv.kernels.triton_softmax import logsumexp_forward_cuda
+    return logsumexp_forward_cuda(x, leaves)
+
+
+#: (op, Triton-backed CUDA kernel) pairs registered ahead of the torch code.
+TRITON_CUDA_KERNELS = (
+    (sum_exp_partial_op, _sum_exp_partial_triton),
+    (softmax_op, _softmax_triton),
+    (log_softmax_op, _log_softmax_triton),
+    (logsumexp_op, _logsumexp_triton),
+)
+
+
 def register_torch_cuda_kernels() -> list[str]:
-    """Fill each still-empty CUDA slot with the op's torch code; returns the ops filled."""
+    """Fill each still-empty CUDA slot (Triton kernels first, then the op's torch code)."""
     filled = []
+    for op, kernel in TRITON_CUDA_KERNELS:
+        if not has_cuda_kernel(op):
+            register_cuda_kernel(op, kernel)
+            filled.append(op._qualname)
     for op in TORCH_CUDA_OPS:
         if not has_cuda_kernel(op):
             register_cuda_kernel(op, _torch_impl(op))

@@ -1,0 +1,175 @@
+"""Triton RMSNorm and softmax family: a row's bits ignore its batch, padding rows and vocab split.
+
+Invariance is asserted bitwise; beside each check a negative control shows the plain
+torch path (``torch.sum`` in another split, ``F.log_softmax`` alone vs in a batch, a plain
+token sum) differs on the same inputs.  Parity with the ops' torch code (the CPU kernels'
+functions run on CUDA tensors) is ``allclose``: fp32 1e-5, bf16 1e-2.  Skips without CUDA.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tpinv.contract import DEFAULT_LEAVES, tree_combine
+from tpinv.kernels import cpu_norm, cpu_softmax
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = "cuda"
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
+ROWS = (1, 3, 64, 1000)
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=2.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(DEV)
+
+
+def tn():
+    from tpinv.kernels import triton_norm
+    return triton_norm
+
+
+def ts():
+    from tpinv.kernels import triton_softmax
+    return triton_softmax
+
+
+def assert_rows_invariant(fn, x):
+    full = fn(x)
+    for m in ROWS:
+        if m <= x.shape[0]:
+            for start in (0, x.shape[0] - m):
+                assert torch.equal(fn(x[start:start + m]), full[start:start + m]), f"M={m} at {start}"
+    junk = rand(7, *x.shape[1:], dtype=x.dtype, seed=99)
+    assert torch.equal(fn(torch.cat([x, junk]))[:x.shape[0]], full), "padding rows"
+    return full
+
+
+def test_registered_in_the_cuda_slots():
+    from tpinv.ops.cuda_torch import TRITON_CUDA_KERNELS
+    from tpinv.ops.registry import cuda_kernel
+    assert len(TRITON_CUDA_KERNELS) == 4
+    assert all(cuda_kernel(op) is kernel for op, kernel in TRITON_CUDA_KERNELS)
+
+
+# ------------------------------------------------------------------ RMSNorm
+
+@pytest.mark.parametrize("dtype", TOL)
+@pytest.mark.parametrize("hidden", (1000, 4096, 1))
+def test_rms_norm_rows_invariant_and_parity(dtype, hidden):
+    x = rand(1000, hidden, dtype=dtype, seed=hidden)
+    w = torch.rand(hidden, device=DEV) + 0.5    # fp32 weight: one rounding of n to x.dtype
+    full = assert_rows_invariant(lambda t: tn().rms_norm_forward_cuda(t, w, 1e-6), x)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(full.float(), cpu_norm.rms_norm_forward(x, w, 1e-6).float(),
+                               rtol=rtol, atol=atol)
+
+
+def test_rms_norm_split_sum_control():
+    """A plain torch sum of squares changes with the reduction's split (and so with a TP cut)."""
+    x = rand(64, 8192, seed=3)
+    sq = x * x
+    whole = sq.sum(-1)
+    halves = sq[:, :4096].sum(-1) + sq[:, 4096:].sum(-1)
+    quarters = sum(c.sum(-1) for c in sq.chunk(4, -1))
+    assert not torch.equal(whole, halves) or not torch.equal(whole, quarters)
+
+
+def test_rms_norm_backward_rows_and_dweight_padding():
+    hidden = 1000
+    x = rand(300, hidden, dtype=torch.bfloat16, seed=4)
+    g = rand(300, hidden, dtype=torch.bfloat16, seed=5)
+    w = (torch.rand(hidden, device=DEV) + 0.5).to(torch.bfloat16)
+    dx, dw = tn().rms_norm_backward_cuda(g, x, w, 1e-6)
+    for m in (1, 3, 64):
+        assert torch.equal(tn().rms_norm_backward_cuda(g[:m], x[:m], w, 1e-6)[0], dx[:m])
+    for pad in (1, 212, 2000):   # zero-grad padding tokens, to and past the next power of two
+        xp = torch.cat([x, rand(pad, hidden, dtype=x.dtype, seed=pad)])
+        gp = torch.cat([g, torch.zeros(pad, hidden, dtype=g.dtype, device=DEV)])
+        dxp, dwp = tn().rms_norm_backward_cuda(gp, xp, w, 1e-6)
+        assert torch.equal(dwp, dw) and torch.equal(dxp[:300], dx), f"pad={pad}"
+    rdx, rdw = cpu_norm.rms_norm_backward(g.float(), x.float(), w.float(), 1e-6)
+    torch.testing.assert_close(dx.float(), rdx, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dw.float(), rdw, rtol=2e-2, atol=2e-1)
+
+
+def test_rms_norm_backward_fp32_parity_with_torch_code():
+    x, g = rand(37, 777, seed=6), rand(37, 777, seed=7)
+    w = torch.rand(777, device=DEV) + 0.5
+    dx, dw = tn().rms_norm_backward_cuda(g, x, w, 1e-6)
+    rdx, rdw = cpu_norm.rms_norm_backward(g, x, w, 1e-6)
+    torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-4)
+
+
+def test_plain_token_sum_split_control():
+    contrib = rand(4096, 512, seed=8)
+    whole = contrib.sum(0)
+    assert any(not torch.equal(whole, sum(c.sum(0) for c in contrib.chunk(k, 0))) for k in (2, 4, 8))
+
+
+# ------------------------------------------------------------------ softmax family
+
+@pytest.mark.parametrize("dtype", TOL)
+@pytest.mark.parametrize("name", ("log_softmax", "softmax", "logsumexp"))
+def test_softmax_rows_invariant_and_parity(dtype, name):
+    x = rand(1000, 8 * 125, dtype=dtype, seed=len(name))
+    fn = getattr(ts(), f"{name}_forward_cuda")
+    full = assert_rows_invariant(lambda t: fn(t, DEFAULT_LEAVES), x)
+    ref = getattr(cpu_softmax, f"{name}_forward")(x, DEFAULT_LEAVES)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(full.float(), ref.float(), rtol=rtol, atol=atol)
+
+
+def test_sum_exp_partial_rows_invariant():
+    x = rand(1000, 8 * 300 + 8, seed=11)
+    max_all = x.amax(-1)
+    full = ts().sum_exp_partial_cuda(x, max_all, DEFAULT_LEAVES)
+    for m in ROWS:
+        assert torch.equal(ts().sum_exp_partial_cuda(x[-m:], max_all[-m:], DEFAULT_LEAVES), full[-m:])
+
+
+@pytest.mark.parametrize("dtype", TOL)
+@pytest.mark.parametrize("width", (151936, 8 * 37))
+def test_vocab_split_equals_unsplit(dtype, width):
+    x = rand(6, width, dtype=dtype, seed=width)
+    max_ = x.float().amax(-1)
+    whole = ts().sum_exp_partial_cuda(x, max_, DEFAULT_LEAVES)
+    for ranks in (1, 2, 4, 8):
+        parts = torch.stack([ts().sum_exp_partial_cuda(s, max_, DEFAULT_LEAVES // ranks)
+                             for s in x.chunk(ranks, -1)], -1)
+        assert torch.equal(tree_combine(parts), whole), f"C={ranks}"
+    log_sm = ts().log_softmax_forward_cuda(x, DEFAULT_LEAVES)
+    composed = torch.cat([cpu_softmax.log_softmax_from_parts(s, max_, whole).to(dtype)
+                          for s in x.chunk(2, -1)], -1)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(log_sm.float(), composed.float(), rtol=rtol, atol=atol)
+    ref = cpu_softmax.sum_exp_partial(x, max_, DEFAULT_LEAVES)
+    torch.testing.assert_close(whole, ref, rtol=1e-5, atol=0.0)
+
+
+def test_plain_vocab_split_and_batch_controls():
+    x = rand(6, 151936, seed=12)
+    max_ = x.amax(-1, keepdim=True)
+    e = torch.exp(x - max_)
+    whole = e.sum(-1)
+    assert any(not torch.equal(whole, sum(c.sum(-1) for c in e.chunk(k, -1))) for k in (2, 4, 8))
+    differs = []
+    for rows, width in ((4096, 151936 // 8), (1024, 151936)):
+        big = rand(rows, width, seed=rows)
+        batch = F.log_softmax(big, -1)
+        differs.append(not torch.equal(F.log_softmax(big[:1], -1), batch[:1]))
+        differs.append(not torch.equal(batch, ts().log_softmax_forward_cuda(big, DEFAULT_LEAVES)))
+    assert any(differs)
+
+
+def test_infinite_rows_and_errors():
+    x = rand(3, 64)
+    x[1] = float("-inf")
+    lse = ts().logsumexp_forward_cuda(x, DEFAULT_LEAVES)
+    assert torch.isneginf(lse[1]) and torch.isfinite(lse[[0, 2]]).all()
+    with pytest.raises(Exception, match="divisible|multiple"):
+        ts().log_softmax_forward_cuda(rand(2, 63), DEFAULT_LEAVES)
+    with pytest.raises(Exception, match=r"\(64,\)"):
+        tn().rms_norm_forward_cuda(rand(2, 64), torch.ones(63, device=DEV), 1e-6)
