@@ -49,7 +49,7 @@ def assert_rows_invariant(fn, x):
 def test_registered_in_the_cuda_slots():
     from tpinv.ops.cuda_torch import TRITON_CUDA_KERNELS
     from tpinv.ops.registry import cuda_kernel
-    assert len(TRITON_CUDA_KERNELS) == 4
+    assert len(TRITON_CUDA_KERNELS) == 6
     assert all(cuda_kernel(op) is kernel for op, kernel in TRITON_CUDA_KERNELS)
 
 

@@ -43,7 +43,6 @@ TORCH_CUDA_OPS = (
     silu_mul_op, silu_mul_backward_op,
     embedding_op, embedding_backward_op,
     tree_sum_op,
-    rms_norm_op, rms_norm_backward_op,
     apply_rope_op, apply_rope_backward_op,
     softmax_backward_op, log_softmax_backward_op, logsumexp_backward_op,
 )
@@ -103,6 +102,8 @@ TRITON_CUDA_KERNELS = (
     (softmax_op, _softmax_triton),
     (log_softmax_op, _log_softmax_triton),
     (logsumexp_op, _logsumexp_triton),
+    (rms_norm_op, _rms_norm_triton),
+    (rms_norm_backward_op, _rms_norm_backward_triton),
 )
 
 
