@@ -7,10 +7,11 @@ last batch), on a TP group of that size.  Reported, across the K configurations 
 definitions of Zhang et al., "Deterministic Inference across Tensor Parallel Sizes", 5.1):
 
 * count of unique outputs per prompt: ``|unique({y_1..y_K})|`` (1 = identical everywhere);
-* maximum probability divergence: at each generated position ``i`` that every configuration
-  reached with the same prefix, ``Delta_i`` = the largest spread (max - min over the K
-  configurations) of the probabilities of the reference configuration's top-5 tokens; the
-  average over positions and prompts (0 = bitwise identical distributions).
+* maximum probability divergence: at each generated position ``i``, ``Delta_i`` = the largest
+  spread (max - min over the K configurations) of the top-5 probabilities; the average over
+  positions and prompts (0 = bitwise identical distributions).
+
+Both metrics are :mod:`tpinv.engine.metrics`'s (the definitions the mismatch report uses).
 
 ``--paths invariant,vanilla`` (default) runs tpinv and the plain torch/BLAS/all_reduce control
 on the same weights; ``--vanilla`` runs the control alone.  Spawns its own gloo ranks (world =
@@ -80,7 +81,7 @@ def decode_batch(model, forward, prompts, new_tokens, leaves):
             top = torch.topk(probs, 5, dim=-1)
             nxt = top.indices[:, 0]
             for i in range(b):
-                out[i].append((int(nxt[i]), top.indices[i].tolist(), top.values[i].tolist(), probs[i]))
+                out[i].append((int(nxt[i]), top.values[i]))
             if step + 1 < new_tokens:
                 logits = forward(model, nxt[:, None], None, cache, gather_logits=True)
                 last = logits[:, 0]
@@ -129,22 +130,19 @@ def rank_main(rank, world, a):
 
 
 def metrics(runs, path, n_prompts):
+    from tpinv.engine.metrics import count_unique_outputs, max_probability_divergence
+
     configs = sorted(k for k in runs if k[0] == path)
-    unique, divergences = [], []
+    unique, divergences, positions = [], [], 0
     for p in range(n_prompts):
         outs = [runs[c][p] for c in configs]
-        unique.append(len({tuple(step[0] for step in o) for o in outs}))
-        ref = outs[0]
-        for i in range(len(ref)):
-            if any(tuple(s[0] for s in o[:i]) != tuple(s[0] for s in ref[:i]) for o in outs):
-                break
-            ids = ref[i][1]
-            probs = torch.stack([o[i][3][ids] for o in outs])
-            divergences.append(float((probs.max(0).values - probs.min(0).values).max()))
+        unique.append(count_unique_outputs([[step[0] for step in o] for o in outs]))
+        divergences.append(max_probability_divergence([torch.stack([step[1] for step in o]) for o in outs]))
+        positions += min(len(o) for o in outs)
     return {"configs": [f"TP={c[1]},batch={c[2]}" for c in configs],
             "avg_unique_outputs": sum(unique) / len(unique), "unique_outputs_per_prompt": unique,
-            "avg_max_prob_divergence": sum(divergences) / max(len(divergences), 1),
-            "positions_compared": len(divergences)}
+            "avg_max_prob_divergence": sum(divergences) / len(divergences),
+            "positions_compared": positions}
 
 
 def report(a, runs):
