@@ -49,6 +49,14 @@ def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
         raise ValueError(f"rms_norm eps must be a non-negative float, got {eps!r}")
 
 
+def check_rms_norm_backward_inputs(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                   eps: float) -> None:
+    check_rms_norm_inputs(x, weight, eps)
+    if grad.shape != x.shape:
+        raise InvarianceError(
+            f"rms_norm grad must have the output shape {tuple(x.shape)}, got {tuple(grad.shape)}")
+
+
 def rms_norm_out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The output dtype: PyTorch's promotion of ``x.dtype`` and ``weight.dtype`` (as HF)."""
     return torch.promote_types(x.dtype, weight.dtype)
@@ -79,10 +87,7 @@ def _sum_over_tokens(values: torch.Tensor) -> torch.Tensor:
 def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)`` of :func:`rms_norm_forward`, in ``x.dtype`` and ``weight.dtype``."""
-    check_rms_norm_inputs(x, weight, eps)
-    if grad.shape != x.shape:
-        raise InvarianceError(
-            f"rms_norm grad must have the output shape {tuple(x.shape)}, got {tuple(grad.shape)}")
+    check_rms_norm_backward_inputs(grad, x, weight, eps)
     hidden = x.shape[-1]
     x_f32 = x.to(torch.float32)
     grad_f32 = grad.to(torch.float32)

@@ -20,9 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.contract import InvarianceError
-from tpinv.kernels.cpu_norm import (check_rms_norm_inputs, rms_norm_backward, rms_norm_forward,
-                                    rms_norm_out_dtype)
+from tpinv.kernels.cpu_norm import (check_rms_norm_backward_inputs, check_rms_norm_inputs, rms_norm_backward,
+                                    rms_norm_forward, rms_norm_out_dtype)
 from tpinv.kernels.cpu_tree import leaf_tree_sum
 
 __all__ = ["rms_norm_forward_cuda", "rms_norm_backward_cuda", "MAX_HIDDEN"]
@@ -103,10 +102,7 @@ def rms_norm_forward_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
 def rms_norm_backward_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)`` in ``x.dtype`` / ``weight.dtype``; see the module docstring."""
-    check_rms_norm_inputs(x, weight, eps)
-    if grad.shape != x.shape:
-        raise InvarianceError(
-            f"rms_norm grad must have the output shape {tuple(x.shape)}, got {tuple(grad.shape)}")
+    check_rms_norm_backward_inputs(grad, x, weight, eps)
     hidden = x.shape[-1]
     if hidden > MAX_HIDDEN:
         return rms_norm_backward(grad, x, weight, eps)
