@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["RankFailedError", "RankTimeoutError", "run_ranks", "record_ops", "OpLog", "bits",
-           "free_port", "num_threads"]
+           "free_port", "num_threads", "sharpened_model"]
 
 # Seconds a dead rank's last message may still take to arrive through the result pipe.
 _DRAIN_SECONDS = 1.0
@@ -226,3 +226,23 @@ def num_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(old)
+
+
+def sharpened_model(name: str, dtype: torch.dtype = torch.float32, tp_group=None):
+    """A named tiny model with decisive logits, for tests that compare generated tokens.
+
+    Seeded init (the same full weights at every TP size), norm weights drawn around 1 and
+    projections/embeddings scaled by 5, so greedy and sampled choices are not near-ties.
+    """
+    from tpinv.models import Transformer, get_config
+
+    torch.manual_seed(0)
+    model = Transformer(get_config(name, dtype=dtype), tp_group=tp_group)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif pname.endswith("proj.weight") or pname.endswith("embed_tokens.weight"):
+                p.mul_(5.0)
+    return model.eval()

@@ -22,7 +22,7 @@ from tpinv.engine import Engine, Request, SamplingParams
 from tpinv.engine.metrics import (count_unique_outputs, k3_kl, max_probability_divergence, token_mult_prob_error,
                                   trainer_log_probs)
 from tpinv.models import Transformer, get_config
-from tpinv.testing import run_ranks
+from tpinv.testing import sharpened_model, run_ranks
 
 FAMILIES = {"qwen3-tiny": torch.float32, "llama-tiny": torch.bfloat16, "mistral-tiny": torch.float32}
 BATCHES = (1, 3, 8)
@@ -32,16 +32,7 @@ N_REQUESTS = 4
 
 
 def build(name, group) -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(get_config(name, dtype=FAMILIES[name]), tp_group=group)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif pname.endswith("proj.weight") or pname.endswith("embed_tokens.weight"):
-                p.mul_(5.0)
-    return model.eval()
+    return sharpened_model(name, FAMILIES[name], group)
 
 
 def requests() -> list[Request]:

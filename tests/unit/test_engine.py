@@ -17,6 +17,7 @@ from tpinv.engine import Engine, Request, SamplingParams, Scheduler
 from tpinv.engine.metrics import (count_unique_outputs, fraction_bitwise_equal, k3_kl, max_probability_divergence,
                                   mismatch_metrics, token_mult_prob_error, trainer_log_probs)
 from tpinv.engine.scheduler import SequenceState
+from tpinv.testing import sharpened_model
 from tpinv.models import Transformer, get_config
 
 FAMILIES = ("qwen3-tiny", "llama-tiny", "mistral-tiny")
@@ -31,16 +32,7 @@ def one_thread():
 
 
 def build(name="qwen3-tiny", dtype=torch.float32) -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(get_config(name, dtype=dtype))
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif pname.endswith("proj.weight") or pname.endswith("embed_tokens.weight"):
-                p.mul_(5.0)
-    return model.eval()
+    return sharpened_model(name, dtype)
 
 
 @pytest.fixture(scope="module")
