@@ -16,8 +16,13 @@ Algorithms (all give identical bits):
   point.  Same bytes in ``2 log C`` steps (the paper's variant; opt-in, see below).
 * ``"all_gather"``: gather every partial, tree locally.  ``(C-1) * n`` elements, one
   step; the latency-optimal choice for tiny messages.
-* ``"auto"``: by message size, see :func:`choose_algorithm` (thresholds measured with
-  ``tools/bench_reduce.py``).
+* ``"pair_sum"``: groups of two ranks only.  There the whole tree is one IEEE add,
+  ``p0 + p1``, and addition is commutative, so any correct sum of the two fp32 values
+  has its bits: the backend's own ``all_reduce`` / ``reduce_scatter_tensor`` (NCCL's
+  fused reduction, at NCCL's speed) is the tree.  Other group sizes raise
+  :class:`InvarianceError` (three or more operands: the backend's order is not the tree).
+* ``"auto"``: ``"pair_sum"`` for two NCCL ranks, else by message size, see
+  :func:`choose_algorithm` (thresholds measured with ``tools/bench_reduce.py``).
 
 Only torch.distributed collectives are used (gloo and NCCL).  These functions are not
 differentiable; :mod:`tpinv.mappings` wraps them in autograd regions.
@@ -36,7 +41,7 @@ from tpinv.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size, tree_
 __all__ = ["ALGORITHMS", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
            "all_gather", "choose_algorithm"]
 
-ALGORITHMS = ("all_to_all", "halving", "all_gather")
+ALGORITHMS = ("all_to_all", "halving", "all_gather", "pair_sum")
 
 #: ``"auto"`` runs ``"all_gather"`` while the bytes a rank receives, ``(C-1) * nbytes``,
 #: stay within this bound, else ``"all_to_all"``.  Measured with tools/bench_reduce.py on
@@ -61,6 +66,8 @@ def choose_algorithm(nbytes: int, group_size: int, backend: str = "gloo") -> str
     ``backend`` is ``"nccl"`` for CUDA tensors, else ``"gloo"``.  A pure function of its
     arguments, so every rank of a group picks the same algorithm.
     """
+    if group_size == 2 and backend == "nccl":
+        return "pair_sum"
     limit = AUTO_ALL_GATHER_MAX_BYTES["nccl" if backend == "nccl" else "gloo"]
     return "all_gather" if (group_size - 1) * nbytes <= limit else "all_to_all"
 
@@ -132,6 +139,10 @@ def _prepare(op, partial, group, *, algorithm, leaves, check, dim=0):
         raise ValueError(f"algorithm={algorithm!r}: expected 'auto' or one of {ALGORITHMS}")
     if size > 1 and check:
         _check_agree(op, partial, group, size, rank, algorithm=algorithm, leaves=leaves, dim=dim)
+    if algorithm == "pair_sum" and size != 2:
+        raise InvarianceError(
+            f"{op}: algorithm 'pair_sum' needs a group of exactly 2 ranks (the tree is then one "
+            f"add), got {size}; use 'auto', 'all_to_all', 'halving' or 'all_gather'")
     if partial.dtype != torch.float32:  # after the exchange, so every rank raises alike
         raise TypeError(f"{op} combines fp32 partials, got {partial.dtype} of shape "
                         f"{tuple(partial.shape)}; accumulate the local sub-tree in fp32 and "
@@ -181,6 +192,11 @@ def _bit_reverse(i: int, size: int) -> int:
 
 def _reduce_scatter_rows(rows: torch.Tensor, group, size: int, rank: int, algorithm: str):
     """``rows[j]`` is this rank's partial of chunk ``j``; returns the tree of chunk ``rank``."""
+    if algorithm == "pair_sum":
+        mine = torch.empty_like(rows[0])
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        scatter(mine.view(-1), rows.contiguous().view(-1), op=dist.ReduceOp.SUM, group=group)
+        return mine
     if algorithm == "all_to_all":
         received = torch.empty_like(rows)
         dist.all_to_all_single(received, rows, group=group)
@@ -216,7 +232,10 @@ def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None, *,
         return torch.empty_like(partial, memory_format=torch.contiguous_format)
     flat = partial.detach().reshape(-1)
     with torch.no_grad(), _collective("tree_all_reduce", algorithm, size, rank):
-        if algorithm == "all_gather":
+        if algorithm == "pair_sum":
+            out = flat.clone()
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        elif algorithm == "all_gather":
             every = torch.empty((size, n), dtype=flat.dtype, device=flat.device)
             _all_gather_single(every, flat.contiguous(), group)
             out = tree_combine_list(list(every.unbind(0)))

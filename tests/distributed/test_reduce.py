@@ -17,6 +17,11 @@ from tpinv.testing import RankFailedError, record_ops, run_ranks
 
 WORLDS = (1, 2, 4)
 AUTO = ALGORITHMS + ("auto",)
+
+
+def _algorithms(world):
+    """The algorithms valid for a group of ``world`` ranks (``pair_sum``: two ranks only)."""
+    return tuple(a for a in ALGORITHMS if a != "pair_sum" or world == 2)
 SHAPES = [(7,), (4, 3), (5, 3, 17), (3, 12, 5), (), (0, 3), (8, 1001)]
 GATHER_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
 K, LEAVES, ROWS = 8 * 129, 8, 64
@@ -32,13 +37,13 @@ def _correctness_rank(rank, world, cases, gathers, x):
     out = {"reduce": {}, "scatter": {}, "gather": {}, "ops": {}}
     for i, parts in enumerate(cases):
         mine = parts[rank].clone()
-        for algorithm, check in [(a, True) for a in AUTO] + [("auto", False)]:
+        for algorithm, check in [(a, True) for a in _algorithms(world) + ("auto",)] + [("auto", False)]:
             out["reduce"][i, algorithm, check] = tree_all_reduce(
                 mine, None, algorithm=algorithm, check=check)
         assert torch.equal(mine, parts[rank]), "the input partial was modified"
         for dim in range(mine.dim()):
             if mine.shape[dim] % world == 0:
-                for algorithm in AUTO:
+                for algorithm in _algorithms(world) + ("auto",):
                     out["scatter"][i, dim, algorithm] = tree_reduce_scatter(
                         mine, None, dim=dim, algorithm=algorithm)
     for i, tensors in enumerate(gathers):
@@ -46,7 +51,7 @@ def _correctness_rank(rank, world, cases, gathers, x):
             out["gather"][i, dim] = all_gather(tensors[rank], None, dim=dim)
     strided = cases[-1][rank].t()  # a non-contiguous partial
     out["strided"] = tree_all_reduce(strided, None, algorithm="halving")
-    for algorithm in ALGORITHMS:
+    for algorithm in _algorithms(world):
         with record_ops() as seen:
             tree_all_reduce(mine, None, algorithm=algorithm)
         out["ops"][algorithm] = set(seen.names)
@@ -65,6 +70,8 @@ def _correctness_rank(rank, world, cases, gathers, x):
     if world == 2:
         out["errors"] = _errors(rank)
     if world == 4:  # explicit sub-groups: consecutive pairs, strided pairs, and three ranks
+        out["pair_sum_refused"] = _caught(
+            lambda: tree_all_reduce(torch.ones(4), None, algorithm="pair_sum"))
         three = dist.new_group([0, 1, 2])
         if rank < 3:
             out["three"] = _caught(lambda: tree_all_reduce(torch.ones(4), three))
@@ -110,7 +117,7 @@ def test_reduce_scatter_is_a_chunk_of_the_tree(spawned, world):
             expected = reference.narrow(dim, rank * chunk, chunk)
             assert got.is_contiguous() and torch.equal(got, expected), (world, i, dim, algorithm)
             seen += 1
-    assert seen >= world * 4 * len(AUTO)
+    assert seen >= world * 4 * (len(_algorithms(world)) + 1)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -131,7 +138,9 @@ def test_strided_input_and_invariant_path_ran(spawned, world):
         assert torch.equal(r["strided"], reference)
         assert "c10d::alltoall_base_" in r["ops"]["all_to_all"]
         assert "c10d::send" in r["ops"]["halving"] and "c10d::recv_" in r["ops"]["halving"]
-        assert all("c10d::allreduce_" not in ops for ops in r["ops"].values())
+        assert all("c10d::allreduce_" not in ops for a, ops in r["ops"].items() if a != "pair_sum")
+        if world == 2:
+            assert "c10d::allreduce_" in r["ops"]["pair_sum"]
 
 
 def test_sub_groups_reduce_in_group_rank_order(spawned):
@@ -156,8 +165,16 @@ def test_tree_is_tp_invariant_and_plain_all_reduce_is_not(spawned):
     assert not torch.equal(vanilla[1], vanilla[2])
     assert not torch.equal(vanilla[2], vanilla[4])
     assert not torch.equal(vanilla[1], single)
-    # ... and even the tree's own sub-trees, summed by all_reduce at 4 ranks, lose the tree order.
+    # ... and even the tree's own sub-trees, summed by all_reduce at 4 ranks, lose the tree order;
+    # at 2 ranks the tree is one add, which the plain all_reduce computes too ("pair_sum").
     assert not torch.equal(results[4][0]["plain_all_reduce_of_subtrees"], single)
+    assert torch.equal(results[2][0]["plain_all_reduce_of_subtrees"], single)
+
+
+def test_pair_sum_is_refused_beyond_two_ranks(spawned):
+    for r in spawned[3][4]:
+        kind, message = r["pair_sum_refused"]
+        assert kind == "InvarianceError" and "exactly 2 ranks" in message
 
 
 # ------------------------------------------------------------------------ single process
@@ -177,10 +194,11 @@ def test_tree_over_leaves_equals_tree_over_rank_subtrees(rows, leaf_len, log_lea
 def test_auto_choice_depends_on_the_bytes_each_rank_receives():
     assert choose_algorithm(1024, 4) == "all_gather"
     assert choose_algorithm(64 << 20, 4) == "all_to_all"
-    assert choose_algorithm(8 << 20, 2, "nccl") == "all_gather"
+    assert choose_algorithm(8 << 20, 2, "nccl") == "pair_sum"  # two ranks: the tree is one add
+    assert choose_algorithm(8 << 20, 2, "gloo") == "all_to_all"
     assert choose_algorithm(8 << 20, 4, "nccl") == "all_to_all"  # receives 3 x 8 MiB
     assert {choose_algorithm(n, c, b) for n in (1 << 10, 1 << 20, 1 << 26) for c in (2, 4, 8)
-            for b in ("gloo", "nccl")} == {"all_gather", "all_to_all"}
+            for b in ("gloo", "nccl")} == {"all_gather", "all_to_all", "pair_sum"}
 
 
 # ---------------------------------------------------------------------------------- errors
