@@ -123,6 +123,21 @@ def _visibility(positions, T, window, mask):
     return seen if mask is None else seen & mask
 
 
+def _fast_cuda_attention(q, k, v, positions, cached: bool, gqa: bool):
+    """SDPA without a mask where none is needed (what a serving engine runs on a GPU), or None.
+
+    A prefill from slot 0 takes the causal flash path; a decode step in which every
+    request sits at the same position attends the used slots only.  Same function as the
+    masked call; the speed of the vanilla control on CUDA, its numerics unchanged in kind.
+    """
+    if not cached:  # without a cache the positions are arange(S): causal from slot 0
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    used = int(positions.max()) + 1 if positions.numel() else 0
+    if q.shape[2] == 1 and bool((positions == used - 1).all()):
+        return F.scaled_dot_product_attention(q, k[:, :, :used], v[:, :, :used], enable_gqa=gqa)
+    return None
+
+
 def _attention(attn, x, cos, sin, positions, mask, cache, layer, group):
     B, S, _ = x.shape
     q = _column(x, attn.q_proj, group).view(B, S, attn.local_heads, attn.head_dim)
@@ -132,10 +147,15 @@ def _attention(attn, x, cos, sin, positions, mask, cache, layer, group):
         q = _rms_norm(q, attn.q_norm.weight, attn.q_norm.eps)
         k = _rms_norm(k, attn.k_norm.weight, attn.k_norm.eps)
     q, k, v = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+    gqa = attn.local_heads != attn.local_kv_heads
     if cache is not None:
         k, v = cache.append(layer, k, v, positions)
+    if q.is_cuda and mask is None and attn.window is None:
+        out = _fast_cuda_attention(q, k, v, positions, cache is not None, gqa)
+        if out is not None:
+            return _row(out.transpose(1, 2).reshape(B, S, -1), attn.o_proj, group)
     visible = _visibility(positions, k.shape[2], attn.window, mask).unsqueeze(1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=attn.local_heads != attn.local_kv_heads)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
     return _row(out.transpose(1, 2).reshape(B, S, -1), attn.o_proj, group)
 
 

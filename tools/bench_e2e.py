@@ -1,0 +1,163 @@
+"""End to end on one device: a training step and greedy decoding, invariant path vs vanilla.
+
+The invariant path is the model itself (:class:`tpinv.models.Transformer`: the tpinv ops in
+their CUDA slots); the vanilla path is :mod:`tpinv.models.vanilla` on the same weights
+(cuBLAS, SDPA, ``F.silu``, plain RMSNorm).  Two measurements, each the median of repeated
+runs after a warm-up, in the same process:
+
+* training step: ``loss(tokens, targets).backward(w)`` at ``--batch x --seq`` tokens;
+  ratio = invariant time / vanilla time (the target is <= 1.25).
+* decoding: a prompt of ``--prompt`` tokens is prefilled into a KV cache, then ``--new``
+  greedy steps of one token for each of ``--decode-batch`` sequences; tokens/s of the decode
+  steps; ratio = invariant tokens/s / vanilla tokens/s (the target is >= 0.75).
+
+Before timing, the invariant decode is checked once against the invariant prefill of the
+same tokens (the last position's logits, bitwise) and the run stops if they differ.
+Prints a table; ``--json`` writes the records.  Runs on CPU too (a check of the script).
+
+    python tools/bench_e2e.py --model qwen3-0.6b --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from tpinv.models import Transformer, get_config
+from tpinv.models.vanilla import vanilla_forward, vanilla_loss
+
+
+def build(name: str, layers: int | None, dtype: torch.dtype, device) -> Transformer:
+    """Random weights from seed 0 (the same for both paths), on ``device``."""
+    overrides = {"dtype": dtype} if layers is None else {"dtype": dtype, "num_layers": layers}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Transformer(get_config(name, **overrides))
+    return model.to(device)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn, device, iters: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def train_step_times(model, device, batch: int, seq: int, iters: int) -> dict:
+    gen = torch.Generator().manual_seed(11)
+    vocab = model.args.vocab_size
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    targets = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    weights = (torch.rand(batch, seq, generator=gen) / (batch * seq)).to(device)
+
+    def step(loss_fn):
+        def run():
+            model.zero_grad(set_to_none=True)
+            loss_fn(tokens, targets).backward(weights)
+        return run
+
+    t_inv = median_seconds(step(model.loss), device, iters)
+    t_van = median_seconds(step(lambda t, y: vanilla_loss(model, t, y)), device, iters)
+    model.zero_grad(set_to_none=True)
+    return {"tokens": batch * seq, "invariant_s": t_inv, "vanilla_s": t_van,
+            "ratio_time": t_inv / t_van}
+
+
+def greedy_decode(forward, model, prompt: torch.Tensor, new: int, device) -> tuple[float, torch.Tensor]:
+    """Seconds of the ``new`` one-token steps (prefill excluded) and the last logits."""
+    batch = prompt.shape[0]
+    cache = model.new_cache(batch, prompt.shape[1] + new, device=device)
+    logits = forward(prompt, cache)
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(new):
+        logits = forward(token, cache)
+        token = logits[:, -1].argmax(-1, keepdim=True)
+    sync(device)
+    return time.perf_counter() - t0, logits[:, -1]
+
+
+def check_decode_equals_prefill(model, device, batch: int, prompt_len: int) -> bool:
+    """Decoding the last prompt token against the cache == prefilling the whole prompt."""
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, model.args.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    with torch.no_grad():
+        full = model(tokens)[:, -1]
+        cache = model.new_cache(batch, prompt_len + 8, device=device)
+        model(tokens[:, :-1], cache=cache)
+        step = model(tokens[:, -1:], cache=cache)[:, -1]
+    return torch.equal(full, step)
+
+
+def decode_rates(model, device, batch: int, prompt_len: int, new: int, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, model.args.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    paths = {"invariant": lambda t, c: model(t, cache=c),
+             "vanilla": lambda t, c: vanilla_forward(model, t, cache=c)}
+    out = {"decode_batch": batch, "prompt": prompt_len, "new_tokens": new}
+    with torch.no_grad():
+        for name, forward in paths.items():
+            greedy_decode(forward, model, prompt, min(new, 4), device)  # warm-up
+            runs = sorted(greedy_decode(forward, model, prompt, new, device)[0] for _ in range(repeats))
+            seconds = runs[len(runs) // 2]
+            out[f"{name}_tokens_per_s"] = batch * new / seconds
+    out["ratio_rate"] = out["invariant_tokens_per_s"] / out["vanilla_tokens_per_s"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3-0.6b", help="config name, optionally :LAYERS")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--decode-batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--json", default=None)
+    opts = p.parse_args()
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    name, _, layers = opts.model.partition(":")
+    model = build(name, int(layers) if layers else None, getattr(torch, opts.dtype), device)
+    params = sum(t.numel() for t in model.parameters())
+    if not check_decode_equals_prefill(model, device, 2, min(opts.prompt, 200)):
+        raise SystemExit("FAIL: the invariant decode step differs from the invariant prefill")
+    train = train_step_times(model, device, opts.batch, opts.seq, opts.iters)
+    decode = decode_rates(model, device, opts.decode_batch, opts.prompt, opts.new, opts.repeats)
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {dev}; model {opts.model} ({params / 1e6:.0f} M params), {opts.dtype}; "
+          f"decode == prefill bitwise: yes")
+    print(f"{'measure':<34} {'invariant':>12} {'vanilla':>12} {'ratio':>7} {'target':>8}")
+    train_label = f"train step s ({train['tokens']} tokens)"
+    decode_label = f"decode tok/s (batch {opts.decode_batch})"
+    print(f"{train_label:<34} {train['invariant_s']:>12.4f} "
+          f"{train['vanilla_s']:>12.4f} {train['ratio_time']:>7.2f} {'<= 1.25':>8}")
+    print(f"{decode_label:<34} {decode['invariant_tokens_per_s']:>12.1f} "
+          f"{decode['vanilla_tokens_per_s']:>12.1f} {decode['ratio_rate']:>7.2f} {'>= 0.75':>8}")
+    if opts.json:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
+        with open(opts.json, "w") as f:
+            json.dump({"device": dev, "model": opts.model, "params": params, "dtype": opts.dtype,
+                       "train": train, "decode": decode}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
