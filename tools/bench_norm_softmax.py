@@ -1,9 +1,11 @@
-"""Achieved memory bandwidth of the Triton RMSNorm and log-softmax kernels.
+"""Achieved memory bandwidth of the Triton RMSNorm and softmax-family kernels.
 
 Bandwidth = bytes read + written once (input, output, weight) / median time
 (``triton.testing.do_bench``), against a measured device-to-device copy and against the
-plain torch ops (the HF RMSNorm formula, ``F.log_softmax``).  Prints a Markdown table and
-writes JSON (``--json PATH``).
+plain torch ops (the HF RMSNorm formula, ``F.log_softmax``, ``torch.logsumexp``).  The
+softmax rows time the fused one-launch kernel (``log_softmax_forward_cuda``,
+``logsumexp_forward_cuda``: the row read once, plus the ``[T]`` result).  Prints a
+Markdown table and writes JSON (``--json PATH``).
 
     python tools/bench_norm_softmax.py --json out.json
 """
@@ -18,7 +20,7 @@ from triton.testing import do_bench
 
 from tpinv.contract import DEFAULT_LEAVES
 from tpinv.kernels.triton_norm import rms_norm_backward_cuda, rms_norm_forward_cuda
-from tpinv.kernels.triton_softmax import log_softmax_forward_cuda
+from tpinv.kernels.triton_softmax import log_softmax_forward_cuda, logsumexp_forward_cuda
 
 
 def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
@@ -63,6 +65,11 @@ def run(copy_gbps: float) -> list[dict]:
             ms, bw = gbps(n_bytes, lambda: log_softmax_forward_cuda(x, DEFAULT_LEAVES))
             tms, tbw = gbps(n_bytes, lambda: F.log_softmax(x, -1))
             rows.append(dict(op="log_softmax", dtype=name, T=tokens, V=vocab, ms=ms, gbps=bw,
+                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw))
+            lse_bytes = x.numel() * x.element_size() + tokens * x.element_size()
+            ms, bw = gbps(lse_bytes, lambda: logsumexp_forward_cuda(x, DEFAULT_LEAVES))
+            tms, tbw = gbps(lse_bytes, lambda: torch.logsumexp(x, -1))
+            rows.append(dict(op="logsumexp", dtype=name, T=tokens, V=vocab, ms=ms, gbps=bw,
                              frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw))
             del x
             torch.cuda.empty_cache()

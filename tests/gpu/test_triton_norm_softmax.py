@@ -49,7 +49,10 @@ def assert_rows_invariant(fn, x):
 def test_registered_in_the_cuda_slots():
     from tpinv.ops.cuda_torch import TRITON_CUDA_KERNELS
     from tpinv.ops.registry import cuda_kernel
-    assert len(TRITON_CUDA_KERNELS) == 6
+    from tpinv.ops import norm, softmax
+    ops = {op for op, _ in TRITON_CUDA_KERNELS}
+    assert {softmax.softmax_op, softmax.log_softmax_op, softmax.logsumexp_op, softmax.sum_exp_partial_op,
+            norm.rms_norm_op, norm.rms_norm_backward_op} <= ops
     assert all(cuda_kernel(op) is kernel for op, kernel in TRITON_CUDA_KERNELS)
 
 
@@ -149,6 +152,51 @@ def test_vocab_split_equals_unsplit(dtype, width):
     torch.testing.assert_close(whole, ref, rtol=1e-5, atol=0.0)
 
 
+@pytest.mark.parametrize("dtype", TOL)
+@pytest.mark.parametrize("width", (151936, 8 * 37, 8 * 4099, 8))
+def test_fused_equals_vocab_split_composition(dtype, width):
+    """One launch == amax, per-slice partials tree-combined in rank order, per-slice output."""
+    x = rand(37, width, dtype=dtype, seed=width + 1, scale=4.0)
+    m, s = ts().max_and_sum_exp_cuda(x, DEFAULT_LEAVES)
+    max_ = x.float().amax(-1)
+    assert torch.equal(m, max_)
+    fused = {"log_softmax": ts().log_softmax_forward_cuda(x, DEFAULT_LEAVES),
+             "softmax": ts().softmax_forward_cuda(x, DEFAULT_LEAVES)}
+    for ranks in (1, 2, 4, 8):
+        slices = x.chunk(ranks, -1)
+        total = tree_combine(torch.stack([ts().sum_exp_partial_cuda(sl, max_, DEFAULT_LEAVES // ranks)
+                                          for sl in slices], -1))
+        assert torch.equal(total, s), f"sum C={ranks}"
+        for name, fn in (("log_softmax", ts().log_softmax_from_parts_cuda),
+                         ("softmax", ts().softmax_from_parts_cuda)):
+            split = torch.cat([fn(sl, max_, total) for sl in slices], -1)
+            assert torch.equal(split, fused[name]), f"{name} C={ranks}"
+    lse = ts().logsumexp_forward_cuda(x, DEFAULT_LEAVES)
+    assert torch.equal(lse, cpu_softmax.logsumexp_from_parts(max_, s).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", TOL)
+def test_fused_rows_invariant_at_vocab_width(dtype):
+    """Rows alone, in a batch larger than the persistent grid, and beside junk rows."""
+    x = rand(300, 151936 // 8 * 2, dtype=dtype, seed=21)
+    for name in ("log_softmax", "softmax", "logsumexp"):
+        fn = getattr(ts(), f"{name}_forward_cuda")
+        assert_rows_invariant(lambda t: fn(t, DEFAULT_LEAVES), x)
+    big = rand(1100, 151936, dtype=dtype, seed=22)
+    full = ts().log_softmax_forward_cuda(big, DEFAULT_LEAVES)
+    for lo, hi in ((0, 1), (517, 518), (1099, 1100), (3, 300)):
+        assert torch.equal(ts().log_softmax_forward_cuda(big[lo:hi], DEFAULT_LEAVES), full[lo:hi])
+
+
+def test_fused_config_knobs_do_not_move_bits():
+    """Row chunk, warps, grid size, leaf grouping and eviction hints are speed choices only."""
+    x = rand(50, 151936, dtype=torch.bfloat16, seed=23)
+    want = ts()._fused(x, DEFAULT_LEAVES, ts()._MODE_LOG)
+    for config in ((4096, 4, 1, 1, False), (32768, 16, 3, 8, True), (8192, 8, 1, 2, True)):
+        got = ts()._fused(x, DEFAULT_LEAVES, ts()._MODE_LOG, config)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), config
+
+
 def test_plain_vocab_split_and_batch_controls():
     x = rand(6, 151936, seed=12)
     max_ = x.amax(-1, keepdim=True)
@@ -169,6 +217,9 @@ def test_infinite_rows_and_errors():
     x[1] = float("-inf")
     lse = ts().logsumexp_forward_cuda(x, DEFAULT_LEAVES)
     assert torch.isneginf(lse[1]) and torch.isfinite(lse[[0, 2]]).all()
+    x[2, 7] = float("nan")
+    m, _ = ts().max_and_sum_exp_cuda(x, DEFAULT_LEAVES)
+    assert torch.isnan(m[2]) and torch.equal(m[[0, 1]], x.amax(-1)[[0, 1]])
     with pytest.raises(Exception, match="divisible|multiple"):
         ts().log_softmax_forward_cuda(rand(2, 63), DEFAULT_LEAVES)
     with pytest.raises(Exception, match=r"\(64,\)"):

@@ -1,0 +1,230 @@
+"""The Triton softmax kernels under Triton's interpreter (CPU tensors), bitwise.
+
+Checked: the fused one-launch kernel gives the bits of the split composition -- exact
+``amax``, :func:`sum_exp_partial_cuda` on ``C`` vocabulary slices combined by
+``tree_combine`` in rank order, the from-parts output kernel on each slice -- for
+``C = 1, 2, 4, 8``, ``leaves = 1, 2, 4, 8``, fp32 and fp16, with one and with many
+``BLOCK`` steps per leaf; a row's bits alone == in a batch == beside junk rows, for several
+persistent-grid sizes and leaf groupings; the lane fold is contiguous halving and the leaf
+combine the adjacent-pair tree; parity with :mod:`tpinv.kernels.cpu_softmax`.
+
+The interpreter needs ``TRITON_INTERPRET=1`` before triton is first imported, and other
+test modules in the same process may have imported it already, so the checks run in one
+child process (this file run as a script) and each test reads its outcome.  Negative
+controls (plain torch, in this process): a vocabulary-parallel sum in the usual order and a
+lane fold in another order both change the bits.  The batch-size control of the plain
+path (``F.log_softmax``) needs a GPU: ``tests/gpu/test_triton_norm_softmax.py``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKS = ("fused_equals_split_composition", "rows_alone_equal_batch", "fold_and_tree_order",
+          "parity_with_cpu_kernels", "infinite_and_nan_rows", "from_parts_errors")
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_interpreted(outcomes, name):
+    assert outcomes.get(name) == "ok", outcomes.get(name, f"check {name} did not run")
+
+
+def test_plain_vocab_split_sum_control():
+    """The usual vocab-parallel sum (each rank sums its slice, partials added in turn) moves bits."""
+    gen = torch.Generator().manual_seed(1)
+    e = torch.exp(3 * torch.randn(16, 8 * 1024, generator=gen))
+    whole = e.sum(-1)
+    differs = []
+    for ranks in (2, 4, 8):
+        parts = [c.sum(-1) for c in e.chunk(ranks, -1)]
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        differs.append(not torch.equal(total, whole))
+    assert any(differs)
+
+
+def test_lane_fold_order_control():
+    """Folding the same lanes in another order (left to right) gives other bits: the order is fixed."""
+    gen = torch.Generator().manual_seed(2)
+    lanes = torch.exp(4 * torch.randn(64, 256, generator=gen))
+    halving = lanes
+    while halving.shape[-1] > 1:
+        half = halving.shape[-1] // 2
+        halving = halving[:, :half] + halving[:, half:]
+    serial = lanes[:, 0].clone()
+    for i in range(1, lanes.shape[-1]):
+        serial = serial + lanes[:, i]
+    assert not torch.equal(halving.squeeze(-1), serial)
+
+
+# ---------------------------------------------------------------- the child process
+
+def _rand(rows, width, dtype, seed, scale=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(rows, width, generator=gen)).to(dtype)
+
+
+def _check_fused_equals_split_composition(ts):
+    from tpinv.contract import tree_combine
+    from tpinv.kernels.cpu_softmax import logsumexp_from_parts
+    for max_block in (ts._MAX_LEAF_BLOCK, 16):        # one BLOCK step per leaf, then many
+        ts._MAX_LEAF_BLOCK = max_block
+        for dtype in (torch.float32, torch.float16):
+            for leaves in (1, 2, 4, 8):
+                x = _rand(5, leaves * 37, dtype, seed=leaves)
+                m, s = ts.max_and_sum_exp_cuda(x, leaves)
+                m_ref = x.float().amax(-1)
+                assert torch.equal(m, m_ref), (dtype, leaves, "max")
+                outs = {"log_softmax": ts.log_softmax_forward_cuda(x, leaves),
+                        "softmax": ts.softmax_forward_cuda(x, leaves)}
+                for ranks in (c for c in (1, 2, 4, 8) if c <= leaves):
+                    slices = x.chunk(ranks, -1)
+                    parts = [ts.sum_exp_partial_cuda(sl, m_ref, leaves // ranks) for sl in slices]
+                    s_ref = tree_combine(torch.stack(parts, -1))
+                    where = (max_block, dtype, leaves, ranks)
+                    assert torch.equal(s, s_ref), where
+                    for name, fn in (("log_softmax", ts.log_softmax_from_parts_cuda),
+                                     ("softmax", ts.softmax_from_parts_cuda)):
+                        split = torch.cat([fn(sl, m_ref, s_ref) for sl in slices], -1)
+                        assert torch.equal(outs[name], split), (name, *where)
+                lse = ts.logsumexp_forward_cuda(x, leaves)
+                assert torch.equal(lse, logsumexp_from_parts(m_ref, s).to(dtype)), (dtype, leaves)
+    ts._MAX_LEAF_BLOCK = 4096
+
+
+def _check_rows_alone_equal_batch(ts):
+    ts._MAX_LEAF_BLOCK = 16
+    try:
+        for dtype in (torch.float32, torch.float16):
+            x = _rand(9, 8 * 21, dtype, seed=3)
+            junk = _rand(4, 8 * 21, dtype, seed=4, scale=30.0)
+            full = ts._fused(x, 8, ts._MODE_LOG)
+            for programs in (1, 2, 5):
+                ts._PROGRAMS_OFF_CUDA = programs
+                for lo, hi in ((0, 1), (4, 5), (8, 9), (2, 7), (0, 9)):
+                    part = ts._fused(x[lo:hi], 8, ts._MODE_LOG)
+                    for got, want in zip(part, full):
+                        assert torch.equal(got, want[lo:hi]), (dtype, programs, lo, hi)
+                padded = ts._fused(torch.cat([junk[:2], x, junk[2:]]), 8, ts._MODE_LOG)
+                for got, want in zip(padded, full):
+                    assert torch.equal(got[2:11], want), (dtype, programs, "padding rows")
+            ts._PROGRAMS_OFF_CUDA = 3
+            row_block, warps, per_sm, _, evict = ts._FUSED_CONFIG[dtype]
+            for group in (1, 2, 4, 8):                 # leaves summed side by side
+                for mode in (ts._MODE_LOG, ts._MODE_SOFTMAX):
+                    got = ts._fused(x, 8, mode, (64, warps, per_sm, group, evict))
+                    want = full if mode == ts._MODE_LOG else ts._fused(x, 8, mode)
+                    for a, b in zip(got, want):
+                        assert torch.equal(a, b), (dtype, group, mode)
+    finally:
+        ts._MAX_LEAF_BLOCK, ts._PROGRAMS_OFF_CUDA = 4096, 3
+
+
+def _check_fold_and_tree_order(ts):
+    import triton
+    import triton.language as tl
+
+    from tpinv.contract import tree_combine
+
+    globals().update(_fold_lanes=ts._fold_lanes, _pair_tree=ts._pair_tree)   # jit resolves globals
+
+    @triton.jit
+    def fold_kernel(v_ptr, out_ptr, GROUP: tl.constexpr, LOG2_GROUP: tl.constexpr,
+                    BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+        idx = tl.arange(0, GROUP)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        folded = _fold_lanes(tl.load(v_ptr + idx), GROUP, BLOCK, LOG2_BLOCK)
+        tl.store(out_ptr + tl.arange(0, GROUP), folded)
+        tl.store(out_ptr + GROUP, _pair_tree(folded, GROUP, LOG2_GROUP))
+
+    gen = torch.Generator().manual_seed(5)
+    v = torch.exp(4 * torch.randn(8, 64, generator=gen))
+    out = torch.empty(9)
+    fold_kernel[(1,)](v, out, GROUP=8, LOG2_GROUP=3, BLOCK=64, LOG2_BLOCK=6)
+    halving = v
+    while halving.shape[-1] > 1:
+        half = halving.shape[-1] // 2
+        halving = halving[:, :half] + halving[:, half:]
+    assert torch.equal(out[:8], halving.squeeze(-1)), "lane fold is not contiguous halving"
+    assert torch.equal(out[8], tree_combine(halving.squeeze(-1))), "leaf combine is not the pair tree"
+
+
+def _check_parity_with_cpu_kernels(ts):
+    from tpinv.kernels import cpu_softmax
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        x = _rand(4, 8 * 45, dtype, seed=6)
+        for name in ("log_softmax", "softmax", "logsumexp"):
+            got = getattr(ts, f"{name}_forward_cuda")(x, 8)
+            want = getattr(cpu_softmax, f"{name}_forward")(x, 8)
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        max_ = x.float().amax(-1)
+        torch.testing.assert_close(ts.sum_exp_partial_cuda(x, max_, 8),
+                                   cpu_softmax.sum_exp_partial(x, max_, 8), rtol=1e-5, atol=0.0)
+
+
+def _check_infinite_and_nan_rows(ts):
+    from tpinv.kernels import cpu_softmax
+    x = _rand(4, 64, torch.float32, seed=7)
+    x[0] = float("-inf")
+    x[1, 5] = float("inf")
+    x[2, 9] = float("nan")
+    m, _ = ts.max_and_sum_exp_cuda(x, 8)
+    assert torch.isnan(m[2]) and torch.equal(m[[0, 1, 3]], x.amax(-1)[[0, 1, 3]]), "max as torch.amax"
+    for name in ("log_softmax", "softmax", "logsumexp"):
+        got = getattr(ts, f"{name}_forward_cuda")(x, 8)
+        want = getattr(cpu_softmax, f"{name}_forward")(x, 8)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert torch.isneginf(ts.logsumexp_forward_cuda(x, 8)[0])
+
+
+def _check_from_parts_errors(ts):
+    x = _rand(3, 16, torch.float32, seed=8)
+    m, s = ts.max_and_sum_exp_cuda(x, 8)
+    for bad, err in (((x, m.half(), s), TypeError), ((x, m, s[:2]), ValueError)):
+        try:
+            ts.log_softmax_from_parts_cuda(*bad)
+        except err:
+            continue
+        raise AssertionError(f"expected {err.__name__} for {[tuple(t.shape) for t in bad]}")
+
+
+def _run_checks() -> dict:
+    torch.set_num_threads(1)
+    from tpinv.kernels import triton_softmax as ts
+    results = {}
+    for name in CHECKS:
+        try:
+            globals()[f"_check_{name}"](ts)
+            results[name] = "ok"
+        except Exception:                                # reported to the parent test
+            results[name] = traceback.format_exc()
+    return results
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1 (set before triton is imported)")
+    print(json.dumps(_run_checks()))
