@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tpinv.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_tp_size
+from tpinv.kernels.cpu_norm import check_rms_norm_inputs
 from tpinv.kernels.cpu_tree import halving_sum
 from tpinv.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                           vocab_parallel_cross_entropy)
@@ -27,6 +28,7 @@ from tpinv.mappings import gather_from_tensor_model_parallel_region
 from tpinv.models.args import ModelArgs
 from tpinv.models.kv_cache import KVCache
 from tpinv.ops import apply_rope, attention, rms_norm, rope_cos_sin, silu_mul
+from tpinv.ops.norm import rms_norm_backward_heads_op, rms_norm_op
 from tpinv.reduce import all_gather
 
 #: Std of the normal init of projection and embedding weights (HF ``initializer_range``).
@@ -60,24 +62,29 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-class _ShareAcrossHeads(torch.autograd.Function):
-    """``weight [D] -> [local heads, D]``; backward sums the gradient over *all* heads.
+class _HeadRMSNorm(torch.autograd.Function):
+    """RMSNorm of every head of ``x [..., heads, D]`` with one shared ``weight [D]``.
 
-    Each rank holds the per-head gradients of its heads; they are gathered exactly (rank
-    order = head order) and reduced over the full head count in a fixed order, so every
-    rank and every TP size gets the same bits.
+    Forward and ``dx`` are one call each (rows are independent, so a head's bits are those
+    of a call on that head alone).  The weight gradient is each head's own token sum
+    (:func:`tpinv.ops.norm.rms_norm_backward_heads_op`), gathered exactly across the TP
+    group (rank order = head order) and summed over *all* heads by a fixed halving, so
+    every rank and every TP size gets the same bits.
     """
 
     @staticmethod
-    def forward(ctx, weight, local_heads, group):
-        ctx.group, ctx.dtype = group, weight.dtype
-        return weight.unsqueeze(0).expand(local_heads, -1).clone()
+    def forward(ctx, x, weight, eps, group):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.group = eps, group
+        return rms_norm_op(x, weight, eps)
 
     @staticmethod
     def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x, per_head = rms_norm_backward_heads_op(grad.contiguous(), x, weight, ctx.eps)
         if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
-            grad = all_gather(grad.contiguous(), ctx.group, dim=0)
-        return halving_sum(grad.float().t()).to(ctx.dtype), None, None
+            per_head = all_gather(per_head.contiguous(), ctx.group, dim=0)
+        return grad_x, halving_sum(per_head.float().t()).to(weight.dtype), None, None
 
 
 class HeadRMSNorm(RMSNorm):
@@ -88,11 +95,8 @@ class HeadRMSNorm(RMSNorm):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One call per head: each head's weight gradient is then a token sum of its own,
-        # independent of how many heads this rank holds.
-        per_head = _ShareAcrossHeads.apply(self.weight, x.shape[-2], self.group).unbind(0)
-        heads = [rms_norm(x[..., h, :].contiguous(), w, self.eps) for h, w in enumerate(per_head)]
-        return torch.stack(heads, dim=-2)
+        check_rms_norm_inputs(x, self.weight, self.eps)
+        return _HeadRMSNorm.apply(x.contiguous(), self.weight, float(self.eps), self.group)
 
 
 class Attention(torch.nn.Module):

@@ -97,6 +97,22 @@ def test_rms_norm_backward_rows_and_dweight_padding():
     torch.testing.assert_close(dw.float(), rdw, rtol=2e-2, atol=2e-1)
 
 
+def test_rms_norm_backward_heads_is_each_head_alone_and_control():
+    """Qwen3 q/k norm: one launch for every head; each head's dweight row has the bits of a
+    call on that head alone (and one token sum over all rows does not, with 6 heads)."""
+    x = rand(2, 300, 6, 128, dtype=torch.bfloat16, seed=6)
+    g = rand(2, 300, 6, 128, dtype=torch.bfloat16, seed=7)
+    w = (torch.rand(128, device=DEV) + 0.5).to(torch.bfloat16)
+    dx, per_head = tn().rms_norm_backward_heads_cuda(g, x, w, 1e-6)
+    for h in range(6):
+        dx_h, dw_h = tn().rms_norm_backward_cuda(g[..., h, :].contiguous(), x[..., h, :].contiguous(), w, 1e-6)
+        assert torch.equal(dx[..., h, :], dx_h) and torch.equal(per_head[h], dw_h), h
+    _, all_rows = tn().rms_norm_backward_cuda(g.float() * 1e3, x.float(), w.float(), 1e-6)
+    _, heads32 = tn().rms_norm_backward_heads_cuda(g.float() * 1e3, x.float(), w.float(), 1e-6)
+    from tpinv.kernels.cpu_tree import halving_sum
+    assert not torch.equal(halving_sum(heads32.t()), all_rows)
+
+
 def test_rms_norm_backward_fp32_parity_with_torch_code():
     x, g = rand(37, 777, seed=6), rand(37, 777, seed=7)
     w = torch.rand(777, device=DEV) + 0.5

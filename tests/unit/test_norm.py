@@ -14,7 +14,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from tpinv.testing import num_threads
 from tpinv.contract import InvarianceError
-from tpinv.ops.norm import rms_norm, rms_norm_backward_op, rms_norm_op
+from tpinv.kernels.cpu_tree import halving_sum
+from tpinv.ops.norm import rms_norm, rms_norm_backward_heads_op, rms_norm_backward_op, rms_norm_op
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.testing import record_ops
 
@@ -229,3 +230,36 @@ def test_bad_inputs():
         rms_norm(x, weight.to(torch.int32))
     with pytest.raises(ValueError, match="eps"):
         rms_norm(x, weight, -1.0)
+
+# ------------------------------------------------------------------ per-head weight gradient
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_heads_is_each_head_alone(dtype):
+    """One call over [B, S, heads, D]: dx and each head's dweight row are the bits of a call
+    on that head's slice alone."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 37, 6, 16, generator=gen) * 3).to(dtype)
+    grad = torch.randn(2, 37, 6, 16, generator=gen).to(dtype)
+    w = (1 + 0.2 * torch.randn(16, generator=gen)).to(dtype)
+    dx, per_head = rms_norm_backward_heads_op(grad, x, w, EPS)
+    assert per_head.shape == (6, 16) and per_head.dtype == dtype
+    for h in range(6):
+        dx_h, dw_h = rms_norm_backward_op(grad[..., h, :].contiguous(), x[..., h, :].contiguous(), w, EPS)
+        assert torch.equal(dx[..., h, :], dx_h) and torch.equal(per_head[h], dw_h)
+
+
+def test_backward_heads_one_token_sum_differs_control():
+    """Negative control: one token sum over all (token, head) rows is not the per-head order
+    (with 6 heads: for a power-of-two head count the interleaved halving factorises)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 41, 6, 16, generator=gen) * 10.0 ** torch.randint(-3, 4, (3, 41, 6, 16), generator=gen)
+    grad = torch.randn(3, 41, 6, 16, generator=gen)
+    w = torch.rand(16, generator=gen) + 0.5
+    _, per_head = rms_norm_backward_heads_op(grad, x, w, EPS)
+    _, all_rows = rms_norm_backward_op(grad, x, w, EPS)
+    assert not torch.equal(halving_sum(per_head.t()), all_rows)
+    torch.testing.assert_close(halving_sum(per_head.t()), all_rows, rtol=1e-4, atol=1e-4)
+
+
+def test_backward_heads_needs_a_head_dim():
+    with pytest.raises(InvarianceError, match=r"\[\.\.\., heads, H\]"):
+        rms_norm_backward_heads_op(torch.ones(16), torch.ones(16), torch.ones(16), EPS)

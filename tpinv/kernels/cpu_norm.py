@@ -84,16 +84,48 @@ def _sum_over_tokens(values: torch.Tensor) -> torch.Tensor:
     return leaf_tree_sum(flat.transpose(0, 1), 1)
 
 
+def sum_over_tokens_per_head(values: torch.Tensor) -> torch.Tensor:
+    """Fixed-order sum of ``[..., heads, H]`` over every leading dim: ``[heads, H]`` (fp32).
+
+    Each head's sum is the one :func:`_sum_over_tokens` gives for that head's slice alone
+    (the same contiguous halving over tokens, batched over heads by exact elementwise adds).
+    """
+    flat = values.reshape(-1, values.shape[-2], values.shape[-1])
+    return leaf_tree_sum(flat.permute(1, 2, 0), 1)
+
+
+def check_per_head_inputs(x: torch.Tensor) -> None:
+    if x.dim() < 2:
+        raise InvarianceError(f"rms_norm_backward_heads needs x of shape [..., heads, H], got "
+                              f"{tuple(x.shape)}")
+
+
+def rms_norm_backward_heads(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight per head [heads, H])`` for ``x [..., heads, H]`` sharing one ``weight``.
+
+    Row ``h`` of the weight gradient has the bits :func:`rms_norm_backward` gives for the
+    slice ``x[..., h, :]`` alone, so heads may be summed later in a fixed global order.
+    """
+    check_rms_norm_backward_inputs(grad, x, weight, eps)
+    check_per_head_inputs(x)
+    return _backward(grad, x, weight, eps, sum_over_tokens_per_head)
+
+
 def rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)`` of :func:`rms_norm_forward`, in ``x.dtype`` and ``weight.dtype``."""
     check_rms_norm_backward_inputs(grad, x, weight, eps)
+    return _backward(grad, x, weight, eps, _sum_over_tokens)
+
+
+def _backward(grad, x, weight, eps, token_sum):
     hidden = x.shape[-1]
     x_f32 = x.to(torch.float32)
     grad_f32 = grad.to(torch.float32)
     r = rms_reciprocal(x_f32, eps)
     normed = (x_f32 * r).to(x.dtype).to(torch.float32)
-    grad_weight = _sum_over_tokens(grad_f32 * normed).to(weight.dtype)
+    grad_weight = token_sum(grad_f32 * normed).to(weight.dtype)
     grad_normed = grad_f32 * weight.to(torch.float32)
     dot = leaf_tree_sum(grad_normed * x_f32, 1).unsqueeze(-1)
     coeff = (((r * r) * r) * dot) / hidden

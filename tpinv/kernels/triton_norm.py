@@ -20,11 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.cpu_norm import (check_rms_norm_backward_inputs, check_rms_norm_inputs, rms_norm_backward,
-                                    rms_norm_forward, rms_norm_out_dtype)
+from tpinv.kernels.cpu_norm import (check_per_head_inputs, check_rms_norm_backward_inputs, check_rms_norm_inputs,
+                                    rms_norm_backward, rms_norm_backward_heads, rms_norm_forward,
+                                    rms_norm_out_dtype, sum_over_tokens_per_head)
 from tpinv.kernels.cpu_tree import leaf_tree_sum
 
-__all__ = ["rms_norm_forward_cuda", "rms_norm_backward_cuda", "MAX_HIDDEN"]
+__all__ = ["rms_norm_forward_cuda", "rms_norm_backward_cuda", "rms_norm_backward_heads_cuda",
+           "MAX_HIDDEN"]
 
 #: Largest hidden size one program holds in registers (one row per program); wider rows run
 #: the fixed-order torch code of :mod:`tpinv.kernels.cpu_norm` (also a function of ``H`` only).
@@ -99,13 +101,10 @@ def rms_norm_forward_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     return out.reshape(x.shape)
 
 
-def rms_norm_backward_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dweight)`` in ``x.dtype`` / ``weight.dtype``; see the module docstring."""
-    check_rms_norm_backward_inputs(grad, x, weight, eps)
+def _backward_rows(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dx`` (x's shape) and the fp32 ``[rows, H]`` weight-gradient contributions."""
     hidden = x.shape[-1]
-    if hidden > MAX_HIDDEN:
-        return rms_norm_backward(grad, x, weight, eps)
     rows, grads = _rows(x), _rows(grad)
     n_rows = rows.shape[0]
     grad_x = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
@@ -115,5 +114,28 @@ def rms_norm_backward_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Te
         _rms_norm_bwd_kernel[(n_rows,)](grads, rows, weight.contiguous(), grad_x, contrib, hidden,
                                         float(hidden), float(eps), grads.stride(0), rows.stride(0),
                                         grad_x.stride(0), BLOCK=block, num_warps=warps)
+    return grad_x.reshape(x.shape), contrib
+
+
+def rms_norm_backward_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` in ``x.dtype`` / ``weight.dtype``; see the module docstring."""
+    check_rms_norm_backward_inputs(grad, x, weight, eps)
+    if x.shape[-1] > MAX_HIDDEN:
+        return rms_norm_backward(grad, x, weight, eps)
+    grad_x, contrib = _backward_rows(grad, x, weight, eps)
     grad_weight = leaf_tree_sum(contrib.transpose(0, 1), 1).to(weight.dtype)
-    return grad_x.reshape(x.shape), grad_weight
+    return grad_x, grad_weight
+
+
+def rms_norm_backward_heads_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight per head [heads, H])`` for ``x [..., heads, H]``: one launch for all
+    heads; head ``h``'s row has the bits :func:`rms_norm_backward_cuda` gives its slice."""
+    check_rms_norm_backward_inputs(grad, x, weight, eps)
+    check_per_head_inputs(x)
+    if x.shape[-1] > MAX_HIDDEN:
+        return rms_norm_backward_heads(grad, x, weight, eps)
+    grad_x, contrib = _backward_rows(grad, x, weight, eps)
+    heads = sum_over_tokens_per_head(contrib.view(-1, x.shape[-2], x.shape[-1]))
+    return grad_x, heads.to(weight.dtype)

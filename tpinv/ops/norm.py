@@ -15,7 +15,7 @@ from torch import Tensor
 from tpinv.kernels import cpu_norm
 from tpinv.ops.registry import define_op
 
-__all__ = ["rms_norm", "rms_norm_op", "rms_norm_backward_op"]
+__all__ = ["rms_norm", "rms_norm_op", "rms_norm_backward_op", "rms_norm_backward_heads_op"]
 
 
 @define_op("rms_norm")
@@ -26,6 +26,20 @@ def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 @define_op("rms_norm_backward")
 def rms_norm_backward_op(grad: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return cpu_norm.rms_norm_backward(grad, x, weight, eps)
+
+
+@define_op("rms_norm_backward_heads")
+def rms_norm_backward_heads_op(grad: Tensor, x: Tensor, weight: Tensor,
+                               eps: float) -> tuple[Tensor, Tensor]:
+    """For ``x [..., heads, H]``: ``(dx, dweight [heads, H])``, each head's token sum apart."""
+    return cpu_norm.rms_norm_backward_heads(grad, x, weight, eps)
+
+
+@rms_norm_backward_heads_op.register_fake
+def _rms_norm_backward_heads_fake(grad, x, weight, eps):
+    cpu_norm.check_rms_norm_inputs(x, weight, eps)
+    cpu_norm.check_per_head_inputs(x)
+    return torch.empty_like(x), weight.new_empty((x.shape[-2], x.shape[-1]))
 
 
 @rms_norm_op.register_fake
