@@ -87,6 +87,13 @@ class _HeadRMSNorm(torch.autograd.Function):
         return grad_x, halving_sum(per_head.float().t()).to(weight.dtype), None, None
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group) -> torch.Tensor:
+    """RMSNorm over the last dim of every head of ``x [..., heads, D]`` (one shared weight),
+    with a weight gradient that is the same at every TP size (``group``: the TP group)."""
+    check_rms_norm_inputs(x, weight, eps)
+    return _HeadRMSNorm.apply(x.contiguous(), weight, float(eps), group)
+
+
 class HeadRMSNorm(RMSNorm):
     """RMSNorm over head_dim applied to each head of ``x [B, S, heads, D]`` (Qwen3 q/k norm)."""
 
@@ -95,8 +102,7 @@ class HeadRMSNorm(RMSNorm):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_rms_norm_inputs(x, self.weight, self.eps)
-        return _HeadRMSNorm.apply(x.contiguous(), self.weight, float(self.eps), self.group)
+        return head_rms_norm(x, self.weight, self.eps, self.group)
 
 
 class Attention(torch.nn.Module):

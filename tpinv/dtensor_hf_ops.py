@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from tpinv.contract import InvarianceError
 from tpinv.dtensor_styles import ShardedHeads, local, replace_forward
-from tpinv.models.transformer import _ShareAcrossHeads  # tpinv's cross-head weight-gradient sum
+from tpinv.models.transformer import head_rms_norm  # tpinv's cross-head weight-gradient sum
 from tpinv.ops import apply_rope, attention, rms_norm, rope_cos_sin, silu_mul
 
 __all__ = ["TpinvRMSNorm", "TpinvHeadRMSNorm", "TpinvRotary", "TpinvMLP", "TpinvAttention"]
@@ -42,19 +42,14 @@ class TpinvRMSNorm(ParallelStyle):
 
 
 class TpinvHeadRMSNorm(ParallelStyle):
-    """Qwen3's q/k norm on ``[..., heads, D]``: one ``rms_norm`` per head; the shared weight's
+    """Qwen3's q/k norm on ``[..., heads, D]``: tpinv's ``head_rms_norm``; the shared weight's
     gradient is summed over all heads of all ranks in a fixed order (as tpinv's own model
     does), so it is the same on every rank and at every TP size."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         eps, group = _eps(module), device_mesh.get_group()
 
-        def forward(mod, x):
-            per_head = _ShareAcrossHeads.apply(mod.weight, x.shape[-2], group).unbind(0)
-            heads = [rms_norm(x[..., h, :].contiguous(), w, eps) for h, w in enumerate(per_head)]
-            return torch.stack(heads, dim=-2)
-
-        replace_forward(module, forward)
+        replace_forward(module, lambda mod, x: head_rms_norm(x, mod.weight, eps, group))
         return module
 
 

@@ -49,10 +49,11 @@ def assert_rows_invariant(fn, x):
 def test_registered_in_the_cuda_slots():
     from tpinv.ops.cuda_torch import TRITON_CUDA_KERNELS
     from tpinv.ops.registry import cuda_kernel
-    from tpinv.ops import norm, softmax
+    from tpinv.ops.norm import rms_norm_backward_heads_op, rms_norm_backward_op, rms_norm_op
+    from tpinv.ops.softmax import log_softmax_op, logsumexp_op, softmax_op, sum_exp_partial_op
     ops = {op for op, _ in TRITON_CUDA_KERNELS}
-    assert {softmax.softmax_op, softmax.log_softmax_op, softmax.logsumexp_op, softmax.sum_exp_partial_op,
-            norm.rms_norm_op, norm.rms_norm_backward_op} <= ops
+    assert {softmax_op, log_softmax_op, logsumexp_op, sum_exp_partial_op, rms_norm_op,
+            rms_norm_backward_op, rms_norm_backward_heads_op} <= ops
     assert all(cuda_kernel(op) is kernel for op, kernel in TRITON_CUDA_KERNELS)
 
 
