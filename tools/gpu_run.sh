@@ -1,25 +1,53 @@
 #!/usr/bin/env bash
-# One lent-GPU session: environment facts, the GPU test suite, the matmul and reducer benchmarks.
+# One lent-GPU session: environment facts, the GPU test suite, the kernel benchmarks, the end-to-end
+# comparison with the vanilla path and (2 GPUs) the reducer and the decoder at TP=1 vs TP=2.
 # Run from the repository root on the GPU machine; results go to $OUT (default runs/gpu).
+# STEPS (default all but matmul) picks a subset, run in this order:
+#   reduce,model,e2e,tests,attention,elementwise,softmax,matmul
+# TESTS (default tests/gpu) narrows the test step; MODEL_SEQ (default 256) is the 2-GPU model's length.
 set -u
 OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
+STEPS=${STEPS:-reduce,model,e2e,tests,attention,elementwise,softmax}
+TESTS=${TESTS:-tests/gpu}; MODEL_SEQ=${MODEL_SEQ:-256}
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
 # tpinv.models is the top-level models/ folder mapped by setup.cfg: install in place, offline.
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-echo "== GPU tests"
-python3 -m pytest tests/gpu -q -n 8 2>&1 | tail -5
-if [ "$NGPU" -ge 2 ]; then
+if [ "$NGPU" -ge 2 ] && want reduce; then
   echo "== tree reducer vs NCCL all_reduce, $NGPU GPUs"
-  torchrun --nproc-per-node "$NGPU" tools/bench_reduce.py --backend nccl \
+  timeout 240 torchrun --nproc-per-node "$NGPU" tools/bench_reduce.py --backend nccl \
     --sizes 4K,64K,1M,4M,16M,64M,256M --iters 20 --json "$OUT/bench_reduce_nccl.json" 2>&1 | grep -v "^W1" | tail -40
 fi
-echo "== contract matmul vs cuBLAS"
-python3 tools/bench_matmul.py --json "$OUT/bench_matmul.json" 2>&1 | tail -20
-if [ "$NGPU" -ge 2 ]; then
+if [ "$NGPU" -ge 2 ] && want model; then
   echo "== decoder at TP=1 vs TP=2 over NCCL"
-  torchrun --nproc-per-node 2 tools/gpu_model_tp.py --models qwen3-tiny,qwen3-0.6b:24 --seq 32 \
+  timeout 300 torchrun --nproc-per-node 2 tools/gpu_model_tp.py --models qwen3-tiny,qwen3-0.6b:24 --seq "$MODEL_SEQ" \
     --json "$OUT/gpu_model_tp.json" 2>&1 | grep -v "^W1" | tail -20
+fi
+if want e2e; then
+  echo "== end to end: training step and decode, invariant vs vanilla"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 tools/bench_e2e.py --model qwen3-0.6b --json "$OUT/bench_e2e.json" 2>&1 | tail -6
+fi
+if want tests; then
+  echo "== GPU tests"
+  timeout 400 python3 -m pytest $TESTS -q -n 8 -rf --junitxml "$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-300 | head -30; tail -2 "$OUT/gpu_tests.log"
+fi
+if want attention; then
+  echo "== attention vs SDPA"
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 tools/bench_attention.py --check --json "$OUT/bench_attention.json" 2>&1 | tail -25
+fi
+if want elementwise; then
+  echo "== SiLU-and-mul and RoPE bandwidth"
+  CUDA_VISIBLE_DEVICES=0 timeout 180 python3 tools/bench_elementwise.py --json "$OUT/bench_elementwise.json" 2>&1 | tail -20
+fi
+if want softmax; then
+  echo "== RMSNorm and softmax bandwidth"
+  CUDA_VISIBLE_DEVICES=0 timeout 180 python3 tools/bench_norm_softmax.py --json "$OUT/bench_norm_softmax.json" 2>&1 | tail -20
+fi
+if want matmul; then
+  echo "== contract matmul vs cuBLAS"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 tools/bench_matmul.py --json "$OUT/bench_matmul.json" 2>&1 | tail -20
 fi

@@ -28,13 +28,10 @@ def test_other_slots_hold_the_ops_own_fixed_order_code(op):
 def test_attention_slots_registered():
     for name in ("tpinv::attention", "tpinv::attention_backward"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
-    # The CUDA kernel is the CPU kernel's code: run it on CPU tensors and compare the bits.
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
-    pos = torch.arange(5).unsqueeze(0)
-    out, lse = cuda_torch._attention_cuda(q, k, v, pos, None, True, None, 8 ** -0.5)
-    ref_out, ref_lse = attention_op(q, k, v, pos, None, True, None, 8 ** -0.5)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    # The CUDA slots hold the Triton kernels (tests/gpu/test_triton_attention.py runs them).
+    assert "triton_attention" in cuda_torch._attention_triton.__code__.co_names or \
+        "attention_forward_cuda" in cuda_torch._attention_triton.__code__.co_names
+    assert "attention_backward_cuda" in cuda_torch._attention_backward_triton.__code__.co_names
 
 
 def test_an_unfilled_slot_raises_instead_of_falling_back():

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tpinv.kernels.cpu_attention import attention_forward
-from tpinv.kernels.cpu_attention_bwd import attention_backward
 from tpinv.ops.activation import silu_mul_backward_op, silu_mul_op
 from tpinv.ops.attention import attention_backward_op, attention_op
 from tpinv.ops.embedding import embedding_backward_op, embedding_op
 from tpinv.ops.linear import tree_sum_op
-from tpinv.ops.norm import rms_norm_backward_op, rms_norm_op
+from tpinv.ops.norm import rms_norm_backward_heads_op, rms_norm_backward_op, rms_norm_op
 from tpinv.ops.registry import has_cuda_kernel, register_cuda_kernel
 from tpinv.ops.rope import apply_rope_backward_op, apply_rope_op
 from tpinv.ops.softmax import (
@@ -40,10 +38,8 @@ __all__ = ["TORCH_CUDA_OPS", "TRITON_CUDA_KERNELS", "register_torch_cuda_kernels
 #: Ops defined with :func:`tpinv.ops.registry.define_op` whose CUDA slot gets their torch code.
 #: (The ops in :data:`TRITON_CUDA_KERNELS` get a Triton kernel instead.)
 TORCH_CUDA_OPS = (
-    silu_mul_op, silu_mul_backward_op,
     embedding_op, embedding_backward_op,
     tree_sum_op,
-    apply_rope_op, apply_rope_backward_op,
     softmax_backward_op, log_softmax_backward_op, logsumexp_backward_op,
 )
 
@@ -56,14 +52,16 @@ def _torch_impl(op) -> Callable:
     return fn
 
 
-def _attention_cuda(q, k, v, q_pos, mask, causal, window, scale):
-    return attention_forward(q, k, v, q_pos, mask, causal, window, scale)
+def _attention_triton(q, k, v, q_pos, mask, causal, window, scale):
+    from tpinv.kernels.triton_attention import attention_forward_cuda
+    return attention_forward_cuda(q, k, v, q_pos, mask, causal, window, scale)
 
 
-def _attention_backward_cuda(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask, causal, window,
-                             scale):
-    return attention_backward(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask,
-                                        causal, window, scale)
+def _attention_backward_triton(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask, causal, window,
+                               scale):
+    from tpinv.kernels.triton_attention_bwd import attention_backward_cuda
+    return attention_backward_cuda(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask, causal,
+                                   window, scale)
 
 
 def _rms_norm_triton(x, weight, eps):
@@ -74,6 +72,31 @@ def _rms_norm_triton(x, weight, eps):
 def _rms_norm_backward_triton(grad, x, weight, eps):
     from tpinv.kernels.triton_norm import rms_norm_backward_cuda
     return rms_norm_backward_cuda(grad, x, weight, eps)
+
+
+def _rms_norm_backward_heads_triton(grad, x, weight, eps):
+    from tpinv.kernels.triton_norm import rms_norm_backward_heads_cuda
+    return rms_norm_backward_heads_cuda(grad, x, weight, eps)
+
+
+def _silu_mul_triton(gate, up):
+    from tpinv.kernels.triton_elementwise import silu_mul_forward_cuda
+    return silu_mul_forward_cuda(gate, up)
+
+
+def _silu_mul_backward_triton(grad, gate, up):
+    from tpinv.kernels.triton_elementwise import silu_mul_backward_cuda
+    return silu_mul_backward_cuda(grad, gate, up)
+
+
+def _apply_rope_triton(x, cos, sin):
+    from tpinv.kernels.triton_elementwise import apply_rope_forward_cuda
+    return apply_rope_forward_cuda(x, cos, sin)
+
+
+def _apply_rope_backward_triton(grad, cos, sin):
+    from tpinv.kernels.triton_elementwise import apply_rope_backward_cuda
+    return apply_rope_backward_cuda(grad, cos, sin)
 
 
 def _sum_exp_partial_triton(x, max, leaves):
@@ -104,6 +127,11 @@ TRITON_CUDA_KERNELS = (
     (logsumexp_op, _logsumexp_triton),
     (rms_norm_op, _rms_norm_triton),
     (rms_norm_backward_op, _rms_norm_backward_triton),
+    (rms_norm_backward_heads_op, _rms_norm_backward_heads_triton),
+    (silu_mul_op, _silu_mul_triton),
+    (silu_mul_backward_op, _silu_mul_backward_triton),
+    (apply_rope_op, _apply_rope_triton),
+    (apply_rope_backward_op, _apply_rope_backward_triton),
 )
 
 
@@ -118,8 +146,8 @@ def register_torch_cuda_kernels() -> list[str]:
         if not has_cuda_kernel(op):
             register_cuda_kernel(op, _torch_impl(op))
             filled.append(op._qualname)
-    attention_op.register_kernel("cuda", _attention_cuda)
-    attention_backward_op.register_kernel("cuda", _attention_backward_cuda)
+    attention_op.register_kernel("cuda", _attention_triton)
+    attention_backward_op.register_kernel("cuda", _attention_backward_triton)
     filled += ["tpinv::attention", "tpinv::attention_backward"]
     return filled
 

@@ -1,0 +1,263 @@
+"""The Triton attention kernels under Triton's interpreter (CPU): parity and invariance.
+
+Each test runs one check of this file in a fresh interpreter process
+(``python this_file CHECK`` with ``TRITON_INTERPRET=1`` set before triton is imported), so
+other test modules that imported triton for the GPU cannot change the mode.  fp16 and fp32
+only (bf16 is not reliable in the interpreter), tiny shapes.  Parity with the CPU op is
+``allclose`` (fp32: 1e-5; fp16: 4e-3 forward, 1e-2 gradients, from rounding ``p`` and
+``dS`` to fp16 before their dots); invariance is bitwise, each beside a control showing
+that torch SDPA (bf16 on CPU, fresh draws up to ``CONTROL_TRIES``) differs in the same
+comparison.  The GPU twin is ``tests/gpu/test_triton_attention.py``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FP16, FP32 = torch.float16, torch.float32
+NAN = float("nan")
+TOL = {FP32: (1e-5, 1e-5), FP16: (4e-3, 4e-3)}
+GRAD_TOL = {FP32: (1e-4, 1e-5), FP16: (1e-2, 1e-2)}
+#: (B, Hkv, g, S, T, D, mode): D=24 pads the head dim; T > S puts the queries last.
+FWD_CASES = [(2, 2, 2, 70, 70, 16, "causal"), (1, 1, 1, 130, 130, 64, "window"),
+             (2, 1, 2, 20, 90, 16, "mask"), (1, 2, 1, 33, 100, 24, "full"),
+             (3, 1, 2, 9, 129, 64, "mask")]
+BWD_CASES = [(2, 2, 2, 70, 70, 16, "causal"), (1, 1, 1, 100, 130, 64, "window"),
+             (2, 1, 2, 20, 90, 16, "mask"), (1, 2, 1, 33, 100, 24, "full")]
+CHECKS = ["forward_parity", "backward_parity", "prefill_chunked_decode", "ragged_batch_padding",
+          "grads_right_padding", "paths_and_strides", "edge_cases"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("check", CHECKS)
+def test_interpreter(check):
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "unit")]))
+    res = subprocess.run([sys.executable, os.path.abspath(__file__), check], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, f"check {check} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
+    assert f"OK {check}" in res.stdout, res.stdout[-3000:]
+
+
+# ------------------------------------------------------------------ checks (subprocess side)
+
+def _setup():
+    global fwd, bwd, attention_forward, attention_backward, cases
+    import attention_cases as cases
+    from tpinv.kernels.cpu_attention import attention_forward
+    from tpinv.kernels.cpu_attention_bwd import attention_backward
+    from tpinv.kernels.triton_attention import attention_forward_cuda as fwd
+    from tpinv.kernels.triton_attention_bwd import attention_backward_cuda as bwd
+
+
+def _close(a, b, tol, what):
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol[0], atol=tol[1], msg=what,
+                               equal_nan=False)
+
+
+def _sdpa_bf16(q, k, v, vis):
+    return cases.sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), vis)
+
+
+def check_forward_parity():
+    for dtype in (FP32, FP16):
+        for B, Hkv, g, S, T, D, mode in FWD_CASES:
+            q, k, v = cases.qkv(B, Hkv, g, S, T, D, dtype)
+            pos = cases.arange_pos(B, S, T - S)
+            causal, window = mode != "full", 37 if mode == "window" else None
+            mask = torch.rand(B, S, T) < 0.6 if mode == "mask" else None
+            if mask is not None:
+                mask[:, 0] = False  # a row that sees nothing
+            got = fwd(q, k, v, pos, mask, causal, window, None)
+            ref = attention_forward(q, k, v, pos, mask, causal, window)
+            _close(got[0], ref[0], TOL[dtype], f"out {dtype} {mode}")
+            assert torch.equal(torch.isinf(got[1]), torch.isinf(ref[1])), mode
+            _close(got[1].nan_to_num(neginf=0), ref[1].nan_to_num(neginf=0), (1e-5, 1e-5), mode)
+
+
+def check_backward_parity():
+    for dtype in (FP32, FP16):
+        for B, Hkv, g, S, T, D, mode in BWD_CASES:
+            q, k, v = cases.qkv(B, Hkv, g, S, T, D, dtype)
+            pos = cases.arange_pos(B, S, T - S)
+            causal, window = mode != "full", 37 if mode == "window" else None
+            mask = torch.rand(B, S, T) < 0.6 if mode == "mask" else None
+            out, lse = attention_forward(q, k, v, pos, mask, causal, window)
+            dout = cases.randn(*q.shape, dtype=dtype)
+            dlse = cases.randn(*lse.shape) if mode != "causal" else None
+            got = bwd(dout, dlse, q, k, v, out, lse, pos, mask, causal, window, None)
+            ref = attention_backward(dout, dlse, q, k, v, out, lse, pos, mask, causal, window)
+            for name, a, b in zip("qkv", got, ref):
+                _close(a, b, GRAD_TOL[dtype], f"d{name} {dtype} {mode}")
+
+
+def _with_junk(x, T, junk=NAN):
+    cache = torch.full((*x.shape[:2], T, x.shape[3]), junk, dtype=x.dtype)
+    cache[:, :, :x.shape[2]] = x
+    return cache
+
+
+def check_prefill_chunked_decode():
+    B, Hkv, S, T_cache = 2, 2, 130, 150
+    for dtype, g, D, window in [(FP16, 2, 64, None), (FP32, 1, 16, 37), (FP16, 1, 16, 70)]:
+        differs = False
+        for _ in range(cases.CONTROL_TRIES):
+            q, k, v = cases.qkv(B, Hkv, g, S, S, D, dtype)
+            pos = cases.arange_pos(B, S)
+            full, full_lse = fwd(q, k, v, pos, None, True, window, None)
+            kc, vc = _with_junk(k, T_cache), _with_junk(v, T_cache)
+            for chunk in (1, 29, 64):
+                for c0 in range(0, S, chunk if chunk > 1 else 17):
+                    c1 = min(S, c0 + chunk)
+                    out, lse = fwd(q[:, :, c0:c1], kc, vc, pos[:, c0:c1].contiguous(), None, True,
+                                   window, None)
+                    assert torch.equal(out, full[:, :, c0:c1]), f"chunk {chunk} at {c0}"
+                    assert torch.equal(lse, full_lse[:, :, c0:c1]), f"lse chunk {chunk} at {c0}"
+            for s in ((0, 129), (63, 64), (127, 1)):  # decode batch: one query per sequence
+                rows = torch.arange(B), torch.tensor(s)
+                qd = q.transpose(1, 2)[rows][:, None].transpose(1, 2)
+                out, _ = fwd(qd, kc, vc, torch.tensor(s)[:, None], None, True, window, None)
+                assert torch.equal(out, full.transpose(1, 2)[rows][:, None].transpose(1, 2)), s
+            vis = cases.visibility(pos, S, window=window)
+            van = _sdpa_bf16(q, k, v, vis)
+            last = range(S - 8, S)
+            steps = torch.cat([_sdpa_bf16(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1],
+                                          vis[:, i:i + 1, :i + 1]) for i in last], 2)
+            if not torch.equal(van[:, :, last.start:], steps):
+                differs = True
+                break
+        assert differs, "control: SDPA prefill and decode never differed"
+
+
+def check_ragged_batch_padding():
+    lengths, T, Hkv, D = [37, 90, 5, 64, 71], 100, 2, 16
+    for dtype, g, window in [(FP16, 2, None), (FP32, 1, 7)]:
+        differs = False
+        for _ in range(cases.CONTROL_TRIES):
+            requests, (q, k, v, pos), order = cases.ragged_batch(lengths, T, Hkv, g, D, dtype)
+            right, _ = fwd(q, k, v, pos, None, True, window, None)
+            q_left = cases.randn(*q.shape, dtype=dtype)
+            pos_left = torch.zeros_like(pos)
+            van_batch = _sdpa_bf16(q, k.nan_to_num(), v.nan_to_num(),
+                                   cases.visibility(pos, T, window=window))
+            for (rq, rk, rv), b in zip(requests, order):
+                L = rq.shape[2]
+                q_left[b, :, T - L:] = rq[0]
+                pos_left[b, T - L:] = torch.arange(L)
+            left, _ = fwd(q_left, k, v, pos_left, None, True, window, None)
+            for (rq, rk, rv), b in zip(requests, order):
+                L = rq.shape[2]
+                alone, _ = fwd(rq, rk, rv, cases.arange_pos(1, L), None, True, window, None)
+                assert torch.equal(alone, right[b:b + 1, :, :L]), f"right padding, length {L}"
+                assert torch.equal(alone, left[b:b + 1, :, T - L:]), f"left padding, length {L}"
+                van = _sdpa_bf16(rq, rk, rv, cases.visibility(cases.arange_pos(1, L), L,
+                                                             window=window))
+                differs |= not torch.equal(van, van_batch[b:b + 1, :, :L])
+            if differs:
+                break
+        assert differs, "control: SDPA alone and in the batch never differed"
+
+
+def _grads(q, k, v, pos, dout, window=None, mask=None):
+    out, lse = fwd(q, k, v, pos, mask, True, window, None)
+    return bwd(dout, None, q, k, v, out, lse, pos, mask, True, window, None)
+
+
+def _sdpa_grads(q, k, v, vis, dout):
+    leaves = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    return torch.autograd.grad(cases.sdpa(*leaves, vis), leaves, dout.bfloat16())
+
+
+def check_grads_right_padding():
+    lengths, T, Hkv, D = [37, 90, 5, 71], 100, 2, 16
+    for dtype, g, window in [(FP16, 2, None), (FP32, 2, 6), (FP32, 1, None)]:
+        differs = False
+        for _ in range(cases.CONTROL_TRIES):
+            requests, (q, k, v, pos), order = cases.ragged_batch(lengths, T, Hkv, g, D, dtype,
+                                                                 garbage=0.5)
+            dout = torch.zeros_like(q)  # padding rows carry no loss
+            for (rq, _, _), b in zip(requests, order):
+                dout[b, :, :rq.shape[2]] = cases.randn(*rq.shape[1:], dtype=dtype)
+            batch = _grads(q, k, v, pos, dout, window)
+            van_batch = _sdpa_grads(q, k, v, cases.visibility(pos, T, window=window), dout)
+            for (rq, rk, rv), b in zip(requests, order):
+                L = rq.shape[2]
+                d1 = dout[b:b + 1, :, :L]
+                alone = _grads(rq, rk, rv, cases.arange_pos(1, L), d1, window)
+                for name, a, full in zip("qkv", alone, batch):
+                    assert torch.equal(a, full[b:b + 1, :, :L]), f"d{name}, length {L}"
+                van = _sdpa_grads(rq, rk, rv, cases.visibility(cases.arange_pos(1, L), L,
+                                                              window=window), d1)
+                differs |= any(not torch.equal(a, f[b:b + 1, :, :L])
+                               for a, f in zip(van, van_batch))
+            if differs:
+                break
+        assert differs, "control: SDPA gradients alone and in the batch never differed"
+
+
+def check_paths_and_strides():
+    """All-True mask / huge window (masked path) == no mask (unmasked path); strided inputs."""
+    B, Hkv, g, S, D = 2, 1, 2, 130, 16
+    q, k, v = cases.qkv(B, Hkv, g, S, S, D, FP16)
+    pos = cases.arange_pos(B, S)
+    ref = fwd(q, k, v, pos, None, True, None, None)
+    ones = torch.ones(B, S, S, dtype=torch.bool)
+    for mask, window in ((ones, None), (None, 10 ** 6), (ones, 10 ** 6)):
+        got = fwd(q, k, v, pos, mask, True, window, None)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), (mask is None, window)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    got = fwd(*strided, pos, None, True, None, None)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)), "strided inputs"
+    dout = cases.randn(*q.shape, dtype=FP16)
+    g_ref = bwd(dout, None, q, k, v, *ref, pos, None, True, None, None)
+    g_zero = bwd(dout, torch.zeros_like(ref[1]), q, k, v, *ref, pos, None, True, None, None)
+    g_mask = bwd(dout, None, q, k, v, *ref, pos, ones, True, 10 ** 6, None)
+    g_str = bwd(dout.transpose(1, 2).contiguous().transpose(1, 2), None, *strided, *ref, pos,
+                None, True, None, None)
+    for other in (g_zero, g_mask, g_str):
+        assert all(torch.equal(a, b) for a, b in zip(other, g_ref))
+
+
+def check_edge_cases():
+    q, k, v = cases.qkv(2, 1, 2, 5, 70, 16, FP32)
+    out, lse = fwd(q[:, :, :0], k, v, torch.zeros(2, 0, dtype=torch.int64), None, True, None, None)
+    assert out.shape == (2, 2, 0, 16) and lse.shape == (2, 2, 0)
+    out, lse = fwd(q, k[:, :, :0], v[:, :, :0], cases.arange_pos(2, 5), None, True, None, None)
+    assert not out.any() and torch.isneginf(lse).all()
+    dq, dk, dv = bwd(q, None, q, k[:, :, :0], v[:, :, :0], out, lse, cases.arange_pos(2, 5), None,
+                     True, None, None)
+    assert not dq.any() and dk.shape == (2, 1, 0, 16)
+    out, lse = fwd(q, k, v, cases.arange_pos(2, 5, start=-9), None, True, None, None)
+    assert not out.any() and torch.isneginf(lse).all()
+    dq, dk, dv = bwd(q, None, q, k, v, out, lse, cases.arange_pos(2, 5, start=-9), None, True,
+                     None, None)
+    assert not (dq.any() or dk.any() or dv.any())
+    q, k, v = cases.qkv(1, 1, 2, 40, 40, 16, FP16)  # a NaN value reaches exactly its viewers
+    v[:, :, 20, 3] = NAN
+    out, _ = fwd(q, k, v, cases.arange_pos(1, 40), None, True, None, None)
+    assert not out[:, :, :20].isnan().any() and out[:, :, 20:].isnan().any(-1).all()
+    out, _ = fwd(q, k, v, cases.arange_pos(1, 40), None, True, 5, None)
+    assert out[:, :, 20:25].isnan().any(-1).all() and not out[:, :, 25:].isnan().any()
+    try:
+        fwd(*cases.qkv(1, 1, 1, 3, 3, 300, FP32), cases.arange_pos(1, 3), None, True, None, None)
+    except ValueError as e:
+        assert "head dim" in str(e)
+    else:
+        raise AssertionError("D=300 must be refused")
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    torch.manual_seed(0)
+    _setup()
+    globals()[f"check_{name}"]()
+    print(f"OK {name}")

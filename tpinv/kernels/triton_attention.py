@@ -1,0 +1,298 @@
+"""Invariant attention forward on CUDA (Triton): a query's bits never depend on the launch.
+
+Order fixed, per query row:
+
+* the rows of a program are the flattened ``(s, hg)`` pairs of the ``g`` query heads of
+  one kv head, interleaved ``r = s * g + hg``, in tiles of ``BLOCK_M`` rows;
+* score ``s_j = dot(q, k_j) * scale`` in fp32 (tensor-core dot; fp32 inputs use the exact
+  ``ieee`` dot, never TF32);
+* key slots are visited in blocks of :data:`~tpinv.kernels.cpu_attention.KV_BLOCK` slots
+  starting at absolute slot 0, in increasing order, by an online softmax
+  ``m' = max(m, max_block s)``, ``alpha = exp(m - m')`` (exactly 1 when ``m' == m``),
+  ``l = l * alpha + sum_block p``, ``acc = acc * alpha + dot(p, v)``;
+* ``out = acc / l`` (correctly rounded), rounded once to the input dtype;
+  ``lse = m + log(l)`` in fp32.
+
+One launch config per (dtype, padded head dim) serves every call (prefill, chunked
+prefill, decode; any B, S, T), so every dot and every row reduction runs the same
+instruction sequence on a row wherever it sits.  A slot a row cannot see gets ``p = 0``
+exactly; slots no row of the tile can see are zeroed before the dots (junk or NaN in an
+unused KV-cache slot cannot leak through ``0 * NaN``); a block no row sees leaves
+``(m, l, acc)`` bit-identical, so blocks outside the tile's visible range are skipped.
+Blocks every row of the tile sees entirely take a path without the visibility test: it
+computes the same bits for each row as the masked path.  A query that sees no key gets
+``out = 0`` and ``lse = -inf``.  Semantics are those of :mod:`tpinv.kernels.cpu_attention`;
+bits differ from the CPU kernel.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from tpinv.kernels.cpu_attention import KV_BLOCK, check_attention_inputs
+
+__all__ = ["attention_forward_cuda", "AttentionConfig", "forward_config", "padded_head_dim",
+           "MAX_HEAD_DIM"]
+
+#: Largest head dim the kernels take (padded to a power of two >= 16 inside).
+MAX_HEAD_DIM = 256
+_BIG = tl.constexpr(1 << 62)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int
+    num_warps: int
+    num_stages: int
+
+
+#: The one forward config per (dtype, padded head dim); never a function of B, S or T.
+_FORWARD_TABLE = {
+    16: AttentionConfig(64, 4, 3), 32: AttentionConfig(64, 4, 3),
+    64: AttentionConfig(64, 4, 3), 128: AttentionConfig(64, 4, 3),
+    256: AttentionConfig(64, 8, 2),
+}
+
+
+def padded_head_dim(D: int) -> int:
+    if D < 1 or D > MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={D} is not supported; expected 1 <= D <= {MAX_HEAD_DIM}")
+    return max(16, triton.next_power_of_2(D))
+
+
+#: fp32 runs the exact FMA dot (no tensor cores): small tiles, no pipeline (shared memory).
+_FP32_CONFIG = AttentionConfig(32, 4, 1)
+
+
+def forward_config(dtype: torch.dtype, DP: int) -> AttentionConfig:
+    """The forward's launch config for ``dtype`` and padded head dim ``DP`` (nothing else)."""
+    return _FP32_CONFIG if dtype == torch.float32 else _FORWARD_TABLE[DP]
+
+
+# ------------------------------------------------------------------ shared device helpers
+
+@triton.jit
+def row_tile(tile, b, qpos_ptr, s_pb, s_ps, S, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows ``r = s * G + hg`` of one tile: ``(valid, s, hg, pos)``."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < S * G
+    s_idx = rows // G
+    hg = rows % G
+    pos = tl.load(qpos_ptr + b * s_pb + s_idx.to(tl.int64) * s_ps, mask=valid, other=0)
+    return valid, s_idx, hg, pos
+
+
+@triton.jit
+def block_ranges(pos, valid, T, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                 HAS_MASK: tl.constexpr, KB: tl.constexpr):
+    """KV blocks ``[lo, hi)`` some row may see, and ``[f_lo, f_hi)`` inside it that every
+    row of the tile sees entirely (no visibility test needed there)."""
+    pmin = tl.min(tl.where(valid, pos, _BIG), 0)
+    pmax = tl.max(tl.where(valid, pos, -_BIG), 0)
+    T64 = pmin * 0 + T
+    hi_slot = T64
+    full_hi_slot = T64
+    lo_slot = pmin * 0
+    full_lo_slot = pmin * 0
+    if CAUSAL:
+        hi_slot = tl.minimum(hi_slot, pmax + 1)
+        full_hi_slot = tl.minimum(full_hi_slot, pmin + 1)
+    if WINDOW:
+        lo_slot = tl.maximum(lo_slot, pmin - window + 1)
+        full_lo_slot = tl.maximum(full_lo_slot, pmax - window + 1)
+    lo = lo_slot // KB
+    hi = tl.where(hi_slot > lo_slot, (hi_slot + KB - 1) // KB, lo)
+    f_lo = tl.minimum(tl.maximum((full_lo_slot + KB - 1) // KB, lo), hi)
+    f_hi = tl.minimum(tl.maximum(tl.maximum(full_hi_slot, 0) // KB, f_lo), hi)
+    if HAS_MASK:
+        f_lo = lo
+        f_hi = lo
+    return lo.to(tl.int32), f_lo.to(tl.int32), f_hi.to(tl.int32), hi.to(tl.int32)
+
+
+@triton.jit
+def visibility(pos, valid, slots, T, window, mask_row_ptr, s_mt, CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
+    """``[rows, slots]`` bool: may the row at ``pos`` see key slot ``j``."""
+    sl = slots.to(tl.int64)[None, :]
+    vis = valid[:, None] & (sl < T)
+    if CAUSAL:
+        vis = vis & (sl <= pos[:, None])
+    if WINDOW:
+        vis = vis & (sl > pos[:, None] - window)
+    if HAS_MASK:
+        m = tl.load(mask_row_ptr[:, None] + sl * s_mt, mask=vis, other=0)
+        vis = vis & (m != 0)
+    return vis
+
+
+@triton.jit
+def clean_kv(vis, scored, summed):
+    """Zero the slots no row of the tile sees; also the non-finite entries of ``summed``.
+
+    ``scored`` (K in the forward) only meets ``q`` in per-slot scores, which are masked;
+    ``summed`` (V in the forward, K in dQ) is summed over slots with ``0 * x`` for a slot a
+    row does not see, so ``NaN`` from a slot another row sees would leak.  Returns
+    ``(scored, summed, bad)``; ``bad`` marks the non-finite entries of seen slots, which
+    :func:`poison_rows` gives back (as NaN) to the rows that see them.
+    """
+    seen = (tl.max(vis.to(tl.int32), 0) > 0)[:, None]
+    scored = tl.where(seen, scored, tl.zeros_like(scored))
+    bad = seen & ~(tl.abs(summed) < float("inf"))
+    summed = tl.where(seen & ~bad, summed, tl.zeros_like(summed))
+    return scored, summed, bad
+
+
+@triton.jit
+def poison_rows(acc, vis, bad):
+    """NaN where a row sees a slot whose value (column of ``bad``) is non-finite."""
+    if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+        hits = tl.dot(vis.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
+        acc = tl.where(hits > 0.0, float("nan"), acc)
+    return acc
+
+
+@triton.jit
+def load_kv_block(base, s_t, slots, offs_d, T, D):
+    ok = (slots < T)[:, None] & (offs_d < D)[None, :]
+    return tl.load(base + slots.to(tl.int64)[:, None] * s_t + offs_d[None, :], mask=ok, other=0.0)
+
+
+# ------------------------------------------------------------------ forward kernel
+
+@triton.jit
+def _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid, mask_row_ptr, s_mt,
+               T, D, window, scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, KB: tl.constexpr,
+               DP: tl.constexpr):
+    slots = blk * KB + tl.arange(0, KB)
+    offs_d = tl.arange(0, DP)
+    k = load_kv_block(k_base, s_kt, slots, offs_d, T, D)
+    v = load_kv_block(v_base, s_vt, slots, offs_d, T, D)
+    if MASKED:
+        vis = visibility(pos, valid, slots, T, window, mask_row_ptr, s_mt, CAUSAL, WINDOW,
+                         HAS_MASK)
+        k, v, bad = clean_kv(vis, k, v)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(vis, s, float("-inf"))
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.where(m_new == m_i, 1.0, tl.exp(m_i - m_safe))
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+    if MASKED:
+        acc = poison_rows(acc, vis, bad)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, out_ptr, lse_ptr,
+                     s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_pb, s_ps,
+                     s_mb, s_ms, s_mt, s_ob, s_oh, s_os, s_lb, s_lh,
+                     S, T, D, Hkv, n_tiles, window, scale,
+                     G: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                     HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, KB: tl.constexpr,
+                     DP: tl.constexpr):
+    tile = n_tiles - 1 - tl.program_id(0)  # longest causal tiles first (speed only)
+    bh = tl.program_id(1)
+    b = (bh // Hkv).to(tl.int64)
+    hk = (bh % Hkv).to(tl.int64)
+    valid, s_idx, hg, pos = row_tile(tile, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
+    head = hk * G + hg
+    s64 = s_idx.to(tl.int64)
+    offs_d = tl.arange(0, DP)
+    q_rows = q_ptr + b * s_qb + head * s_qh + s64 * s_qs
+    q = tl.load(q_rows[:, None] + offs_d[None, :],
+                mask=valid[:, None] & (offs_d < D)[None, :], other=0.0)
+    k_base = k_ptr + b * s_kb + hk * s_kh
+    v_base = v_ptr + b * s_vb + hk * s_vh
+    mask_row_ptr = mask_ptr + b * s_mb + s64 * s_ms
+    lo, f_lo, f_hi, hi = block_ranges(pos, valid, T, window, CAUSAL, WINDOW, HAS_MASK, KB)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    if WINDOW:  # blocks at the window's start that some rows see only in part
+        for blk in range(lo, f_lo):
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos,
+                                       valid, mask_row_ptr, s_mt, T, D, window, scale, True, CAUSAL,
+                                       WINDOW, HAS_MASK, KB, DP)
+    for blk in range(f_lo, f_hi):
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
+                                   mask_row_ptr, s_mt, T, D, window, scale, False, CAUSAL,
+                                   WINDOW, HAS_MASK, KB, DP)
+    for blk in range(f_hi, hi):
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
+                                   mask_row_ptr, s_mt, T, D, window, scale, True, CAUSAL,
+                                   WINDOW, HAS_MASK, KB, DP)
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    res = tl.where(seen[:, None], tl.math.div_rn(acc, l_safe[:, None]), 0.0) + 0.0
+    lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
+    o_rows = out_ptr + b * s_ob + head * s_oh + s64 * s_os
+    tl.store(o_rows[:, None] + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & (offs_d < D)[None, :])
+    tl.store(lse_ptr + b * s_lb + head * s_lh + s64, lse, mask=valid)
+
+
+# ------------------------------------------------------------------ host side
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def mask_args(mask: Optional[torch.Tensor], like: torch.Tensor):
+    """``(tensor, strides)`` of the mask as uint8 (a 1-element dummy when there is none)."""
+    if mask is None:
+        return torch.zeros(1, dtype=torch.uint8, device=like.device), (0, 0, 0)
+    m = mask.view(torch.uint8)
+    return m, tuple(m.stride())
+
+
+def resolve_scale(scale: Optional[float], D: int) -> float:
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+    return scale
+
+
+def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                           mask: Optional[torch.Tensor] = None, causal: bool = True,
+                           window: Optional[int] = None, scale: Optional[float] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, S, D] in q.dtype, lse [B, Hq, S] fp32)`` of ``tpinv::attention``."""
+    g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
+    B, Hq, S, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    DP = padded_head_dim(D)
+    scale = resolve_scale(scale, D)
+    out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if T == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    if B * Hkv > 65535:
+        raise ValueError(f"B * Hkv = {B * Hkv} exceeds the grid limit 65535; split the batch")
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    m, (s_mb, s_ms, s_mt) = mask_args(mask, q)
+    cfg = forward_config(q.dtype, DP)
+    n_tiles = triton.cdiv(S * g, cfg.block_m)
+    _attn_fwd_kernel[(n_tiles, B * Hkv)](
+        q, k, v, q_pos, m, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), q_pos.stride(0), q_pos.stride(1),
+        s_mb, s_ms, s_mt, out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        S, T, D, Hkv, n_tiles, int(window or 0), scale,
+        G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None,
+        BLOCK_M=cfg.block_m, KB=KV_BLOCK, DP=DP,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    return out, lse

@@ -1,0 +1,279 @@
+"""Invariant attention backward on CUDA (Triton): deterministic, no atomics, fixed orders.
+
+With ``p = exp(s - lse)`` recomputed from the forward's score ``s = dot(q, k) * scale``,
+``dP = dot(dO, v)``, ``Delta = sum_D(dO * out) - dlse`` and ``dS = p * (dP - Delta)``
+(exact zeros where a key is not visible), three kernels:
+
+* ``Delta``: one row per lane, the head dim summed by contiguous halving over the
+  zero-padded power of two (element ``i`` meets ``i + h``), the CPU kernel's order;
+* ``dK, dV``: one program per (KV block of ``KV_BLOCK`` slots, batch row, kv head) walks
+  the tiles of the flattened interleaved rows ``r = s * g + hg`` (all ``g`` query heads of
+  the kv head together) in increasing order: ``dV += p^T dO``, ``dK += dS^T q`` in fp32
+  (times ``scale`` at the end).  Only tiles between the first and the last row that may
+  see the block are visited; the others would add exact zeros.  Rows appended after a
+  request (right padding: zero ``dO`` and ``dlse``) add exact zeros, so a request's dK/dV
+  are the same bits alone or padded, at any batch size; tensor parallelism splits kv
+  heads, never the ``g`` rows of one, so the sums are the same at any TP size;
+* ``dQ``: one program per row tile (the forward's tiling and config) walks the KV blocks
+  in slot order from absolute slot 0: ``dQ += dS k`` (times ``scale``), so a query's
+  gradient does not depend on what else is in the call.
+
+Slots no row of a dQ tile may see are zeroed before ``dS k`` (``0 * NaN`` cannot leak);
+the dK/dV kernel masks ``p`` and ``dS`` so junk in a slot reaches only that slot's zero
+gradient.  ``q`` and ``grad_out`` must be finite on every row.  Semantics are those of
+:mod:`tpinv.kernels.cpu_attention_bwd`; bits differ from the CPU kernel.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from tpinv.kernels.cpu_attention import KV_BLOCK, check_attention_inputs
+from tpinv.kernels.triton_attention import (block_ranges, clean_kv, forward_config,
+                                            last_dim_contiguous, load_kv_block, mask_args,
+                                            padded_head_dim, poison_rows, resolve_scale,
+                                            row_tile, visibility)
+
+__all__ = ["attention_backward_cuda", "DKDV_TILE", "DKDV_TILE_FP32", "DELTA_ROWS", "POS_SCAN"]
+
+#: Query rows per step of the dK/dV walk, and its warps, per padded head dim (fixed).
+DKDV_TILE = {16: (64, 4), 32: (64, 4), 64: (64, 4), 128: (64, 8), 256: (64, 8)}
+#: The same for fp32 (exact FMA dots, no pipeline: shared memory).
+DKDV_TILE_FP32 = (32, 4)
+#: Rows per program of the Delta kernel (speed only: each row is reduced on its own).
+DELTA_ROWS = 32
+#: Positions read per step when the dK/dV kernel looks for the rows that may see its block.
+POS_SCAN = 1024
+_BIG = tl.constexpr(1 << 62)
+
+
+@triton.jit
+def _delta_kernel(do_ptr, o_ptr, dlse_ptr, delta_ptr, s_db, s_dh, s_ds, s_ob, s_oh, s_os,
+                  s_gb, s_gh, s_gs, s_xb, s_xh, S, D, Hq,
+                  HAS_DLSE: tl.constexpr, ROWS: tl.constexpr, DP: tl.constexpr,
+                  LOG2_DP: tl.constexpr):
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = (bh % Hq).to(tl.int64)
+    s = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    ok = s < S
+    offs_d = tl.arange(0, DP)
+    ok2 = ok[:, None] & (offs_d < D)[None, :]
+    do = tl.load(do_ptr + b * s_db + h * s_dh + s[:, None] * s_ds + offs_d[None, :], mask=ok2,
+                 other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + b * s_ob + h * s_oh + s[:, None] * s_os + offs_d[None, :], mask=ok2,
+                other=0.0).to(tl.float32)
+    x = do * o
+    for i in tl.static_range(LOG2_DP):  # contiguous halving: element j meets j + width/2
+        x = tl.sum(tl.reshape(x, [ROWS, 2, DP >> (i + 1)]), axis=1)
+    delta = tl.reshape(x, [ROWS])
+    if HAS_DLSE:
+        delta = delta - tl.load(dlse_ptr + b * s_gb + h * s_gh + s * s_gs, mask=ok, other=0.0)
+    tl.store(delta_ptr + b * s_xb + h * s_xh + s, delta, mask=ok)
+
+
+@triton.jit
+def _tile_span(qpos_ptr, s_pb, s_ps, b, S, j0, j_last, window, CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+               SCAN: tl.constexpr):
+    """Row tiles ``[t_lo, t_hi)`` spanning every row that may see a slot of ``[j0, j_last]``."""
+    s_first = tl.min(tl.full([SCAN], _BIG, tl.int64), 0)
+    s_last = -s_first
+    for s0 in range(0, S, SCAN):
+        s = s0 + tl.arange(0, SCAN)
+        cand = s < S
+        pos = tl.load(qpos_ptr + b * s_pb + s.to(tl.int64) * s_ps, mask=cand, other=0)
+        if CAUSAL:
+            cand = cand & (pos >= j0)
+        if WINDOW:
+            cand = cand & (pos - window < j_last)
+        s64 = s.to(tl.int64)
+        s_first = tl.minimum(s_first, tl.min(tl.where(cand, s64, _BIG), 0))
+        s_last = tl.maximum(s_last, tl.max(tl.where(cand, s64, -_BIG), 0))
+    t_lo = (s_first * G) // BLOCK_M
+    t_hi = tl.where(s_last >= 0, (s_last * G + G - 1) // BLOCK_M + 1, t_lo)
+    return t_lo.to(tl.int32), t_hi.to(tl.int32)
+
+
+@triton.jit
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_ptr,
+                 dk_ptr, dv_ptr, s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
+                 s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, s_pb, s_ps, s_mb, s_ms, s_mt,
+                 s_kgb, s_kgh, s_kgt, s_vgb, s_vgh, s_vgt,
+                 S, T, D, Hkv, window, scale, G: tl.constexpr, CAUSAL: tl.constexpr,
+                 WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                 KB: tl.constexpr, DP: tl.constexpr, SCAN: tl.constexpr):
+    n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hkv).to(tl.int64)
+    hk = (bh % Hkv).to(tl.int64)
+    slots = n * KB + tl.arange(0, KB)
+    offs_d = tl.arange(0, DP)
+    k = load_kv_block(k_ptr + b * s_kb + hk * s_kh, s_kt, slots, offs_d, T, D)
+    v = load_kv_block(v_ptr + b * s_vb + hk * s_vh, s_vt, slots, offs_d, T, D)
+    j_last = tl.minimum(n * KB + KB, T) - 1
+    t_lo, t_hi = _tile_span(qpos_ptr, s_pb, s_ps, b, S, n * KB, j_last, window, CAUSAL, WINDOW,
+                            G, BLOCK_M, SCAN)
+    dk = tl.zeros([KB, DP], tl.float32)
+    dv = tl.zeros([KB, DP], tl.float32)
+    for t in range(t_lo, t_hi):
+        valid, s_idx, hg, pos = row_tile(t, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
+        head = hk * G + hg
+        s64 = s_idx.to(tl.int64)
+        ok2 = valid[:, None] & (offs_d < D)[None, :]
+        q = tl.load((q_ptr + b * s_qb + head * s_qh + s64 * s_qs)[:, None] + offs_d[None, :],
+                    mask=ok2, other=0.0)
+        do = tl.load((do_ptr + b * s_db + head * s_dh + s64 * s_ds)[:, None] + offs_d[None, :],
+                     mask=ok2, other=0.0)
+        lse = tl.load(lse_ptr + b * s_lb + head * s_lh + s64 * s_ls, mask=valid, other=0.0)
+        delta = tl.load(delta_ptr + b * s_xb + head * s_xh + s64, mask=valid, other=0.0)
+        vis = visibility(pos, valid, slots, T, window, mask_ptr + b * s_mb + s64 * s_ms, s_mt,
+                         CAUSAL, WINDOW, HAS_MASK)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision="ieee")
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision="ieee")
+    ok_out = (slots < T)[:, None] & (offs_d < D)[None, :]
+    sl = slots.to(tl.int64)[:, None]
+    tl.store(dk_ptr + b * s_kgb + hk * s_kgh + sl * s_kgt + offs_d[None, :],
+             (dk * scale + 0.0).to(dk_ptr.dtype.element_ty), mask=ok_out)
+    tl.store(dv_ptr + b * s_vgb + hk * s_vgh + sl * s_vgt + offs_d[None, :],
+             (dv + 0.0).to(dv_ptr.dtype.element_ty), mask=ok_out)
+
+
+@triton.jit
+def _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid, mask_row_ptr,
+              s_mt, T, D, window, scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, KB: tl.constexpr,
+              DP: tl.constexpr):
+    slots = blk * KB + tl.arange(0, KB)
+    offs_d = tl.arange(0, DP)
+    k = load_kv_block(k_base, s_kt, slots, offs_d, T, D)
+    v = load_kv_block(v_base, s_vt, slots, offs_d, T, D)
+    if MASKED:
+        vis = visibility(pos, valid, slots, T, window, mask_row_ptr, s_mt, CAUSAL, WINDOW,
+                         HAS_MASK)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        v, k, bad = clean_kv(vis, v, k)
+        p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+        dq = poison_rows(dq, vis, bad)
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        p = tl.exp(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+    return dq
+
+
+@triton.jit
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_ptr, dq_ptr,
+               s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_db, s_dh, s_ds,
+               s_lb, s_lh, s_ls, s_xb, s_xh, s_pb, s_ps, s_mb, s_ms, s_mt, s_gb, s_gh, s_gs,
+               S, T, D, Hkv, n_tiles, window, scale, G: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+               KB: tl.constexpr, DP: tl.constexpr):
+    tile = n_tiles - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hkv).to(tl.int64)
+    hk = (bh % Hkv).to(tl.int64)
+    valid, s_idx, hg, pos = row_tile(tile, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
+    head = hk * G + hg
+    s64 = s_idx.to(tl.int64)
+    offs_d = tl.arange(0, DP)
+    ok2 = valid[:, None] & (offs_d < D)[None, :]
+    q = tl.load((q_ptr + b * s_qb + head * s_qh + s64 * s_qs)[:, None] + offs_d[None, :],
+                mask=ok2, other=0.0)
+    do = tl.load((do_ptr + b * s_db + head * s_dh + s64 * s_ds)[:, None] + offs_d[None, :],
+                 mask=ok2, other=0.0)
+    lse = tl.load(lse_ptr + b * s_lb + head * s_lh + s64 * s_ls, mask=valid, other=0.0)
+    delta = tl.load(delta_ptr + b * s_xb + head * s_xh + s64, mask=valid, other=0.0)
+    k_base = k_ptr + b * s_kb + hk * s_kh
+    v_base = v_ptr + b * s_vb + hk * s_vh
+    mrow = mask_ptr + b * s_mb + s64 * s_ms
+    lo, f_lo, f_hi, hi = block_ranges(pos, valid, T, window, CAUSAL, WINDOW, HAS_MASK, KB)
+    dq = tl.zeros([BLOCK_M, DP], tl.float32)
+    if WINDOW:
+        for blk in range(lo, f_lo):
+            dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid,
+                           mrow, s_mt, T, D, window, scale, True, CAUSAL, WINDOW, HAS_MASK, KB,
+                           DP)
+    for blk in range(f_lo, f_hi):
+        dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid, mrow,
+                       s_mt, T, D, window, scale, False, CAUSAL, WINDOW, HAS_MASK, KB, DP)
+    for blk in range(f_hi, hi):
+        dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid, mrow,
+                       s_mt, T, D, window, scale, True, CAUSAL, WINDOW, HAS_MASK, KB, DP)
+    tl.store((dq_ptr + b * s_gb + head * s_gh + s64 * s_gs)[:, None] + offs_d[None, :],
+             (dq * scale + 0.0).to(dq_ptr.dtype.element_ty), mask=ok2)
+
+
+def _check_backward_inputs(grad_out, grad_lse, q, out, lse) -> None:
+    B, Hq, S, _ = q.shape
+    if grad_out.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"grad_out and out must have q's shape {list(q.shape)}, "
+                         f"got {list(grad_out.shape)} and {list(out.shape)}")
+    if grad_out.dtype != q.dtype or out.dtype != q.dtype:
+        raise TypeError(f"grad_out and out must be {q.dtype} like q, "
+                        f"got {grad_out.dtype} and {out.dtype}")
+    for name, t in (("lse", lse), ("grad_lse", grad_lse)):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (B, Hq, S)):
+            raise ValueError(f"{name} must be fp32 of shape [B, Hq, S] = [{B}, {Hq}, {S}], "
+                             f"got {t.dtype} {list(t.shape)}")
+
+
+def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                            lse: torch.Tensor, q_pos: torch.Tensor,
+                            mask: Optional[torch.Tensor] = None, causal: bool = True,
+                            window: Optional[int] = None, scale: Optional[float] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``tpinv::attention`` (dtypes of ``q, k, v``); ``grad_lse`` may be
+    None (zeros)."""
+    g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
+    _check_backward_inputs(grad_out, grad_lse, q, out, lse)
+    B, Hq, S, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    DP = padded_head_dim(D)
+    scale = resolve_scale(scale, D)
+    dq = torch.zeros((B, Hq, S, D), dtype=q.dtype, device=q.device)
+    dk = torch.zeros((B, Hkv, T, D), dtype=k.dtype, device=q.device)
+    dv = torch.zeros((B, Hkv, T, D), dtype=v.dtype, device=q.device)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq, dk, dv
+    if B * Hq > 65535:
+        raise ValueError(f"B * Hq = {B * Hq} exceeds the grid limit 65535; split the batch")
+    q, k, v, grad_out, out = (last_dim_contiguous(t) for t in (q, k, v, grad_out, out))
+    m, (s_mb, s_ms, s_mt) = mask_args(mask, q)
+    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    dlse = grad_lse if grad_lse is not None else delta
+    _delta_kernel[(triton.cdiv(S, DELTA_ROWS), B * Hq)](
+        grad_out, out, dlse, delta, *grad_out.stride()[:3], *out.stride()[:3], *dlse.stride(),
+        delta.stride(0), delta.stride(1), S, D, Hq,
+        HAS_DLSE=grad_lse is not None, ROWS=DELTA_ROWS, DP=DP,
+        LOG2_DP=DP.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+    common = dict(G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None,
+                  KB=KV_BLOCK, DP=DP)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+               *lse.stride(), delta.stride(0), delta.stride(1), *q_pos.stride(), s_mb, s_ms, s_mt)
+    block_m, warps = DKDV_TILE_FP32 if q.dtype == torch.float32 else DKDV_TILE[DP]
+    _dkdv_kernel[(triton.cdiv(T, KV_BLOCK), B * Hkv)](
+        q, k, v, grad_out, lse, delta, q_pos, m, dk, dv, *strides, *dk.stride()[:3],
+        *dv.stride()[:3], S, T, D, Hkv, int(window or 0), scale, BLOCK_M=block_m,
+        SCAN=POS_SCAN, num_warps=warps, num_stages=2 if q.dtype != torch.float32 else 1,
+        enable_fp_fusion=False, **common)
+    cfg = forward_config(q.dtype, DP)
+    n_tiles = triton.cdiv(S * g, cfg.block_m)
+    _dq_kernel[(n_tiles, B * Hkv)](
+        q, k, v, grad_out, lse, delta, q_pos, m, dq, *strides, *dq.stride()[:3],
+        S, T, D, Hkv, n_tiles, int(window or 0), scale, BLOCK_M=cfg.block_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **common)
+    return dq, dk, dv
