@@ -3,7 +3,9 @@
 The CPU kernels (:mod:`tpinv.kernels.cpu_attention`, :mod:`tpinv.kernels.cpu_attention_bwd`)
 fix every reduction order, so a query's output, log-sum-exp and gradients are the same
 bits in prefill, chunked prefill and decode, at any batch size and padding.  On CUDA the
-same fixed-order code runs (:mod:`tpinv.ops.cuda_torch`): a CUDA tensor never reaches SDPA.
+slots hold the Triton kernels of :mod:`tpinv.kernels.triton_attention` and
+:mod:`tpinv.kernels.triton_attention_bwd` (registered by :mod:`tpinv.ops.cuda_torch`), which
+fix their own orders: a CUDA tensor never reaches SDPA.
 
 ``tpinv::attention_backward`` is an op of its own so the backward traces under
 torch.compile / fake tensors too; it has no autograd formula (no double backward).

@@ -1,21 +1,16 @@
-"""CUDA kernels for the ``tpinv::`` ops that have no dedicated GPU kernel: their own torch code.
+"""The CUDA slots of the ``tpinv::`` ops: Triton kernels, and fixed-order torch code for the rest.
 
-Invariant kept: every reduction on CUDA runs in the order the CPU path uses, because the
-CUDA slot runs the very function the CPU slot runs (products, exact adds in the fixed
-halving / leaf-tree order of :mod:`tpinv.kernels.cpu_tree`, ``exp``/``log``/``rsqrt``/
-``cos``/``sin``, ``amax``, indexing).  Each of those is a CUDA elementwise (or exact)
-kernel that computes an element with the same instruction sequence wherever the element
-sits in its tensor, so a row's bits do not depend on batch size, padding or TP size;
-``tests/gpu/test_cuda_ops.py`` checks this on the device.  CPU and CUDA bits may differ
-(the transcendental functions are different implementations); the order is the same.
-
-Cost: each op becomes many small CUDA launches (one per halving step and per elementwise
-op).  This is correct, not fast.  Ops that already have a CUDA kernel (the Triton contract
-matmul) keep it: only placeholders are replaced.  ``sum_exp_partial``, softmax, log-softmax
-and logsumexp (forward) get Triton kernels with a fixed per-leaf order instead
-(:mod:`tpinv.kernels.triton_softmax`); triton is imported only when one of them runs.
-The RMSNorm Triton kernels (:mod:`tpinv.kernels.triton_norm`, wrapped below) are not
-registered until their fixed version has passed ``tests/gpu/test_triton_norm_softmax.py``.
+Invariant kept: a row's bits on CUDA do not depend on batch size, padding or TP size.  The
+Triton kernels (:data:`TRITON_CUDA_KERNELS`: RMSNorm, the softmax family's forward,
+SiLU-and-mul, RoPE; attention forward and backward below) each state the order they fix in
+their module.  The remaining ops (:data:`TORCH_CUDA_OPS`: embedding, the tree sum, the
+softmax-family backward) run the very function their CPU slot runs -- products and exact adds
+in the fixed halving / leaf-tree order of :mod:`tpinv.kernels.cpu_tree`, elementwise CUDA
+kernels that compute an element the same way wherever it sits -- so their order is the CPU
+order (the bits may differ from the CPU: other transcendental implementations).
+``tests/gpu/`` checks every slot on the device.  The contract matmul registers its own Triton
+kernel (:mod:`tpinv.ops.linear`); only empty slots are filled here.  Triton is imported when a
+kernel first runs.
 """
 from __future__ import annotations
 

@@ -3,9 +3,10 @@
 The op keeps the kernel's order: the hidden sum of each row and the token sum of the
 weight gradient are fixed ``leaf_tree_sum(., 1)`` chains, so a row's output and input
 gradient do not depend on the batch, strides, padding rows or thread count.  The CPU
-kernel is registered here; on CUDA the same fixed-order
-code runs (:mod:`tpinv.ops.cuda_torch`).  The backward is itself a
-custom op (``tpinv::rms_norm_backward``); it has no double backward.
+kernel is registered here; on CUDA the Triton kernels of :mod:`tpinv.kernels.triton_norm`
+(registered by :mod:`tpinv.ops.cuda_torch`).  The backward is itself a custom op
+(``tpinv::rms_norm_backward``; it has no double backward), and
+``tpinv::rms_norm_backward_heads`` returns one weight-gradient row per head for Qwen3's q/k norm.
 """
 from __future__ import annotations
 
