@@ -29,6 +29,11 @@ import torch
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
 
+try:
+    from gpu_model_tp import sync, timed as median_seconds
+except ImportError:  # run from elsewhere: tools/ is not on the path
+    from tools.gpu_model_tp import sync, timed as median_seconds
+
 
 def build(name: str, layers: int | None, dtype: torch.dtype, device) -> Transformer:
     """Random weights from seed 0 (the same for both paths), on ``device``."""
@@ -37,24 +42,6 @@ def build(name: str, layers: int | None, dtype: torch.dtype, device) -> Transfor
         torch.manual_seed(0)
         model = Transformer(get_config(name, **overrides))
     return model.to(device)
-
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn, device, iters: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def train_step_times(model, device, batch: int, seq: int, iters: int) -> dict:
