@@ -1,4 +1,4 @@
-"""Units of tpinv.training and tpinv.determinism, in one process.
+"""Units of tpinv.training and tpinv.determinism, in one process (the data: test_training_data.py).
 
 Bitwise (torch.equal) for invariance, each beside a negative control that differs; allclose
 (stated tolerance) for parity with plain PyTorch.  Checkpoint errors (corrupt, mismatched,
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import io
-import json
 import os
 
 import pytest
@@ -17,8 +16,8 @@ from hypothesis import given, settings, strategies as st
 
 from tpinv import determinism
 from tpinv.contract import InvarianceError, tree_combine_list
-from tpinv.training import (ArithmeticTask, CheckpointError, TrainConfig, Trainer, TreeAccumulator, adamw_update,
-                            dp_slice, global_grad_norm, lr_at, make_dataset, micro_batches, read_metrics)
+from tpinv.training import (CheckpointError, TrainConfig, Trainer, TreeAccumulator, adamw_update,
+                            global_grad_norm, lr_at, read_metrics)
 from tpinv.training import checkpoint as train_ckpt
 from tpinv.training.loop import fp32_hex
 from tpinv.training.model import build_model
@@ -146,74 +145,6 @@ def test_fp32_hex_round_trips():
     for x in (5.548141002655029, 1.0, 0.0, -2.5, 2.0 ** -130):
         assert float.fromhex(fp32_hex(x)) == x
     assert fp32_hex(1.0) == "0x1p+0"
-
-
-# -- data -------------------------------------------------------------------------------------------
-def test_arithmetic_rows_mask_and_order():
-    task = ArithmeticTask(9, seed=3, digits=2)
-    b = task.batch(100, 12)
-    assert torch.equal(b.tokens, task.batch(100, 12).tokens)  # a function of (seed, index) only
-    assert torch.equal(torch.cat([task.batch(100, 5).tokens, task.batch(105, 7).tokens]), b.tokens)
-    for r in range(len(b)):
-        text = bytes(b.tokens[r].tolist() + [b.targets[r, -1].item()]).decode().rstrip("\0")
-        a, rest = text.split("+")
-        x, answer = rest.split("=")
-        assert int(answer) == int(a) + int(x)
-        masked = bytes(b.targets[r][b.loss_mask[r] > 0].tolist()).decode()
-        assert masked == answer  # the answer digits and the newline, nothing else
-    held = {tuple(divmod(c, task.limit)) for c in task.heldout_pairs}
-    assert not held & {task.pair(i) for i in range(3000)}
-
-
-def test_dp_slices_and_micro_batches_partition_the_batch():
-    b = ArithmeticTask(6, seed=1, digits=1).batch(0, 16)
-    parts = [mb for d in range(2) for mb in micro_batches(dp_slice(b, d, 2), 4)]
-    assert torch.equal(torch.cat([p.tokens for p in parts]), b.tokens)
-    with pytest.raises(ValueError, match="micro-batches of 3"):
-        micro_batches(b, 3)
-
-
-def test_text_and_jsonl_data(tmp_path):
-    txt = tmp_path / "a.txt"
-    txt.write_text("hello world, " * 20)
-    ds = make_dataset(str(txt), 8, seed=0)
-    b = ds.batch(0, 5)
-    assert b.tokens.shape == (5, 8) and bool((b.loss_mask == 1).all())
-    assert torch.equal(b.tokens[:, 1:], b.targets[:, :-1])
-    jl = tmp_path / "a.jsonl"
-    jl.write_text("\n".join(json.dumps({"text": f"document {i}"}) for i in range(10)))
-    assert make_dataset(str(jl), 8, seed=0).batch(3, 2).tokens.shape == (2, 8)
-    (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
-    with pytest.raises(ValueError, match="line 1"):
-        make_dataset(str(tmp_path / "bad.jsonl"), 8, seed=0)
-    with pytest.raises(FileNotFoundError, match="not found"):
-        make_dataset(str(tmp_path / "missing.txt"), 8, seed=0)
-    with pytest.raises(FileNotFoundError, match="tokenizer"):
-        make_dataset(str(txt), 8, seed=0, tokenizer=str(tmp_path / "nope.json"))
-    with pytest.raises(ValueError, match="seq_len >= 9"):
-        ArithmeticTask(8, seed=0, digits=2)
-
-
-def test_text_data_with_a_sentencepiece_tokenizer(tmp_path):
-    import sentencepiece as spm
-    docs = [f"document {i}: the same bits at any tensor parallel size" for i in range(40)]
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_writer=model, vocab_size=60,
-                                   model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
-    (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
-    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
-    ds = make_dataset(str(tmp_path / "docs.jsonl"), 16, seed=0, tokenizer=str(tmp_path / "tokenizer.model"))
-    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    want = [i for d in docs for i in sp.encode(d) + [2]]
-    assert ds.vocab_size == 60 and ds.ids.tolist() == want[:ds.ids.numel()]
-    trainer = Trainer(TrainConfig(**dict(TINY, data=str(tmp_path / "docs.jsonl"), tokenizer=str(
-        tmp_path / "tokenizer.model"), seq_len=16, steps=1)), stream=io.StringIO())
-    assert trainer.train_step()["loss_tokens"] == 8 * 16  # the loss on every token
-
-
-def test_tp_not_dividing_heads_is_refused():
-    with pytest.raises(InvarianceError, match="num_kv_heads"):
-        build_model(TrainConfig(**TINY), None, 8, 0)
 
 
 # -- determinism.enable ---------------------------------------------------------------------------
