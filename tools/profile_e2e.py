@@ -61,7 +61,6 @@ def main() -> None:
                 cache = model.new_cache(opts.decode_batch, opts.prompt + 8, device=device)
                 token = forward(prompt, cache)[:, -1].argmax(-1, keepdim=True)
                 step = lambda: forward(token, cache)  # noqa: E731
-                warm_cache = cache
             else:
                 step = train_step
             step()  # warm-up (compiles kernels); a decode step advances the cache by one
@@ -71,8 +70,6 @@ def main() -> None:
                 step()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-            if label == "decode":
-                del warm_cache
         print(f"==== {opts.path} {label}: top kernels by self device time")
         print(prof.key_averages().table(sort_by=sort_device, row_limit=opts.rows, max_name_column_width=60))
         print(f"==== {opts.path} {label}: top operators by host time")

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from tpinv.contract import InvarianceError
-from tpinv.dtensor_styles import ShardedHeads, local, replace_forward
+from tpinv.dtensor_styles import ShardedHeads, replace_forward
 from tpinv.models.transformer import head_rms_norm  # tpinv's cross-head weight-gradient sum
 from tpinv.ops import apply_rope, attention, rms_norm, rope_cos_sin, silu_mul
 
