@@ -1,14 +1,16 @@
 """Every tpinv op has a CUDA kernel that keeps the contract's order -- never a cuBLAS/aten fallback.
 
-The matmul ops hold the Triton contract kernel; the others hold their own fixed-order torch
-code (``tpinv.ops.cuda_torch``); a slot nobody filled raises instead of computing.
+The matmul ops hold the Triton contract kernel, the ops of ``cuda_torch.TRITON_CUDA_KERNELS``
+their Triton kernels, the others their own fixed-order torch code (``tpinv.ops.cuda_torch``);
+a slot nobody filled raises instead of computing.
 """
+import importlib
+
 import pytest
 import torch
 
 import tpinv.ops  # noqa: F401  (registers every op and its CUDA slot)
 from tpinv.ops import cuda_torch
-from tpinv.ops.attention import attention_op
 from tpinv.ops.linear import matmul_op, matmul_partial_op
 from tpinv.ops.registry import cuda_kernel, define_op, has_cuda_kernel, missing_cuda_kernel
 
@@ -25,13 +27,12 @@ def test_other_slots_hold_the_ops_own_fixed_order_code(op):
     assert cuda_kernel(op) is op._init_fn  # the very function the CPU slot runs
 
 
-def test_attention_slots_registered():
-    for name in ("tpinv::attention", "tpinv::attention_backward"):
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
-    # The CUDA slots hold the Triton kernels (tests/gpu/test_triton_attention.py runs them).
-    assert "triton_attention" in cuda_torch._attention_triton.__code__.co_names or \
-        "attention_forward_cuda" in cuda_torch._attention_triton.__code__.co_names
-    assert "attention_backward_cuda" in cuda_torch._attention_backward_triton.__code__.co_names
+@pytest.mark.parametrize("op,kernel", cuda_torch.TRITON_CUDA_KERNELS, ids=lambda o: getattr(o, "_qualname", ""))
+def test_triton_slots_hold_their_kernel(op, kernel):
+    """The slot holds the table's lazy kernel, and the Triton function it names exists
+    (tests/gpu runs them)."""
+    assert has_cuda_kernel(op) and cuda_kernel(op) is kernel
+    assert callable(getattr(importlib.import_module(kernel.triton_module), kernel.triton_name))
 
 
 def test_an_unfilled_slot_raises_instead_of_falling_back():

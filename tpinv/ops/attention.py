@@ -19,11 +19,12 @@ import torch
 
 from tpinv.kernels.cpu_attention import attention_forward, check_attention_inputs
 from tpinv.kernels.cpu_attention_bwd import attention_backward
+from tpinv.ops.registry import define_op
 
 __all__ = ["attention", "attention_op", "attention_backward_op"]
 
 
-@torch.library.custom_op("tpinv::attention", mutates_args=(), device_types="cpu")
+@define_op("attention")
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                  mask: Optional[torch.Tensor], causal: bool, window: Optional[int],
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +32,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     return attention_forward(q, k, v, q_pos, mask, causal, window, scale)
 
 
-@torch.library.custom_op("tpinv::attention_backward", mutates_args=(), device_types="cpu")
+@define_op("attention_backward")
 def attention_backward_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
                           q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, q_pos: torch.Tensor, mask: Optional[torch.Tensor],
@@ -40,16 +41,6 @@ def attention_backward_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tenso
     """``(dq, dk, dv)`` of :func:`attention_op`, in the dtypes of ``q, k, v``."""
     return attention_backward(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask, causal,
                               window, scale)
-
-
-def _no_cuda_kernel(name: str):
-    def no_cuda_kernel(*args, **kwargs):
-        raise NotImplementedError(f"{name} has no CUDA kernel yet")
-    return no_cuda_kernel
-
-
-attention_op.register_kernel("cuda", _no_cuda_kernel("tpinv::attention"))
-attention_backward_op.register_kernel("cuda", _no_cuda_kernel("tpinv::attention_backward"))
 
 
 @attention_op.register_fake

@@ -2,8 +2,8 @@
 
 Invariant kept: a row's bits on CUDA do not depend on batch size, padding or TP size.  The
 Triton kernels (:data:`TRITON_CUDA_KERNELS`: RMSNorm, the softmax family's forward,
-SiLU-and-mul, RoPE; attention forward and backward below) each state the order they fix in
-their module.  The remaining ops (:data:`TORCH_CUDA_OPS`: embedding, the tree sum, the
+SiLU-and-mul, RoPE, attention forward and backward) each state the order they fix in their
+module.  The remaining ops (:data:`TORCH_CUDA_OPS`: embedding, the tree sum, the
 softmax-family backward) run the very function their CPU slot runs -- products and exact adds
 in the fixed halving / leaf-tree order of :mod:`tpinv.kernels.cpu_tree`, elementwise CUDA
 kernels that compute an element the same way wherever it sits -- so their order is the CPU
@@ -14,6 +14,7 @@ kernel first runs.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 from tpinv.ops.activation import silu_mul_backward_op, silu_mul_op
@@ -47,86 +48,37 @@ def _torch_impl(op) -> Callable:
     return fn
 
 
-def _attention_triton(q, k, v, q_pos, mask, causal, window, scale):
-    from tpinv.kernels.triton_attention import attention_forward_cuda
-    return attention_forward_cuda(q, k, v, q_pos, mask, causal, window, scale)
+def _triton(module: str, name: str) -> Callable:
+    """The CUDA kernel ``tpinv.kernels.<module>.<name>``, imported on its first call (so a
+    CPU-only process never imports Triton); same arguments as the op's CPU kernel."""
 
+    resolved: list[Callable] = []
 
-def _attention_backward_triton(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask, causal, window,
-                               scale):
-    from tpinv.kernels.triton_attention_bwd import attention_backward_cuda
-    return attention_backward_cuda(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask, causal,
-                                   window, scale)
+    def kernel(*args, **kwargs):
+        if not resolved:
+            resolved.append(getattr(importlib.import_module(f"tpinv.kernels.{module}"), name))
+        return resolved[0](*args, **kwargs)
 
-
-def _rms_norm_triton(x, weight, eps):
-    from tpinv.kernels.triton_norm import rms_norm_forward_cuda
-    return rms_norm_forward_cuda(x, weight, eps)
-
-
-def _rms_norm_backward_triton(grad, x, weight, eps):
-    from tpinv.kernels.triton_norm import rms_norm_backward_cuda
-    return rms_norm_backward_cuda(grad, x, weight, eps)
-
-
-def _rms_norm_backward_heads_triton(grad, x, weight, eps):
-    from tpinv.kernels.triton_norm import rms_norm_backward_heads_cuda
-    return rms_norm_backward_heads_cuda(grad, x, weight, eps)
-
-
-def _silu_mul_triton(gate, up):
-    from tpinv.kernels.triton_elementwise import silu_mul_forward_cuda
-    return silu_mul_forward_cuda(gate, up)
-
-
-def _silu_mul_backward_triton(grad, gate, up):
-    from tpinv.kernels.triton_elementwise import silu_mul_backward_cuda
-    return silu_mul_backward_cuda(grad, gate, up)
-
-
-def _apply_rope_triton(x, cos, sin):
-    from tpinv.kernels.triton_elementwise import apply_rope_forward_cuda
-    return apply_rope_forward_cuda(x, cos, sin)
-
-
-def _apply_rope_backward_triton(grad, cos, sin):
-    from tpinv.kernels.triton_elementwise import apply_rope_backward_cuda
-    return apply_rope_backward_cuda(grad, cos, sin)
-
-
-def _sum_exp_partial_triton(x, max, leaves):
-    from tpinv.kernels.triton_softmax import sum_exp_partial_cuda
-    return sum_exp_partial_cuda(x, max, leaves)
-
-
-def _softmax_triton(x, leaves):
-    from tpinv.kernels.triton_softmax import softmax_forward_cuda
-    return softmax_forward_cuda(x, leaves)
-
-
-def _log_softmax_triton(x, leaves):
-    from tpinv.kernels.triton_softmax import log_softmax_forward_cuda
-    return log_softmax_forward_cuda(x, leaves)
-
-
-def _logsumexp_triton(x, leaves):
-    from tpinv.kernels.triton_softmax import logsumexp_forward_cuda
-    return logsumexp_forward_cuda(x, leaves)
+    kernel.__qualname__ = kernel.__name__ = f"{module}.{name}"
+    kernel.triton_module, kernel.triton_name = f"tpinv.kernels.{module}", name
+    return kernel
 
 
 #: (op, Triton-backed CUDA kernel) pairs registered ahead of the torch code.
 TRITON_CUDA_KERNELS = (
-    (sum_exp_partial_op, _sum_exp_partial_triton),
-    (softmax_op, _softmax_triton),
-    (log_softmax_op, _log_softmax_triton),
-    (logsumexp_op, _logsumexp_triton),
-    (rms_norm_op, _rms_norm_triton),
-    (rms_norm_backward_op, _rms_norm_backward_triton),
-    (rms_norm_backward_heads_op, _rms_norm_backward_heads_triton),
-    (silu_mul_op, _silu_mul_triton),
-    (silu_mul_backward_op, _silu_mul_backward_triton),
-    (apply_rope_op, _apply_rope_triton),
-    (apply_rope_backward_op, _apply_rope_backward_triton),
+    (sum_exp_partial_op, _triton("triton_softmax", "sum_exp_partial_cuda")),
+    (softmax_op, _triton("triton_softmax", "softmax_forward_cuda")),
+    (log_softmax_op, _triton("triton_softmax", "log_softmax_forward_cuda")),
+    (logsumexp_op, _triton("triton_softmax", "logsumexp_forward_cuda")),
+    (rms_norm_op, _triton("triton_norm", "rms_norm_forward_cuda")),
+    (rms_norm_backward_op, _triton("triton_norm", "rms_norm_backward_cuda")),
+    (rms_norm_backward_heads_op, _triton("triton_norm", "rms_norm_backward_heads_cuda")),
+    (silu_mul_op, _triton("triton_elementwise", "silu_mul_forward_cuda")),
+    (silu_mul_backward_op, _triton("triton_elementwise", "silu_mul_backward_cuda")),
+    (apply_rope_op, _triton("triton_elementwise", "apply_rope_forward_cuda")),
+    (apply_rope_backward_op, _triton("triton_elementwise", "apply_rope_backward_cuda")),
+    (attention_op, _triton("triton_attention", "attention_forward_cuda")),
+    (attention_backward_op, _triton("triton_attention_bwd", "attention_backward_cuda")),
 )
 
 
@@ -141,9 +93,6 @@ def register_torch_cuda_kernels() -> list[str]:
         if not has_cuda_kernel(op):
             register_cuda_kernel(op, _torch_impl(op))
             filled.append(op._qualname)
-    attention_op.register_kernel("cuda", _attention_triton)
-    attention_backward_op.register_kernel("cuda", _attention_backward_triton)
-    filled += ["tpinv::attention", "tpinv::attention_backward"]
     return filled
 
 
