@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tpinv.kernels.cpu_attention import block_visibility
 from tpinv.models.kv_cache import KVCache
 from tpinv.ops import rope_cos_sin
 
@@ -115,14 +116,6 @@ def _row(x, layer, group):
     return y if layer.bias is None else y + layer.bias
 
 
-def _visibility(positions, T, window, mask):
-    keys = torch.arange(T, device=positions.device)
-    seen = keys[None, None, :] <= positions[:, :, None]
-    if window is not None:
-        seen = seen & (keys[None, None, :] > positions[:, :, None] - window)
-    return seen if mask is None else seen & mask
-
-
 def _fast_cuda_attention(q, k, v, positions, cached: bool, gqa: bool):
     """SDPA without a mask where none is needed (what a serving engine runs on a GPU), or None.
 
@@ -154,7 +147,7 @@ def _attention(attn, x, cos, sin, positions, mask, cache, layer, group):
         out = _fast_cuda_attention(q, k, v, positions, cache is not None, gqa)
         if out is not None:
             return _row(out.transpose(1, 2).reshape(B, S, -1), attn.o_proj, group)
-    visible = _visibility(positions, k.shape[2], attn.window, mask).unsqueeze(1)
+    visible = block_visibility(positions, 0, k.shape[2], True, attn.window, mask).unsqueeze(1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
     return _row(out.transpose(1, 2).reshape(B, S, -1), attn.o_proj, group)
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tpinv.kernels.cpu_attention import block_visibility
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 if torch.cuda.is_available():
@@ -42,16 +44,8 @@ def arange_pos(B, S, start=0):
 
 
 def vis_of(pos, T, causal=True, window=None, mask=None):
-    j = torch.arange(T, device=DEV)[None, None]
-    p = pos[:, :, None]
-    vis = torch.ones(pos.shape[0], pos.shape[1], T, dtype=torch.bool, device=DEV)
-    if causal:
-        vis &= j <= p
-    if window is not None:
-        vis &= j > p - window
-    if mask is not None:
-        vis &= mask
-    return vis
+    """The op's visibility rule, bool [B, S, T] (the CPU kernel's own function)."""
+    return block_visibility(pos, 0, T, causal, window, mask)
 
 
 def fwd(q, k, v, pos, mask=None, causal=True, window=None):

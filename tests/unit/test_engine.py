@@ -17,7 +17,7 @@ from tpinv.engine import Engine, Request, SamplingParams, Scheduler
 from tpinv.engine.metrics import (count_unique_outputs, fraction_bitwise_equal, k3_kl, max_probability_divergence,
                                   mismatch_metrics, token_mult_prob_error, trainer_log_probs)
 from tpinv.engine.scheduler import SequenceState
-from tpinv.testing import sharpened_model
+from tpinv.testing import num_threads, sharpened_model
 from tpinv.models import Transformer, get_config
 
 FAMILIES = ("qwen3-tiny", "llama-tiny", "mistral-tiny")
@@ -25,10 +25,8 @@ FAMILIES = ("qwen3-tiny", "llama-tiny", "mistral-tiny")
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)   # tiny ops: a thread pool only adds overhead
-    yield
-    torch.set_num_threads(old)
+    with num_threads(1):   # tiny ops: a thread pool only adds overhead
+        yield
 
 
 def build(name="qwen3-tiny", dtype=torch.float32) -> Transformer:

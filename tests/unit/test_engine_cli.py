@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tpinv.engine import Engine, Request, SamplingParams
+from tpinv.testing import num_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,10 +30,8 @@ def load_script(rel: str):
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+    with num_threads(1):   # tiny ops: a thread pool only adds overhead
+        yield
 
 
 def test_generate_cli_matches_the_python_api(tmp_path, monkeypatch):

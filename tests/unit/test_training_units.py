@@ -22,6 +22,7 @@ from tpinv.training import checkpoint as train_ckpt
 from tpinv.training.loop import fp32_hex
 from tpinv.training.model import build_model
 from tpinv.training.optim import ParamLayout
+from tpinv.testing import num_threads
 
 TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch=4, eval_every=0, warmup=1, lr=1e-2)
 
@@ -29,10 +30,8 @@ TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """The tiny models run fastest on one thread (bits do not depend on the thread count)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with num_threads(1):   # tiny ops: a thread pool only adds overhead
+        yield
 
 
 # -- elementwise primitives the optimizer relies on ------------------------------------------------

@@ -33,7 +33,7 @@ from tpinv.kernels.cpu_attention import (CHUNK_BYTES, KV_BLOCK, all_finite, bloc
 _NEG_INF = float("-inf")
 
 
-def _check_backward_inputs(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
+def check_backward_inputs(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
                            q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     B, Hq, S, _ = q.shape
     if grad_out.shape != q.shape or out.shape != q.shape:
@@ -168,9 +168,9 @@ def attention_backward(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
     memory only, never the bits.
     """
     g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
-    _check_backward_inputs(grad_out, grad_lse, q, out, lse)
+    check_backward_inputs(grad_out, grad_lse, q, out, lse)
     B, Hq, S, D = q.shape
-    Hkv, T = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     P = next_pow2(S)
     n_h, n_c = _chunking(Hkv, g, P, D, chunk_bytes)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from tpinv.kernels.cpu_attention import KV_BLOCK, check_attention_inputs
+from tpinv.kernels.cpu_attention_bwd import check_backward_inputs
 from tpinv.kernels.triton_attention import (block_ranges, clean_kv, forward_config,
                                             last_dim_contiguous, load_kv_block, mask_args,
                                             padded_head_dim, poison_rows, resolve_scale,
@@ -217,17 +218,11 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_p
 
 
 def _check_backward_inputs(grad_out, grad_lse, q, out, lse) -> None:
-    B, Hq, S, _ = q.shape
-    if grad_out.shape != q.shape or out.shape != q.shape:
-        raise ValueError(f"grad_out and out must have q's shape {list(q.shape)}, "
-                         f"got {list(grad_out.shape)} and {list(out.shape)}")
+    """The CPU kernel's checks, and one more: the kernels read ``grad_out``/``out`` as q's dtype."""
+    check_backward_inputs(grad_out, grad_lse, q, out, lse)
     if grad_out.dtype != q.dtype or out.dtype != q.dtype:
         raise TypeError(f"grad_out and out must be {q.dtype} like q, "
                         f"got {grad_out.dtype} and {out.dtype}")
-    for name, t in (("lse", lse), ("grad_lse", grad_lse)):
-        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (B, Hq, S)):
-            raise ValueError(f"{name} must be fp32 of shape [B, Hq, S] = [{B}, {Hq}, {S}], "
-                             f"got {t.dtype} {list(t.shape)}")
 
 
 def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
