@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tpinv.contract import tree_combine_list
-from tpinv.reduce import ALGORITHMS, choose_algorithm, tree_all_reduce
+from tpinv.reduce import ALGORITHMS, algorithms_for, choose_algorithm, tree_all_reduce
 
 CPU_SIZES = "4K,16K,64K,256K,1M,4M"
 GPU_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
@@ -77,7 +77,7 @@ def bench(sizes: list[int], algorithms: list[str], warmup: int, iters: int,
         dist.all_reduce(plain)
         base = _time(lambda: dist.all_reduce(mine.clone()), device, warmup, iters)
         rows = [("all_reduce", base, torch.equal(plain, reference))]
-        valid = [a for a in algorithms if a != "pair_sum" or world == 2]  # pair_sum: 2 ranks
+        valid = [a for a in algorithms if a == "auto" or a in algorithms_for(world)]
         runs = [(a, check) for a in valid] + ([("auto", True)] if not check else [])
         for algorithm, checked in runs:
             out = tree_all_reduce(mine, None, algorithm=algorithm, check=checked)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from tpinv.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size, tree_combine_list
 
 __all__ = ["ALGORITHMS", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
-           "all_gather", "choose_algorithm"]
+           "all_gather", "algorithms_for", "choose_algorithm"]
 
 ALGORITHMS = ("all_to_all", "halving", "all_gather", "pair_sum")
 
@@ -58,6 +58,11 @@ _DESC_DIMS = 10
 
 class CollectiveError(RuntimeError):
     """A collective of the tree reducer failed (a peer exited, hung, or the transport broke)."""
+
+
+def algorithms_for(group_size: int) -> tuple[str, ...]:
+    """The algorithms a group of ``group_size`` ranks may run (``"pair_sum"``: two ranks only)."""
+    return tuple(a for a in ALGORITHMS if a != "pair_sum" or group_size == 2)
 
 
 def choose_algorithm(nbytes: int, group_size: int, backend: str = "gloo") -> str:
@@ -139,7 +144,7 @@ def _prepare(op, partial, group, *, algorithm, leaves, check, dim=0):
         raise ValueError(f"algorithm={algorithm!r}: expected 'auto' or one of {ALGORITHMS}")
     if size > 1 and check:
         _check_agree(op, partial, group, size, rank, algorithm=algorithm, leaves=leaves, dim=dim)
-    if algorithm == "pair_sum" and size != 2:
+    if algorithm != "auto" and algorithm not in algorithms_for(size):
         raise InvarianceError(
             f"{op}: algorithm 'pair_sum' needs a group of exactly 2 ranks (the tree is then one "
             f"add), got {size}; use 'auto', 'all_to_all', 'halving' or 'all_gather'")

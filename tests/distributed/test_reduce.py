@@ -11,17 +11,11 @@ from hypothesis import given, settings, strategies as st
 
 from tpinv.contract import rank_leaves, tree_combine, tree_combine_list
 from tpinv.kernels.cpu_tree import leaf_partials, leaf_tree_sum
-from tpinv.reduce import (ALGORITHMS, CollectiveError, all_gather, choose_algorithm,
-                          tree_all_reduce, tree_reduce_scatter)
+from tpinv.reduce import (ALGORITHMS, CollectiveError, algorithms_for, all_gather,
+                          choose_algorithm, tree_all_reduce, tree_reduce_scatter)
 from tpinv.testing import RankFailedError, record_ops, run_ranks
 
 WORLDS = (1, 2, 4)
-AUTO = ALGORITHMS + ("auto",)
-
-
-def _algorithms(world):
-    """The algorithms valid for a group of ``world`` ranks (``pair_sum``: two ranks only)."""
-    return tuple(a for a in ALGORITHMS if a != "pair_sum" or world == 2)
 SHAPES = [(7,), (4, 3), (5, 3, 17), (3, 12, 5), (), (0, 3), (8, 1001)]
 GATHER_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
 K, LEAVES, ROWS = 8 * 129, 8, 64
@@ -37,13 +31,13 @@ def _correctness_rank(rank, world, cases, gathers, x):
     out = {"reduce": {}, "scatter": {}, "gather": {}, "ops": {}}
     for i, parts in enumerate(cases):
         mine = parts[rank].clone()
-        for algorithm, check in [(a, True) for a in _algorithms(world) + ("auto",)] + [("auto", False)]:
+        for algorithm, check in [(a, True) for a in algorithms_for(world) + ("auto",)] + [("auto", False)]:
             out["reduce"][i, algorithm, check] = tree_all_reduce(
                 mine, None, algorithm=algorithm, check=check)
         assert torch.equal(mine, parts[rank]), "the input partial was modified"
         for dim in range(mine.dim()):
             if mine.shape[dim] % world == 0:
-                for algorithm in _algorithms(world) + ("auto",):
+                for algorithm in algorithms_for(world) + ("auto",):
                     out["scatter"][i, dim, algorithm] = tree_reduce_scatter(
                         mine, None, dim=dim, algorithm=algorithm)
     for i, tensors in enumerate(gathers):
@@ -51,7 +45,7 @@ def _correctness_rank(rank, world, cases, gathers, x):
             out["gather"][i, dim] = all_gather(tensors[rank], None, dim=dim)
     strided = cases[-1][rank].t()  # a non-contiguous partial
     out["strided"] = tree_all_reduce(strided, None, algorithm="halving")
-    for algorithm in _algorithms(world):
+    for algorithm in algorithms_for(world):
         with record_ops() as seen:
             tree_all_reduce(mine, None, algorithm=algorithm)
         out["ops"][algorithm] = set(seen.names)
@@ -117,7 +111,7 @@ def test_reduce_scatter_is_a_chunk_of_the_tree(spawned, world):
             expected = reference.narrow(dim, rank * chunk, chunk)
             assert got.is_contiguous() and torch.equal(got, expected), (world, i, dim, algorithm)
             seen += 1
-    assert seen >= world * 4 * (len(_algorithms(world)) + 1)
+    assert seen >= world * 4 * (len(algorithms_for(world)) + 1)
 
 
 @pytest.mark.parametrize("world", WORLDS)
