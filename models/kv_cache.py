@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from tpinv.cuda_graph import capturing, value_range
+
 
 class KVCache:
     """Keys and values ``[layers, batch, kv_heads, max_len, head_dim]`` plus per-request lengths."""
@@ -49,19 +51,25 @@ class KVCache:
         return self.lengths[:, None] + steps[None, :]
 
     def check_positions(self, positions: torch.Tensor) -> None:
+        """Shape, dtype and range of ``positions``; the range is read on the host (one sync),
+        except inside a CUDA-graph capture, whose runner checks its inputs before each replay
+        (:class:`tpinv.cuda_graph.DecodeGraph`)."""
         if positions.dtype != torch.int64 or positions.dim() != 2 or positions.shape[0] != self.batch:
             raise ValueError(f"positions must be int64 of shape [batch={self.batch}, S], got "
                              f"{positions.dtype} {list(positions.shape)}")
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_len):
-            raise ValueError(f"positions must lie in [0, max_len={self.max_len}) of the cache, got "
-                             f"[{int(positions.min())}, {int(positions.max())}]; build a longer cache")
+        if positions.numel() and not capturing():
+            low, high = value_range(positions)
+            if low < 0 or high >= self.max_len:
+                raise ValueError(f"positions must lie in [0, max_len={self.max_len}) of the cache, got "
+                                 f"[{low}, {high}]; build a longer cache")
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
+               check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``k``, ``v`` ``[batch, kv_heads, S, head_dim]`` at slots ``positions`` ``[batch, S]``.
 
         Returns the layer's whole cache ``(k, v)``, each ``[batch, kv_heads, max_len, head_dim]``.
-        Positions must be distinct within a request.
+        Positions must be distinct within a request.  ``check=False`` skips
+        :meth:`check_positions` (a model checks a step's positions once, not per layer).
         """
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} is outside the cache's {self.num_layers} layers")
@@ -71,20 +79,24 @@ class KVCache:
                              f"got k {list(k.shape)}, v {list(v.shape)}")
         if k.dtype != self.k.dtype or v.dtype != self.v.dtype:
             raise TypeError(f"k and v must be {self.k.dtype} like the cache, got {k.dtype}, {v.dtype}")
-        self.check_positions(positions)
+        if check:
+            self.check_positions(positions)
         B, H, S, D = k.shape
         index = positions[:, None, :, None].expand(B, H, S, D)
         self.k[layer].scatter_(2, index, k.detach())
         self.v[layer].scatter_(2, index, v.detach())
         return self.k[layer], self.v[layer]
 
-    def advance(self, positions: torch.Tensor, num_valid: Optional[torch.Tensor] = None) -> None:
+    def advance(self, positions: torch.Tensor, num_valid: Optional[torch.Tensor] = None, *,
+                check: bool = True) -> None:
         """Record that the first ``num_valid[b]`` (default all) of ``positions[b]`` are filled.
 
         Each request's length becomes at least one past its last recorded position; padded
         tokens beyond ``num_valid`` are not counted (their slots are overwritten later).
+        ``lengths`` is updated in place (a captured decode step replays the update).
         """
-        self.check_positions(positions)
+        if check:
+            self.check_positions(positions)
         S = positions.shape[1]
         if num_valid is None:
             valid = torch.ones_like(positions, dtype=torch.bool)
@@ -94,7 +106,7 @@ class KVCache:
             steps = torch.arange(S, device=positions.device)
             valid = steps[None, :] < num_valid.to(positions.device)[:, None]
         last = torch.where(valid, positions + 1, 0).amax(dim=1) if S else torch.zeros_like(self.lengths)
-        self.lengths = torch.maximum(self.lengths, last)
+        torch.maximum(self.lengths, last, out=self.lengths)
 
     def reset(self) -> None:
         """Forget every request (slots are overwritten by later appends)."""

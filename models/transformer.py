@@ -141,7 +141,7 @@ class Attention(torch.nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
         if cache is not None:
-            k, v = cache.append(layer, k, v, positions)
+            k, v = cache.append(layer, k, v, positions, check=False)  # checked once per step
         out = attention(q, k, v, positions, causal=True, window=self.window, mask=mask)
         out = out.transpose(1, 2).reshape(B, S, self.local_heads * self.head_dim)
         return self.o_proj(out)[0]
@@ -227,9 +227,12 @@ class Transformer(torch.nn.Module):
 
     def _positions(self, tokens, positions, cache):
         B, S = tokens.shape
+        """The step's positions, checked once (the layers' cache writes do not re-check them)."""
         if positions is None:
             if cache is not None:
-                return cache.next_positions(S).to(tokens.device)
+                positions = cache.next_positions(S).to(tokens.device)
+                cache.check_positions(positions)
+                return positions
             return torch.arange(S, device=tokens.device).expand(B, S).contiguous()
         if positions.dtype != torch.int64 or tuple(positions.shape) != (B, S):
             raise ValueError(f"positions must be int64 of shape [B, S] = [{B}, {S}], got "
@@ -237,6 +240,8 @@ class Transformer(torch.nn.Module):
         if cache is None and not torch.equal(positions, torch.arange(S, device=positions.device).expand(B, S)):
             raise ValueError("without a KV cache key slot j is token j, so positions must be arange(S) "
                              "in every row; pass a KVCache to place tokens at other positions")
+        if cache is not None:
+            cache.check_positions(positions)
         return positions
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
@@ -262,7 +267,7 @@ class Transformer(torch.nn.Module):
         weight = self.embed_tokens.weight if self.args.tie_word_embeddings else None
         logits = self.lm_head(h, weight=weight)[0]
         if cache is not None:
-            cache.advance(positions, num_valid)
+            cache.advance(positions, num_valid, check=False)
         if gather_logits and self.tp_size > 1:
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
         return logits

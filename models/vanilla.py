@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tpinv.kernels.cpu_attention import block_visibility
+from tpinv.cuda_graph import capturing
 from tpinv.models.kv_cache import KVCache
 from tpinv.ops import rope_cos_sin
 
@@ -120,11 +121,14 @@ def _fast_cuda_attention(q, k, v, positions, cached: bool, gqa: bool):
     """SDPA without a mask where none is needed (what a serving engine runs on a GPU), or None.
 
     A prefill from slot 0 takes the causal flash path; a decode step in which every
-    request sits at the same position attends the used slots only.  Same function as the
+    request sits at the same position attends the used slots only (not inside a CUDA-graph
+    capture: finding that out reads the positions on the host).  Same function as the
     masked call; the speed of the vanilla control on CUDA, its numerics unchanged in kind.
     """
     if not cached:  # without a cache the positions are arange(S): causal from slot 0
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if capturing():  # a captured step cannot read positions on the host: the masked call
+        return None
     used = int(positions.max()) + 1 if positions.numel() else 0
     if q.shape[2] == 1 and bool((positions == used - 1).all()):
         return F.scaled_dot_product_attention(q, k[:, :, :used], v[:, :, :used], enable_gqa=gqa)
@@ -142,7 +146,7 @@ def _attention(attn, x, cos, sin, positions, mask, cache, layer, group):
     q, k, v = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
     gqa = attn.local_heads != attn.local_kv_heads
     if cache is not None:
-        k, v = cache.append(layer, k, v, positions)
+        k, v = cache.append(layer, k, v, positions, check=False)  # checked once per step
     if q.is_cuda and mask is None and attn.window is None:
         out = _fast_cuda_attention(q, k, v, positions, cache is not None, gqa)
         if out is not None:
@@ -177,7 +181,7 @@ def vanilla_forward(model, tokens: torch.Tensor, positions: Optional[torch.Tenso
     weight = emb.weight if args.tie_word_embeddings else model.lm_head.weight
     logits = F.linear(_CopyToTP.apply(h, group), weight)
     if cache is not None:
-        cache.advance(positions, num_valid)
+        cache.advance(positions, num_valid, check=False)
     if gather_logits and _size(group) > 1:
         logits = _GatherLastDim.apply(logits, group)
     return logits

@@ -9,10 +9,14 @@ runs after a warm-up, in the same process:
   ratio = invariant time / vanilla time (the target is <= 1.25).
 * decoding: a prompt of ``--prompt`` tokens is prefilled into a KV cache, then ``--new``
   greedy steps of one token for each of ``--decode-batch`` sequences; tokens/s of the decode
-  steps; ratio = invariant tokens/s / vanilla tokens/s (the target is >= 0.75).
+  steps; ratio = invariant tokens/s / vanilla tokens/s (the target is >= 0.75).  Each path is
+  timed eager and, on CUDA, replayed from a CUDA graph (:class:`tpinv.cuda_graph.DecodeGraph`;
+  vanilla's graph attends through the masked SDPA call, as it cannot pick its unmasked
+  shortcut without reading the positions on the host).
 
-Before timing, the invariant decode is checked once against the invariant prefill of the
-same tokens (the last position's logits, bitwise) and the run stops if they differ.
+Before timing, the invariant decode (eager, and replayed on CUDA) is checked against the
+invariant prefill of the same tokens (the last position's logits, bitwise) and the run stops
+if they differ.
 Prints a table; ``--json`` writes the records.  Runs on CPU too (a check of the script).
 
     python tools/bench_e2e.py --model qwen3-0.6b --json out.json
@@ -26,6 +30,7 @@ import time
 
 import torch
 
+from tpinv.cuda_graph import DecodeGraph
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
 
@@ -64,46 +69,62 @@ def train_step_times(model, device, batch: int, seq: int, iters: int) -> dict:
             "ratio_time": t_inv / t_van}
 
 
-def greedy_decode(forward, model, prompt: torch.Tensor, new: int, device) -> tuple[float, torch.Tensor]:
-    """Seconds of the ``new`` one-token steps (prefill excluded) and the last logits."""
+def decode_step(forward, model, cache, graph: bool):
+    """``step(tokens [B, 1]) -> logits``: one greedy step against ``cache``, eager or replayed."""
+    ones = torch.ones(cache.batch, dtype=torch.int64, device=cache.lengths.device)
+    run = (lambda t, p, v: forward(t, p, cache, v))
+    if graph:
+        run = DecodeGraph(run, cache, model.args.vocab_size)
+    return lambda tokens: run(tokens, cache.next_positions(1), ones)
+
+
+def greedy_decode(forward, model, prompt: torch.Tensor, new: int, device, graph: bool
+                  ) -> tuple[float, torch.Tensor]:
+    """Seconds of ``new`` one-token steps (prefill and the first step, which captures, excluded)."""
     batch = prompt.shape[0]
-    cache = model.new_cache(batch, prompt.shape[1] + new, device=device)
-    logits = forward(prompt, cache)
+    cache = model.new_cache(batch, prompt.shape[1] + new + 1, device=device)
+    logits = forward(prompt, None, cache, None)
+    step = decode_step(forward, model, cache, graph)
+    logits = step(logits[:, -1].argmax(-1, keepdim=True))
     token = logits[:, -1].argmax(-1, keepdim=True)
     sync(device)
     t0 = time.perf_counter()
     for _ in range(new):
-        logits = forward(token, cache)
+        logits = step(token)
         token = logits[:, -1].argmax(-1, keepdim=True)
     sync(device)
     return time.perf_counter() - t0, logits[:, -1]
 
 
-def check_decode_equals_prefill(model, device, batch: int, prompt_len: int) -> bool:
-    """Decoding the last prompt token against the cache == prefilling the whole prompt."""
+def check_decode_equals_prefill(model, device, batch: int, prompt_len: int, graph: bool) -> bool:
+    """Decoding the last prompt token against the cache (eager, or replayed from a CUDA graph)
+    == prefilling the whole prompt, bitwise."""
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, model.args.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    forward = (lambda t, p, c, v: model(t, p, c, num_valid=v))
     with torch.no_grad():
         full = model(tokens)[:, -1]
         cache = model.new_cache(batch, prompt_len + 8, device=device)
         model(tokens[:, :-1], cache=cache)
-        step = model(tokens[:, -1:], cache=cache)[:, -1]
+        step = decode_step(forward, model, cache, graph)(tokens[:, -1:])[:, -1]
     return torch.equal(full, step)
 
 
-def decode_rates(model, device, batch: int, prompt_len: int, new: int, repeats: int) -> dict:
+def decode_rates(model, device, batch: int, prompt_len: int, new: int, repeats: int, modes) -> dict:
     gen = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, model.args.vocab_size, (batch, prompt_len), generator=gen).to(device)
-    paths = {"invariant": lambda t, c: model(t, cache=c),
-             "vanilla": lambda t, c: vanilla_forward(model, t, cache=c)}
+    paths = {"invariant": lambda t, p, c, v: model(t, p, c, num_valid=v),
+             "vanilla": lambda t, p, c, v: vanilla_forward(model, t, p, c, num_valid=v)}
     out = {"decode_batch": batch, "prompt": prompt_len, "new_tokens": new}
     with torch.no_grad():
-        for name, forward in paths.items():
-            greedy_decode(forward, model, prompt, min(new, 4), device)  # warm-up
-            runs = sorted(greedy_decode(forward, model, prompt, new, device)[0] for _ in range(repeats))
-            seconds = runs[len(runs) // 2]
-            out[f"{name}_tokens_per_s"] = batch * new / seconds
-    out["ratio_rate"] = out["invariant_tokens_per_s"] / out["vanilla_tokens_per_s"]
+        for mode in modes:
+            for name, forward in paths.items():
+                graph = mode == "graph"
+                greedy_decode(forward, model, prompt, min(new, 4), device, graph)  # warm-up
+                runs = sorted(greedy_decode(forward, model, prompt, new, device, graph)[0]
+                              for _ in range(repeats))
+                out[f"{name}_{mode}_tokens_per_s"] = batch * new / runs[len(runs) // 2]
+            out[f"ratio_rate_{mode}"] = out[f"invariant_{mode}_tokens_per_s"] / out[f"vanilla_{mode}_tokens_per_s"]
     return out
 
 
@@ -125,20 +146,24 @@ def main() -> None:
     name, _, layers = opts.model.partition(":")
     model = build(name, int(layers) if layers else None, getattr(torch, opts.dtype), device)
     params = sum(t.numel() for t in model.parameters())
-    if not check_decode_equals_prefill(model, device, 2, min(opts.prompt, 200)):
-        raise SystemExit("FAIL: the invariant decode step differs from the invariant prefill")
+    modes = ["eager", "graph"] if device.type == "cuda" else ["eager"]
+    for mode in modes:
+        if not check_decode_equals_prefill(model, device, 2, min(opts.prompt, 200), mode == "graph"):
+            raise SystemExit(f"FAIL: the invariant decode step ({mode}) differs from the invariant prefill")
     train = train_step_times(model, device, opts.batch, opts.seq, opts.iters)
-    decode = decode_rates(model, device, opts.decode_batch, opts.prompt, opts.new, opts.repeats)
+    decode = decode_rates(model, device, opts.decode_batch, opts.prompt, opts.new, opts.repeats, modes)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {dev}; model {opts.model} ({params / 1e6:.0f} M params), {opts.dtype}; "
-          f"decode == prefill bitwise: yes")
-    print(f"{'measure':<34} {'invariant':>12} {'vanilla':>12} {'ratio':>7} {'target':>8}")
+          f"decode == prefill bitwise ({', '.join(modes)}): yes")
+    print(f"{'measure':<40} {'invariant':>12} {'vanilla':>12} {'ratio':>7} {'target':>8}")
     train_label = f"train step s ({train['tokens']} tokens)"
-    decode_label = f"decode tok/s (batch {opts.decode_batch})"
-    print(f"{train_label:<34} {train['invariant_s']:>12.4f} "
+    print(f"{train_label:<40} {train['invariant_s']:>12.4f} "
           f"{train['vanilla_s']:>12.4f} {train['ratio_time']:>7.2f} {'<= 1.25':>8}")
-    print(f"{decode_label:<34} {decode['invariant_tokens_per_s']:>12.1f} "
-          f"{decode['vanilla_tokens_per_s']:>12.1f} {decode['ratio_rate']:>7.2f} {'>= 0.75':>8}")
+    for mode in modes:
+        label = f"decode tok/s (batch {opts.decode_batch}, {mode})"
+        print(f"{label:<40} {decode[f'invariant_{mode}_tokens_per_s']:>12.1f} "
+              f"{decode[f'vanilla_{mode}_tokens_per_s']:>12.1f} {decode[f'ratio_rate_{mode}']:>7.2f} "
+              f"{'>= 0.75':>8}")
     if opts.json:
         os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
         with open(opts.json, "w") as f:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tpinv.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size, tree_combine_list
+from tpinv.cuda_graph import capturing
 
 __all__ = ["ALGORITHMS", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
            "all_gather", "algorithms_for", "choose_algorithm"]
@@ -142,7 +143,7 @@ def _prepare(op, partial, group, *, algorithm, leaves, check, dim=0):
     check_tp_size(size, leaves)
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: expected 'auto' or one of {ALGORITHMS}")
-    if size > 1 and check:
+    if size > 1 and check and not capturing():  # a capture replays shapes checked when warming up
         _check_agree(op, partial, group, size, rank, algorithm=algorithm, leaves=leaves, dim=dim)
     if algorithm != "auto" and algorithm not in algorithms_for(size):
         raise InvarianceError(

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from tpinv.cuda_graph import DecodeGraph
 from tpinv.engine.sampling import sample_row, vocab_log_probs
 from tpinv.engine.scheduler import Request, Result, Scheduler, SequenceState, error_result, validate_request
 from tpinv.layers import vocab_parallel_log_probs
@@ -38,13 +39,15 @@ class Engine:
     ``max_batch`` cache slots of ``max_context`` positions (default the model's
     ``max_position_embeddings``); ``token_budget`` caps the tokens of one step (decode tokens
     plus admitted prompts); ``slot_order`` is the order free slots are handed out in;
-    ``eos_token_id`` defaults to the tokenizer's.  Under TP every rank of the model's group
-    makes the same calls with the same requests.
+    ``eos_token_id`` defaults to the tokenizer's.  ``cuda_graph`` replays the decode step
+    (one token for every slot) from a CUDA graph captured at the first decode: the same bits
+    as the eager step, without its per-kernel host work.  Under TP every rank of the model's
+    group makes the same calls with the same requests.
     """
 
     def __init__(self, model: Transformer, *, tokenizer=None, max_batch: int = 8, max_context: Optional[int] = None,
                  token_budget: Optional[int] = None, eos_token_id: Optional[int] = None, vanilla: bool = False,
-                 slot_order: Optional[Sequence[int]] = None):
+                 slot_order: Optional[Sequence[int]] = None, cuda_graph: bool = False):
         if not isinstance(model, Transformer):
             raise TypeError(f"model must be a tpinv.models.Transformer, got {type(model).__name__}")
         self.model, self.tokenizer, self.vanilla = model.eval(), tokenizer, bool(vanilla)
@@ -55,6 +58,9 @@ class Engine:
         self.scheduler = Scheduler(max_batch, token_budget=token_budget, slot_order=slot_order)
         self.device = next(model.parameters()).device
         self.cache = model.new_cache(max_batch, self.max_context, device=self.device)
+        self.decode_graph = DecodeGraph(
+            lambda t, p, v: self._forward(t, p, self.cache, v), self.cache, model.args.vocab_size,
+            device=self.device) if cuda_graph else None
         self._errors: list[tuple[int, Result]] = []
         self._handles = 0
         self.steps = 0
@@ -149,7 +155,10 @@ class Engine:
         for s in states:
             tokens[s.slot, 0], positions[s.slot, 0], valid[s.slot] = s.tokens[-1], s.length - 1, 1
         dev = self.device
-        logits = self._forward(tokens.to(dev), positions.to(dev), self.cache, valid.to(dev))
+        if self.decode_graph is not None:
+            logits = self.decode_graph(tokens, positions, valid)
+        else:
+            logits = self._forward(tokens.to(dev), positions.to(dev), self.cache, valid.to(dev))
         for s in states:
             s.cached = s.length
         return logits[[s.slot for s in states], 0]
