@@ -87,11 +87,13 @@ class DecodeGraph:
             for _ in range(self.warmup):
                 self.forward(self.tokens, self.positions, self.num_valid)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self.forward(self.tokens, self.positions, self.num_valid)
-        self.graph = graph
-        self.num_valid.copy_(valid)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = self.forward(self.tokens, self.positions, self.num_valid)
+            self.graph = graph
+        finally:
+            self.num_valid.copy_(valid)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
         self._check(tokens, positions, num_valid)

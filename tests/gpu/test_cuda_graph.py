@@ -1,6 +1,6 @@
 """A decode step replayed from a CUDA graph gives the eager step's bits, and the prefill's.
 
-The invariant model in bf16 on CUDA: greedy decoding with :class:`tpinv.cuda_graph.DecodeGraph`
+A Qwen3-0.6B-shaped model cut to two layers, bf16 on CUDA: greedy decoding with :class:`tpinv.cuda_graph.DecodeGraph`
 == eager decoding, step by step, and each replayed step == the prefill of the same tokens;
 the engine with ``cuda_graph=True`` == without, requests joining mid-flight.  Negative
 control: vanilla's decode differs from vanilla's prefill on the same tokens.  Bad inputs are
@@ -18,13 +18,13 @@ from tpinv.models.vanilla import vanilla_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = torch.device("cuda")
-B, PROMPT, NEW = 3, 37, 6
+B, PROMPT, NEW = 3, 300, 6
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return Transformer(get_config("qwen3-tiny", dtype=torch.bfloat16)).to(DEV).eval()
+    return Transformer(get_config("qwen3-0.6b", num_layers=2, dtype=torch.bfloat16)).to(DEV).eval()
 
 
 def prompt_tokens(model):
@@ -70,7 +70,7 @@ def test_negative_control_vanilla_decode_differs_from_its_prefill(model):
 
 def test_engine_with_cuda_graph_equals_eager_engine(model):
     gen = torch.Generator().manual_seed(1)
-    reqs = [Request(f"r{i}", torch.randint(0, 1000, (int(n),), generator=gen).tolist(), max_tokens=7,
+    reqs = [Request(f"r{i}", torch.randint(0, model.args.vocab_size, (int(n),), generator=gen).tolist(), max_tokens=7,
                     sampling=SamplingParams(0.0) if i % 2 else SamplingParams(0.9, top_k=50, seed=i))
             for i, n in enumerate((5, 17, 9, 30))]
     arrivals = [0, 1, 1, 3]
@@ -79,6 +79,7 @@ def test_engine_with_cuda_graph_equals_eager_engine(model):
     graphed = eng.generate(reqs, arrival_steps=arrivals)
     assert eng.decode_graph.replays > 0
     for a, b in zip(eager, graphed):
+        assert a.finish_reason == "length" and len(a.token_ids) == 7, a
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert torch.equal(a.logprobs, b.logprobs)
 

@@ -92,6 +92,22 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     return inv_freq
 
 
+_INV_FREQ: dict = {}
+
+
+def _inv_freq_on(device: torch.device, head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """:func:`rope_inv_freq` computed on the CPU once and kept on ``device`` (a captured CUDA
+    graph cannot copy from unpinned host memory, and the table is the same bits every step)."""
+    key = (device, head_dim, theta, None if scaling is None else tuple(sorted(scaling.items(), key=str)))
+    try:
+        hit = _INV_FREQ.get(key)
+    except TypeError:  # unhashable scaling values: no caching
+        return rope_inv_freq(head_dim, theta, scaling).to(device)
+    if hit is None:
+        hit = _INV_FREQ[key] = rope_inv_freq(head_dim, theta, scaling).to(device)
+    return hit
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos, sin)`` tables of shape ``[*positions.shape, head_dim]``."""
@@ -99,7 +115,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
             or positions.dtype.is_complex or positions.dtype == torch.bool:
         raise TypeError("rope positions must be an integer tensor (e.g. int64 position ids), got "
                         f"{getattr(positions, 'dtype', type(positions).__name__)}")
-    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(positions.device)
+    inv_freq = _inv_freq_on(positions.device, head_dim, theta, scaling)
     angle = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     angle = torch.cat((angle, angle), dim=-1)
     return torch.cos(angle), torch.sin(angle)
