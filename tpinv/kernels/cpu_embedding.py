@@ -16,12 +16,14 @@ from __future__ import annotations
 import torch
 
 from tpinv.contract import SUPPORTED_DTYPES
+from tpinv.cuda_graph import capturing, value_range
 
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def check_ids(ids: torch.Tensor, num_rows: int) -> None:
-    """``ids`` must be an integer tensor with every value in ``[0, num_rows)``."""
+    """``ids`` must be an integer tensor with every value in ``[0, num_rows)`` (read on the host
+    in one transfer; not inside a CUDA-graph capture)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a tensor, got {type(ids).__name__}")
     if ids.dtype not in _ID_DTYPES:
@@ -29,11 +31,11 @@ def check_ids(ids: torch.Tensor, num_rows: int) -> None:
         raise TypeError(f"ids must have an integer dtype ({names}), got {ids.dtype}")
     if not isinstance(num_rows, int) or num_rows < 0:
         raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
-    if ids.numel() == 0:
+    if ids.numel() == 0 or capturing():  # a captured step's runner checks its ids itself
         return
-    bad = (ids < 0) | (ids >= num_rows)
-    if bool(bad.any()):
-        value = int(ids[bad].reshape(-1)[0])
+    low, high = value_range(ids)
+    if low < 0 or high >= num_rows:
+        value = int(ids[(ids < 0) | (ids >= num_rows)].reshape(-1)[0])
         raise IndexError(f"embedding id {value} is out of range for a table of num_rows={num_rows} "
                          f"rows; expected every id in [0, {num_rows})")
 

@@ -2,9 +2,9 @@
 
 Invariant kept: a row's bits on CUDA do not depend on batch size, padding or TP size.  The
 Triton kernels (:data:`TRITON_CUDA_KERNELS`: RMSNorm, the softmax family's forward,
-SiLU-and-mul, RoPE, attention forward and backward) each state the order they fix in their
-module.  The remaining ops (:data:`TORCH_CUDA_OPS`: embedding, the tree sum, the
-softmax-family backward) run the very function their CPU slot runs -- products and exact adds
+SiLU-and-mul, RoPE, attention forward and backward, the embedding gradient) each state the
+order they fix in their module.  The remaining ops (:data:`TORCH_CUDA_OPS`: the embedding
+lookup, the tree sum, the softmax-family backward) run the very function their CPU slot runs -- products and exact adds
 in the fixed halving / leaf-tree order of :mod:`tpinv.kernels.cpu_tree`, elementwise CUDA
 kernels that compute an element the same way wherever it sits -- so their order is the CPU
 order (the bits may differ from the CPU: other transcendental implementations).
@@ -34,7 +34,7 @@ __all__ = ["TORCH_CUDA_OPS", "TRITON_CUDA_KERNELS", "register_torch_cuda_kernels
 #: Ops defined with :func:`tpinv.ops.registry.define_op` whose CUDA slot gets their torch code.
 #: (The ops in :data:`TRITON_CUDA_KERNELS` get a Triton kernel instead.)
 TORCH_CUDA_OPS = (
-    embedding_op, embedding_backward_op,
+    embedding_op,
     tree_sum_op,
     softmax_backward_op, log_softmax_backward_op, logsumexp_backward_op,
 )
@@ -78,6 +78,7 @@ TRITON_CUDA_KERNELS = (
     (apply_rope_op, _triton("triton_elementwise", "apply_rope_forward_cuda")),
     (apply_rope_backward_op, _triton("triton_elementwise", "apply_rope_backward_cuda")),
     (attention_op, _triton("triton_attention", "attention_forward_cuda")),
+    (embedding_backward_op, _triton("triton_embedding", "embedding_backward_cuda")),
     (attention_backward_op, _triton("triton_attention_bwd", "attention_backward_cuda")),
 )
 

@@ -1,0 +1,116 @@
+"""The Triton embedding gradient under the Triton interpreter (CPU, fp32 and fp16).
+
+Asserted bitwise against the CPU kernel (the token-order fp32 chain per row): heavy repeats,
+ids in any order, rows never hit, a non-contiguous gradient, a batch and its first row alone
+(a row's bits depend only on its own tokens).  Negative control: the same gradients added in
+another order (reversed tokens) give other bits, so the inputs do see the order.
+
+The checks run in one subprocess with ``TRITON_INTERPRET=1`` set before triton is imported,
+and report each check's outcome back as JSON.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+
+if __name__ == "__main__":  # the subprocess: interpret before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (3.0 * torch.randn(*shape, generator=gen)).to(dtype)
+
+
+def ids_of(*shape, high, seed=1):
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _kernels():
+    from tpinv.kernels import cpu_embedding, triton_embedding
+    return cpu_embedding.embedding_backward, triton_embedding.embedding_backward_cuda
+
+
+# ------------------------------------------------------------------ checks (run in the subprocess)
+
+def check_equals_the_cpu_chain():
+    cpu, gpu = _kernels()
+    for dtype in (torch.float32, torch.float16):
+        for shape, high, rows, dim in (((4, 37), 5, 9, 300), ((3, 11), 40, 50, 7), ((64,), 1, 3, 260)):
+            ids, grad = ids_of(*shape, high=high), rand(*shape, dim, dtype=dtype, seed=2)
+            assert torch.equal(gpu(grad, ids, rows), cpu(grad, ids, rows)), (dtype, shape)
+
+
+def check_rows_alone_and_views():
+    cpu, gpu = _kernels()
+    ids, grad = ids_of(5, 23, high=6), rand(5, 23, 33, seed=3)
+    full = gpu(grad, ids, 8)
+    assert torch.equal(gpu(grad[:1], ids[:1], 8), cpu(grad[:1], ids[:1], 8))
+    wide = rand(5, 23, 66, seed=3)[..., ::2]                  # a strided gradient
+    assert torch.equal(gpu(wide, ids, 8), cpu(wide.contiguous(), ids, 8))
+    assert torch.equal(full[6:], torch.zeros(2, 33))          # rows never hit are zero
+
+
+def check_control_another_order_gives_other_bits():
+    cpu, gpu = _kernels()
+    ids, grad = ids_of(256, high=2), rand(256, 16, seed=4)
+    ours = gpu(grad, ids, 2)
+    reversed_order = cpu(grad.flip(0), ids.flip(0), 2)
+    assert not torch.equal(ours, reversed_order)
+
+
+def check_empty_and_bad_input():
+    _, gpu = _kernels()
+    assert torch.equal(gpu(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64), 3), torch.zeros(3, 4))
+    try:
+        gpu(rand(2, 4), torch.tensor([0, 3]), 3)
+    except IndexError as e:
+        assert "3" in str(e)
+    else:
+        raise AssertionError("an id outside the table was accepted")
+
+
+CHECKS = {name: fn for name, fn in dict(globals()).items() if name.startswith("check_")}
+
+
+def _run_all() -> dict:
+    results = {}
+    for name, fn in CHECKS.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:  # reported to the parent test, which fails with it
+            results[name] = traceback.format_exc()
+    return results
+
+
+# ------------------------------------------------------------------ pytest side
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, f"interpreter subprocess failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_interpreted_kernel(results, name):
+    assert results.get(name) == "ok", f"{name} failed under TRITON_INTERPRET=1:\n{results.get(name)}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_all()))
