@@ -5,19 +5,16 @@ ids in any order, rows never hit, a non-contiguous gradient, a batch and its fir
 (a row's bits depend only on its own tokens).  Negative control: the same gradients added in
 another order (reversed tokens) give other bits, so the inputs do see the order.
 
-The checks run in one subprocess with ``TRITON_INTERPRET=1`` set before triton is imported,
-and report each check's outcome back as JSON.
+The checks run in one child process with the interpreter on (:mod:`triton_interp`).
 """
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-import traceback
 
 import pytest
+
+from triton_interp import checks_of, interpreted_test, main
 
 if __name__ == "__main__":  # the subprocess: interpret before triton is imported
     os.environ["TRITON_INTERPRET"] = "1"
@@ -80,37 +77,8 @@ def check_empty_and_bad_input():
         raise AssertionError("an id outside the table was accepted")
 
 
-CHECKS = {name: fn for name, fn in dict(globals()).items() if name.startswith("check_")}
-
-
-def _run_all() -> dict:
-    results = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:  # reported to the parent test, which fails with it
-            results[name] = traceback.format_exc()
-    return results
-
-
-# ------------------------------------------------------------------ pytest side
-
-@pytest.fixture(scope="module")
-def results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=root)
-    assert proc.returncode == 0, f"interpreter subprocess failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("name", sorted(CHECKS))
-def test_interpreted_kernel(results, name):
-    assert results.get(name) == "ok", f"{name} failed under TRITON_INTERPRET=1:\n{results.get(name)}"
-
+CHECKS = checks_of(dict(globals()))
+test_interpreted_kernel = interpreted_test(__file__, CHECKS)
 
 if __name__ == "__main__":
-    print(json.dumps(_run_all()))
+    main(CHECKS)

@@ -8,9 +8,7 @@ Checked: the fused one-launch kernel gives the bits of the split composition -- 
 persistent-grid sizes and leaf groupings; the lane fold is contiguous halving and the leaf
 combine the adjacent-pair tree; parity with :mod:`tpinv.kernels.cpu_softmax`.
 
-The interpreter needs ``TRITON_INTERPRET=1`` before triton is first imported, and other
-test modules in the same process may have imported it already, so the checks run in one
-child process (this file run as a script) and each test reads its outcome.  Negative
+The checks run in one child process with the interpreter on (:mod:`triton_interp`).  Negative
 controls (plain torch, in this process): a vocabulary-parallel sum in the usual order and a
 lane fold in another order both change the bits.  The batch-size control of the plain
 path (``F.log_softmax``) needs a GPU: ``tests/gpu/test_triton_norm_softmax.py``.
@@ -18,37 +16,13 @@ path (``F.log_softmax``) needs a GPU: ``tests/gpu/test_triton_norm_softmax.py``.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 
+from triton_interp import interpreted_test, main
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-
-REPO = Path(__file__).resolve().parents[2]
-CHECKS = ("fused_equals_split_composition", "rows_alone_equal_batch", "fold_and_tree_order",
-          "parity_with_cpu_kernels", "infinite_and_nan_rows", "from_parts_errors")
-
-
-@pytest.fixture(scope="module")
-def outcomes() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1])
-
-
-@pytest.mark.parametrize("name", CHECKS)
-def test_interpreted(outcomes, name):
-    assert outcomes.get(name) == "ok", outcomes.get(name, f"check {name} did not run")
 
 
 def test_plain_vocab_split_sum_control():
@@ -211,20 +185,16 @@ def _check_from_parts_errors(ts):
         raise AssertionError(f"expected {err.__name__} for {[tuple(t.shape) for t in bad]}")
 
 
-def _run_checks() -> dict:
-    torch.set_num_threads(1)
-    from tpinv.kernels import triton_softmax as ts
-    results = {}
-    for name in CHECKS:
-        try:
-            globals()[f"_check_{name}"](ts)
-            results[name] = "ok"
-        except Exception:                                # reported to the parent test
-            results[name] = traceback.format_exc()
-    return results
+def _with_kernels(check):
+    def run():
+        torch.set_num_threads(1)
+        from tpinv.kernels import triton_softmax as ts
+        check(ts)
+    return run
 
+
+CHECKS = {name[1:]: _with_kernels(fn) for name, fn in dict(globals()).items() if name.startswith("_check_")}
+test_interpreted = interpreted_test(__file__, CHECKS)
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("run with TRITON_INTERPRET=1 (set before triton is imported)")
-    print(json.dumps(_run_checks()))
+    main(CHECKS)

@@ -73,16 +73,25 @@ def embedding_forward(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight.index_select(0, ids.reshape(-1).long()).reshape(*ids.shape, dim)
 
 
-def embedding_backward(grad: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``[num_rows, dim]`` in ``grad.dtype``: per row, the token-order fp32 chain of its grads."""
+def token_runs(grad: torch.Tensor, ids: torch.Tensor, num_rows: int):
+    """Checked inputs laid out for a token-order gradient: ``(acc, g, sorted_ids, order)`` --
+    the fp32 zero table ``[num_rows, dim]``, the gradient as ``[tokens, dim]``, and the stable
+    sort of the flat ids (equal ids keep token order); ``g`` is None when nothing is added."""
     dim = check_backward_inputs(grad, ids, num_rows)
     flat_ids = ids.reshape(-1).long()
-    tokens = flat_ids.numel()
     acc = torch.zeros(num_rows, dim, dtype=torch.float32, device=grad.device)
-    if tokens == 0 or dim == 0:
+    if flat_ids.numel() == 0 or dim == 0:
+        return acc, None, None, None
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    return acc, grad.reshape(flat_ids.numel(), dim), sorted_ids, order
+
+
+def embedding_backward(grad: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[num_rows, dim]`` in ``grad.dtype``: per row, the token-order fp32 chain of its grads."""
+    acc, g, sorted_ids, order = token_runs(grad, ids, num_rows)
+    if g is None:
         return acc.to(grad.dtype)
-    g = grad.reshape(tokens, dim).float()
-    sorted_ids, order = torch.sort(flat_ids, stable=True)      # equal ids keep token order
+    g, tokens = g.float(), g.shape[0]
     _, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     rank = torch.arange(tokens, device=grad.device) - first    # occurrence number of the token

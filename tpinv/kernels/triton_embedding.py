@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.cpu_embedding import check_backward_inputs
+from tpinv.kernels.cpu_embedding import token_runs
 
 __all__ = ["embedding_backward_cuda"]
 
@@ -43,17 +43,13 @@ def _token_order_chain_kernel(g_ptr, order_ptr, sorted_ptr, end_ptr, out_ptr, D,
 
 def embedding_backward_cuda(grad: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:
     """``[num_rows, dim]`` in ``grad.dtype``: per row, the token-order fp32 chain of its grads."""
-    dim = check_backward_inputs(grad, ids, num_rows)
-    flat_ids = ids.reshape(-1).long()
-    tokens = flat_ids.numel()
-    acc = torch.zeros(num_rows, dim, dtype=torch.float32, device=grad.device)
-    if tokens == 0 or dim == 0:
+    acc, g, sorted_ids, order = token_runs(grad, ids, num_rows)
+    if g is None:
         return acc.to(grad.dtype)
-    g = grad.reshape(tokens, dim)
     if g.stride(-1) != 1:
         g = g.contiguous()
-    sorted_ids, order = torch.sort(flat_ids, stable=True)       # equal ids keep token order
     ends = torch.searchsorted(sorted_ids, sorted_ids, right=True)  # one past each run's last token
+    tokens, dim = g.shape
     _token_order_chain_kernel[(tokens, triton.cdiv(dim, BLOCK_D))](
         g, order, sorted_ids, ends, acc, dim, g.stride(0), acc.stride(0), BLOCK_D=BLOCK_D, num_warps=4)
     return acc.to(grad.dtype)

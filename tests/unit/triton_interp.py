@@ -1,0 +1,70 @@
+"""Run a test module's ``check_*`` functions under Triton's interpreter, in one child process.
+
+The interpreter is switched on by ``TRITON_INTERPRET=1`` before triton is first imported, and
+other test modules of the same pytest process may already have imported triton for real; so
+a module hands its checks to :func:`interpreted_test`, which runs the module file as a script
+with the interpreter on (the script prints :func:`run_checks`' outcomes as one JSON line) and
+returns a pytest test over the check names.  A check passes when it returns; its traceback is
+the failure message otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def checks_of(namespace: dict) -> dict[str, Callable[[], None]]:
+    """The ``check_*`` functions of a module namespace, by name."""
+    return {name: fn for name, fn in namespace.items() if name.startswith("check_") and callable(fn)}
+
+
+def run_checks(checks: dict[str, Callable[[], None]]) -> dict[str, str]:
+    """Child side: ``{name: "ok" or the traceback}``."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("run with TRITON_INTERPRET=1 (set before triton is imported)")
+    results = {}
+    for name, fn in checks.items():
+        try:
+            fn()
+            results[name] = "ok"
+        except Exception:  # reported to the parent test, which fails with it
+            results[name] = traceback.format_exc()
+    return results
+
+
+def _outcomes(module_file: str) -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(Path(module_file).resolve())], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1])
+
+
+def interpreted_test(module_file: str, checks: dict[str, Callable[[], None]]) -> Callable:
+    """A pytest test, one case per check, that runs ``module_file`` once under the interpreter."""
+    cache: dict[str, dict[str, str]] = {}
+
+    @pytest.mark.parametrize("name", sorted(checks))
+    def test_interpreted(name):
+        if not cache:
+            cache["outcomes"] = _outcomes(module_file)
+        outcome = cache["outcomes"].get(name, f"check {name} did not run")
+        assert outcome == "ok", f"{name} failed under TRITON_INTERPRET=1:\n{outcome}"
+
+    return test_interpreted
+
+
+def main(checks: dict[str, Callable[[], None]]) -> None:
+    """Child side entry point: print the outcomes as one JSON line."""
+    print(json.dumps(run_checks(checks)))
