@@ -174,12 +174,12 @@ def _write(path, payload):
             json.dump(payload, f, indent=1)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default="32,256,4096", help="comma-separated M values")
     p.add_argument("--sweep", action="store_true", help="also time every candidate config")
     p.add_argument("--json", default=None, help="write all numbers to this path")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_matmul needs a CUDA device")
     ms = [int(v) for v in args.ms.split(",")]

@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Time each invariant CPU op against the PyTorch op it replaces (forward, and forward+backward).
+"""Time the invariant ops against what they replace: the CPU ops, or on a GPU the contract matmul.
 
-The invariant ops build every reduction from exact elementwise adds, so on the CPU they
-cost a known factor over BLAS/ATen: this prints that factor for model-sized shapes and
-writes JSON.  GPU matmul numbers come from ``tools/bench_matmul.py`` (see docs/benchmarks.md).
+On the CPU (the default without CUDA, or ``--cpu``) each invariant op is timed against the
+PyTorch op it replaces, forward and forward+backward: the invariant ops build every
+reduction from exact elementwise adds, so they cost a known factor over BLAS/ATen; this
+prints that factor for model-sized shapes and writes JSON.  With a CUDA device it runs
+``tools/bench_matmul.py`` instead (TFLOP/s and the ratio to cuBLAS for the Qwen3-8B linear
+shapes at M = 32, 256, 4096 and for 8192^3, leaves 1 and 8; arguments after ``--gpu-args``
+go to it).
 
-    python tools/bench_ops.py [--threads 2] [--json runs/bench_ops.json] [--quick]
+    python tools/bench_ops.py [--cpu] [--threads 2] [--json runs/bench_ops.json] [--quick]
 """
 from __future__ import annotations
 
@@ -79,7 +83,17 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
     p.add_argument("--json", default="runs/bench_ops.json")
+    p.add_argument("--cpu", action="store_true", help="time the CPU ops even where CUDA is available")
+    p.add_argument("--gpu-args", nargs=argparse.REMAINDER, default=[],
+                   help="arguments for tools/bench_matmul.py (GPU run)")
     a = p.parse_args(argv)
+    if torch.cuda.is_available() and not a.cpu:
+        try:
+            from bench_matmul import main as bench_matmul
+        except ImportError:  # run from elsewhere: tools/ is not on the path
+            from tools.bench_matmul import main as bench_matmul
+        bench_matmul(a.gpu_args)
+        return
     torch.set_num_threads(a.threads)
     rows = []
     print(f"CPU, {a.threads} threads, bf16 inputs (fp32 logits), median of {a.repeat}")
