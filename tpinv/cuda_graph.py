@@ -1,4 +1,4 @@
-"""A decode step captured once as a CUDA graph and replayed.
+"""A decode step (or any step) captured once as a CUDA graph and replayed.
 
 The invariant kept: a replay launches the eager step's kernels, in the eager step's order, on
 the same buffers, so its logits are the eager step's logits bit for bit (and so the prefill's:
@@ -15,12 +15,32 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["DecodeGraph", "capturing", "value_range"]
+__all__ = ["DecodeGraph", "capture", "capturing", "value_range"]
 
 
 def capturing() -> bool:
     """True while the current CUDA stream is being captured into a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def capture(run: Callable[[], object], *, warmup: int = 2,
+            device: Optional[torch.device] = None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``(graph, output)``: ``run()`` captured once after ``warmup`` eager runs on a side
+    stream (Triton compiles there; the allocator settles).  ``graph.replay()`` reruns the
+    captured kernels on the same buffers; ``output`` is what the captured call returned."""
+    if warmup < 1:
+        raise ValueError(f"warmup={warmup}: at least one eager run must precede the capture "
+                         f"(Triton compiles its kernels there)")
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = run()
+    return graph, output
 
 
 def value_range(t: torch.Tensor) -> tuple[int, int]:
@@ -51,8 +71,7 @@ class DecodeGraph:
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}; run the eager step on "
                              f"{device.type}")
         if warmup < 1:
-            raise ValueError(f"warmup={warmup}: at least one eager run must precede the capture "
-                             f"(Triton compiles its kernels there)")
+            raise ValueError(f"warmup={warmup}: at least one eager run must precede the capture")
         self.forward, self.cache, self.vocab_size, self.warmup = forward, cache, int(vocab_size), warmup
         B = cache.batch
         self.tokens = torch.zeros(B, 1, dtype=torch.int64, device=device)
@@ -81,17 +100,10 @@ class DecodeGraph:
     def _capture(self) -> None:
         valid = self.num_valid.clone()
         self.num_valid.zero_()
-        side = torch.cuda.Stream(device=self.tokens.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self.forward(self.tokens, self.positions, self.num_valid)
-        torch.cuda.current_stream().wait_stream(side)
         try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.logits = self.forward(self.tokens, self.positions, self.num_valid)
-            self.graph = graph
+            self.graph, self.logits = capture(
+                lambda: self.forward(self.tokens, self.positions, self.num_valid),
+                warmup=self.warmup, device=self.tokens.device)
         finally:
             self.num_valid.copy_(valid)
 

@@ -2,16 +2,17 @@
 
 A Qwen3-0.6B-shaped model cut to two layers, bf16 on CUDA: greedy decoding with :class:`tpinv.cuda_graph.DecodeGraph`
 == eager decoding, step by step, and each replayed step == the prefill of the same tokens;
-the engine with ``cuda_graph=True`` == without, requests joining mid-flight.  Negative
-control: vanilla's decode differs from vanilla's prefill on the same tokens.  Bad inputs are
-refused before the replay.  Skips without CUDA.
+the engine with ``cuda_graph=True`` == without, requests joining mid-flight; a training step
+(loss and backward) replayed == eager, for two different batches fed through the same input
+buffers.  Negative control: vanilla's decode differs from vanilla's prefill on the same
+tokens.  Bad inputs are refused before the replay.  Skips without CUDA.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tpinv.cuda_graph import DecodeGraph
+from tpinv.cuda_graph import DecodeGraph, capture
 from tpinv.engine import Engine, Request, SamplingParams
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward
@@ -99,3 +100,29 @@ def test_bad_inputs_are_refused_before_the_replay(model):
         assert step.graph is None and step.replays == 0
         step(ok, ok, ones)
         assert step.replays == 1 and cache.lengths.tolist() == [1, 1]
+
+
+def test_replayed_training_step_gives_the_eager_gradients(model):
+    gen = torch.Generator().manual_seed(9)
+    batches = [torch.randint(0, model.args.vocab_size, (2, 2, 96), generator=gen).to(DEV) for _ in range(2)]
+    tokens, targets = (torch.empty_like(batches[0][0]) for _ in range(2))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model.loss(tokens, targets).sum().backward()
+
+    def grads():
+        return [p.grad.clone() for p in model.parameters()]
+
+    eager = []
+    for b in batches:
+        tokens.copy_(b[0]), targets.copy_(b[1])
+        step()
+        eager.append(grads())
+    graph, _ = capture(step)
+    for b, want in zip(batches, eager):
+        tokens.copy_(b[0]), targets.copy_(b[1])
+        graph.replay()
+        assert all(torch.equal(g, w) for g, w in zip(grads(), want))
+    assert not all(torch.equal(a, b) for a, b in zip(*eager))   # the two batches differ
+    model.zero_grad(set_to_none=True)

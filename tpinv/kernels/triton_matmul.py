@@ -1,5 +1,9 @@
 """The contract matmul on CUDA (Triton): ``x @ w.T`` with a fixed k order.
 
+(Products of many bf16/fp16 rows on sm_90 go to the warp-specialized Gluon kernel of
+:mod:`tpinv.kernels.gluon_matmul`, which keeps the same instruction sequence and so the
+same bits; see :func:`gluon_kernel_for`.)
+
 Invariant kept: output element (m, n) is, bit for bit, a function of row m of ``x``,
 row n of ``w``, the dtype and ``leaves`` only.  K is cut into ``leaves`` equal leaves;
 each leaf is an fp32 chain ``acc = dot(a_tile, b_tile, acc)`` over BLOCK_K tiles in k
@@ -240,12 +244,35 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
     return out
 
 
+#: Rows from which a bf16/fp16 product on sm_90 runs the warp-specialized Gluon kernel
+#: (:mod:`tpinv.kernels.gluon_matmul`, the same bits: ``tests/gpu/test_gluon_matmul.py``);
+#: fewer rows run this module's kernel, whose table may split K across CTAs for them.
+GLUON_MIN_ROWS = 65
+
+
+def gluon_kernel_for(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype):
+    """The Gluon matmul module when it runs ``x2 @ w.T`` (a speed choice, never a bit
+    choice), else None: fewer rows than :data:`GLUON_MIN_ROWS`, fp32, not sm_90, a layout
+    it cannot read, or a Triton without Gluon."""
+    if x2.shape[0] < GLUON_MIN_ROWS or x2.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    try:
+        from tpinv.kernels import gluon_matmul
+    except ImportError:
+        return None
+    return gluon_matmul if gluon_matmul.unsupported_reason(x2, w, leaves, out_dtype) is None else None
+
+
 def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
          config: MatmulConfig | None) -> torch.Tensor:
     _check_inputs(x, w, leaves)
     x2 = x.reshape(-1, x.shape[-1])
-    cfg = launch_config(x2.shape[0], leaves) if config is None else check_config(config)
-    out = _launch(x2, w, leaves, out_dtype, cfg)
+    gluon = gluon_kernel_for(x2, w, leaves, out_dtype) if config is None else None
+    if gluon is not None:
+        out = gluon.gluon_matmul_cuda(x2, w, leaves, out_dtype)
+    else:
+        cfg = launch_config(x2.shape[0], leaves) if config is None else check_config(config)
+        out = _launch(x2, w, leaves, out_dtype, cfg)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -257,7 +284,10 @@ def matmul_partial_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int = DEFAULT_
     strided/transposed view of that shape), ``leaves`` a power of two dividing K.
     Returns fp32 ``[..., N]``.  A rank owning one of ``C`` contiguous K slices computes
     its sub-tree with ``leaves // C``; :func:`tpinv.contract.tree_combine` of the C
-    partials equals this function at full K, bit for bit.
+    partials equals this function at full K, bit for bit.  Without ``config`` a product
+    of :data:`GLUON_MIN_ROWS` or more bf16/fp16 rows on sm_90 runs the Gluon kernel (same
+    bits); a ``config`` (this module's :class:`~tpinv.kernels.tiles.MatmulConfig`) always
+    runs this module's kernel.
     """
     return _run(x, w, leaves, torch.float32, config)
 

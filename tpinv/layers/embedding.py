@@ -29,8 +29,9 @@ class _VocabParallelLookup(torch.autograd.Function):
         local = local.masked_fill(outside, 0)
         out = torch.nn.functional.embedding(local, weight)
         ctx.save_for_backward(local, outside)
+        ctx.sharded = group is not None and dist.get_world_size(group) > 1
         ctx.num_rows, ctx.dtype = n, weight.dtype
-        if group is not None and dist.get_world_size(group) > 1:
+        if ctx.sharded:
             out = out.masked_fill(outside.unsqueeze(-1), 0)
             out = tree_all_reduce(out.float(), group, leaves=leaves).to(weight.dtype)
         return out
@@ -38,9 +39,11 @@ class _VocabParallelLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         local, outside = ctx.saved_tensors
-        keep = ~outside.reshape(-1)
-        grad = dy.reshape(-1, dy.shape[-1])[keep]
-        dw = embedding_backward(grad, local.reshape(-1)[keep], ctx.num_rows).to(ctx.dtype)
+        grad, ids = dy.reshape(-1, dy.shape[-1]), local.reshape(-1)
+        if ctx.sharded:  # drop the tokens of other ranks' shards (one TP group: none exist)
+            keep = ~outside.reshape(-1)
+            grad, ids = grad[keep], ids[keep]
+        dw = embedding_backward(grad, ids, ctx.num_rows).to(ctx.dtype)
         return None, dw, None, None, None
 
 

@@ -1,0 +1,94 @@
+"""The warp-specialized Gluon matmul gives the Triton kernel's bits; the dispatch uses it.
+
+Bitwise (``torch.equal``) on an sm_90 GPU: ``gluon_matmul_cuda`` == the Triton kernel (a table
+config keeps the dispatch out) for leaves 1/2/4/8, rounded and fp32, bf16 and fp16, ragged M
+and N, and x / w given as transposes of row-major tensors (the backward's layouts);
+``matmul_cuda`` runs the Gluon kernel from :data:`GLUON_MIN_ROWS` rows (checked with a spy) and
+the Triton kernel below, and rows alone (Triton) == the same rows in a large batch (Gluon).
+Negative control: cuBLAS gives other bits on the same inputs.  Skips without an sm_90 GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU")
+DEV = "cuda"
+
+
+def gm():
+    from tpinv.kernels import gluon_matmul
+    return gluon_matmul
+
+
+def tm():
+    from tpinv.kernels import triton_matmul
+    return triton_matmul
+
+
+def make(m, n, k, dtype=torch.bfloat16, seed=0, x_t=False, w_kn=False):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, device=DEV, dtype=dtype, generator=g)
+    w = torch.randn(n, k, device=DEV, dtype=dtype, generator=g) / k ** 0.5
+    return (x.t().contiguous().t() if x_t else x), (w.t().contiguous().t() if w_kn else w)
+
+
+def triton_only(x, w, leaves, out_dtype=None):
+    from tpinv.kernels.tiles import launch_config
+    fn = tm().matmul_partial_cuda if out_dtype == torch.float32 else tm().matmul_cuda
+    return fn(x, w, leaves, config=launch_config(x.shape[0], leaves))
+
+
+@pytest.mark.parametrize("leaves", [1, 2, 4, 8])
+@pytest.mark.parametrize("m,n,k", [(4096, 1024, 2048), (1000, 200, 1024), (300, 3072, 1024), (70, 64, 512)])
+def test_gluon_equals_the_triton_kernel(m, n, k, leaves):
+    x, w = make(m, n, k)
+    assert torch.equal(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves))
+    assert torch.equal(gm().gluon_matmul_cuda(x, w, leaves, torch.float32),
+                       triton_only(x, w, leaves, torch.float32))
+
+
+@pytest.mark.parametrize("x_t,w_kn", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("leaves", [1, 8])
+def test_transposed_operands_give_the_same_bits(x_t, w_kn, leaves):
+    x, w = make(1024, 768, 2048, x_t=x_t, w_kn=w_kn)
+    assert gm().supported(x, w, leaves)
+    ref = triton_only(x.contiguous(), w.contiguous(), leaves, torch.float32)
+    assert torch.equal(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), ref)
+    assert torch.equal(tm().matmul_partial_cuda(x, w, leaves), ref)
+
+
+def test_fp16():
+    x, w = make(512, 512, 1024, dtype=torch.float16)
+    for leaves in (1, 8):
+        assert torch.equal(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves))
+
+
+def test_dispatch_uses_gluon_from_the_row_threshold(monkeypatch):
+    calls = []
+    real = gm().gluon_matmul_cuda
+    monkeypatch.setattr(gm(), "gluon_matmul_cuda", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    threshold = tm().GLUON_MIN_ROWS
+    x, w = make(threshold + 300, 512, 1024)
+    big = tm().matmul_cuda(x, w, 8)
+    few = tm().matmul_cuda(x[:threshold - 1], w, 8)
+    assert calls == [threshold + 300]                      # the batch ran Gluon, the few rows did not
+    assert torch.equal(big, triton_only(x, w, 8))
+    assert torch.equal(few, big[:threshold - 1])           # rows alone (Triton) == in the batch (Gluon)
+    assert torch.equal(tm().matmul_cuda(x[:1], w, 8), big[:1])
+
+
+def test_unsupported_inputs_are_named():
+    x, w = make(256, 256, 512)
+    assert "bf16 or fp16" in gm().unsupported_reason(x.float(), w.float(), 8, None)
+    assert "leaves" in gm().unsupported_reason(x, w, 16, None)
+    assert "row-major or column-major" in gm().unsupported_reason(x[:, ::2], w[:, ::2], 8, None)
+    with pytest.raises(ValueError, match="gluon_matmul_cuda"):
+        gm().gluon_matmul_cuda(x, w, 3)
+
+
+def test_negative_control_cublas_differs():
+    x, w = make(4096, 1024, 4096)
+    assert not torch.equal(x @ w.T, gm().gluon_matmul_cuda(x, w, 8))

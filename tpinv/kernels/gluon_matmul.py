@@ -1,0 +1,371 @@
+"""The contract matmul on Hopper (sm_90) in Gluon: persistent and warp-specialized.
+
+Invariant kept: the same bits as :func:`tpinv.kernels.triton_matmul.matmul_cuda` /
+``matmul_partial_cuda``.  Output element (m, n) is a function of row m of ``x``, row n
+of ``w``, the dtype and ``leaves`` only: K is cut into ``leaves`` contiguous leaves;
+each leaf is one fp32 wgmma chain over its k range in increasing k, started from a +0
+tile with every wgmma accumulating -- the Triton kernel's instruction sequence (k tile
+``tiles.block_k(dtype, K / leaves)``); the leaf results are
+combined by the adjacent-pair tree ``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))`` and rounded
+once (or returned in fp32).
+
+Kernel shape.  One CTA per SM walks output tiles in grouped order.  A producer warp
+issues TMA loads of the ``x`` [BM, BK] and ``w`` [BN, BK] k tiles, in increasing k, into
+a STAGES-deep shared-memory ring; slot i is guarded by ``ready[i]`` (the TMA bytes have
+landed) and ``empty[i]`` (both consumer warpgroups are done reading it).  The consumer
+warpgroups (the default partition; one per 64 rows of the tile) issue async wgmma with
+one group in flight; once every consumer warp has waited for the wgmma reading a slot (a
+partition barrier), one thread arrives on its ``empty`` barrier (count 1).  Ring
+position p (counted over the whole kernel, identically by both sides) uses slot
+p % STAGES with phase (p // STAGES) & 1: each barrier's phase flips once per wrap.
+
+The leaf loop is unrolled (``LEAVES`` is a compile-time constant), so every tree step
+is fixed at compile time: after leaf i the binary counter either parks the value in the
+saved level of its lowest 0 bit or, for the last leaf, climbs to the root.  Levels 0
+and 1 live in registers; level 2 (needed only for 8 leaves) lives in shared memory.
+The producer runs up to STAGES k tiles ahead, across tile boundaries, so the epilogue
+of a tile (round, store) overlaps the loads of the next one.  M and N edges: TMA
+zero-fills loads past the tensor and the epilogue masks its stores; padded rows and
+columns never mix with real ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tpinv.kernels.tiles import block_k
+
+#: Leaf counts the kernel unrolls (saved tree levels: registers for 1-2, smem for the 3rd).
+SUPPORTED_LEAVES = (1, 2, 4, 8)
+_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """One launch shape: BM = 64 rows per consumer warpgroup.  Tiles, warps and stages
+    never move a bit; ``zero_acc`` picks how a leaf's chain starts (see below)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int      # consumer warps (4 per warpgroup); the producer adds one warp
+    num_stages: int
+    group_m: int = 8
+    producer_regs: int = 40
+    # True: each leaf's chain starts from a +0 tile with every wgmma accumulating (scale-d
+    # 1), the instruction sequence of the Triton kernel.  False: the leaf's first wgmma
+    # ignores the accumulator (scale-d 0), one tile of zeroing moves fewer per leaf.
+    zero_acc: bool = True
+
+
+def launch_config(m: int, leaves: int) -> GluonConfig:
+    """Tile for ``m`` rows: a speed choice only (one leaf cannot split K, so small M
+    takes small tiles to give every SM a tile)."""
+    if m <= 64:
+        return GluonConfig(64, 64, 4, 8)
+    if m <= 256:
+        return GluonConfig(64, 128, 4, 6)
+    if leaves == 1:
+        return GluonConfig(128, 256, 8, 4)
+    return GluonConfig(128, 128, 8, 4)
+
+
+@gluon.jit
+def _tile_offsets(tile, num_pid_m, num_pid_n, BM: gl.constexpr, BN: gl.constexpr,
+                  GROUP_M: gl.constexpr):
+    """Grouped tile order: GROUP_M row tiles share each w column tile in L2."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_group) % group_rows
+    pid_n = (tile % in_group) // group_rows
+    return pid_m * BM, pid_n * BN
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, k_tiles,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr):
+    """One warp: TMA loads of every k tile of every tile of this CTA, in ring order."""
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    slot = 0
+    phase = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, BM, BN, GROUP_M)
+        for kt in range(k_tiles):
+            # A fresh barrier counts as having completed the phase before phase 0, so
+            # the first wrap passes at once; later wraps wait for the consumers' release.
+            mbarrier.wait(empty.index(slot), phase ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, nbytes)
+            if X_T:  # x given as its [K, M] row-major transpose
+                tma.async_copy_global_to_shared(x_desc, [kt * BK, off_m], bar, a_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, a_bufs.index(slot))
+            if W_KN:  # w given as its [K, N] row-major transpose
+                tma.async_copy_global_to_shared(w_desc, [kt * BK, off_n], bar, b_bufs.index(slot))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [off_n, kt * BK], bar, b_bufs.index(slot))
+            slot += 1
+            if slot == STAGES:
+                slot = 0
+                phase ^= 1
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, s2_buf, out_ptr, M, N, stride_om, tiles_per_leaf,
+              LEAVES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+              GROUP_M: gl.constexpr, ZERO_ACC: gl.constexpr, X_T: gl.constexpr,
+              W_KN: gl.constexpr, num_warps: gl.constexpr):
+    """The consumer warpgroups: the leaf chains, the tree, the epilogue."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    rows0 = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
+    cols0 = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    # A leaf's chain reuses the registers of whatever tile just died (the previous leaf's
+    # chain, or the previous tile's result), so no extra fp32 tile is ever live.
+    acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
+    slot = 0
+    phase = 0
+    prev = STAGES - 1  # the slot read by the previous wgmma
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, BM, BN, GROUP_M)
+        for leaf in gl.static_range(LEAVES):
+            if ZERO_ACC:
+                # +0 in place of the dead tile: an opaque move, so no constant zero tile is
+                # hoisted and kept live beside the saved levels
+                acc = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [acc], dtype=gl.float32,
+                                                is_pure=False, pack=1)
+            for kk in range(tiles_per_leaf):
+                mbarrier.wait(ready.index(slot), phase)
+                # the leaf's chain starts from zero: a +0 tile, or (kk == 0, scale-d 0) none
+                # wgmma reads A as [BM, BK] and B as [BK, BN], either major order
+                if X_T:
+                    a = a_bufs.index(slot).permute((1, 0))
+                else:
+                    a = a_bufs.index(slot)
+                if W_KN:
+                    b = b_bufs.index(slot)
+                else:
+                    b = b_bufs.index(slot).permute((1, 0))
+                acc = warpgroup_mma(a, b, acc, use_acc=(kk > 0) | ZERO_ACC, is_async=True)
+                # at most this wgmma in flight: the previous one is done with its slot
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                gl.thread_barrier()  # both warpgroups are past their wait: one thread arrives
+                mbarrier.arrive(empty.index(prev), pred=kk > 0)
+                prev = slot
+                slot += 1
+                if slot == STAGES:
+                    slot = 0
+                    phase ^= 1
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(prev))
+            # the binary counter after leaf `leaf` (all compile-time)
+            if leaf % 2 == 0:
+                if leaf == LEAVES - 1:
+                    result = acc
+                else:
+                    s0 = acc
+            else:
+                v = s0 + acc
+                if leaf % 4 == 1:
+                    if leaf == LEAVES - 1:
+                        result = v
+                    else:
+                        s1 = v
+                else:
+                    v = s1 + v
+                    if leaf % 8 == 3:
+                        if leaf == LEAVES - 1:
+                            result = v
+                        else:
+                            s2_buf.store(v)
+                    else:
+                        result = s2_buf.load(acc_layout) + v
+        rows = off_m + rows0
+        cols = off_n + cols0
+        ptrs = out_ptr + rows[:, None].to(gl.int64) * stride_om + cols[None, :]
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        gl.store(ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+        acc = result
+
+
+@gluon.jit(do_not_specialize=["M", "tiles_per_leaf"])
+def _contract_mm_ws_kernel(x_desc, w_desc, out_ptr, M, N, stride_om, tiles_per_leaf,
+                           LEAVES: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr, ZERO_ACC: gl.constexpr,
+                           X_T: gl.constexpr, W_KN: gl.constexpr, num_warps: gl.constexpr):
+    X0: gl.constexpr = x_desc.block_type.shape[0]
+    X1: gl.constexpr = x_desc.block_type.shape[1]
+    W0: gl.constexpr = w_desc.block_type.shape[0]
+    W1: gl.constexpr = w_desc.block_type.shape[1]
+    BM: gl.constexpr = X1 if X_T else X0
+    BK: gl.constexpr = X0 if X_T else X1
+    BN: gl.constexpr = W1 if W_KN else W0
+    dtype: gl.constexpr = x_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, X0, X1], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, W0, W1], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    # the third saved tree level: one fp32 tile, only for 8 leaves
+    S2_ROWS: gl.constexpr = BM if LEAVES == 8 else 8
+    S2_COLS: gl.constexpr = BN if LEAVES == 8 else 8
+    s2_buf = gl.allocate_shared_memory(
+        gl.float32, [S2_ROWS, S2_COLS],
+        gl.NVMMASharedLayout.get_default_for([S2_ROWS, S2_COLS], gl.float32))
+    k_tiles = LEAVES * tiles_per_leaf
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, ready, empty, s2_buf, out_ptr, M, N, stride_om,
+                     tiles_per_leaf, LEAVES, BM, BN, STAGES, GROUP_M, ZERO_ACC, X_T, W_KN,
+                     num_warps)),
+        (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, k_tiles,
+                     BM, BN, BK, STAGES, GROUP_M, X_T, W_KN)),
+    ], [1], [PRODUCER_REGS])
+
+
+def unsupported_reason(x, w, leaves: int, out_dtype) -> str | None:
+    """Why this kernel cannot run (x, w, leaves, out_dtype), or None when it can."""
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return "x and w must be torch tensors"
+    if not (x.is_cuda and w.is_cuda) or x.device != w.device:
+        return f"x and w must be on one CUDA device, got {x.device} and {w.device}"
+    if _capability(x.device) != (9, 0):
+        return f"needs an sm_90 GPU (wgmma), got capability {_capability(x.device)}"
+    if x.dtype not in _DTYPES or w.dtype != x.dtype:
+        return f"x and w must both be bf16 or fp16, got {x.dtype} and {w.dtype}"
+    if out_dtype not in (None, x.dtype, torch.float32):
+        return f"out_dtype must be None, {x.dtype} or torch.float32, got {out_dtype}"
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        return (f"expected 2-D x [M, K] and w [N, K] with the same K; got x {tuple(x.shape)}, "
+                f"w {tuple(w.shape)}")
+    if not isinstance(leaves, int) or leaves not in SUPPORTED_LEAVES:
+        return f"leaves must be one of {SUPPORTED_LEAVES}, got {leaves!r}"
+    m, k = x.shape
+    if m == 0 or w.shape[0] == 0 or k == 0:
+        return f"empty operands (M={m}, N={w.shape[0]}, K={k})"
+    if k % leaves:
+        return f"K={k} is not divisible by leaves={leaves}"
+    leaf_len = k // leaves
+    if leaf_len % block_k(x.dtype, leaf_len):
+        return (f"leaf length K/leaves={leaf_len} is not a multiple of its k tile "
+                f"{block_k(x.dtype, leaf_len)} (the Triton kernel zero-pads such leaves)")
+    for name, t in (("x", x), ("w", w)):
+        if _major(t) is None:
+            return (f"{name} must be row-major or column-major (a transposed contiguous tensor) "
+                    f"with 16-byte aligned rows, got shape {tuple(t.shape)} strides {t.stride()}")
+        if t.data_ptr() % 16:
+            return f"{name} must be 16-byte aligned for TMA"
+    return None
+
+
+def _major(t: torch.Tensor) -> str | None:
+    """"row" (contiguous [R, K]), "col" (the transpose of a contiguous [K, R]) or None; the
+    outer stride must be 16-byte aligned for a TMA descriptor."""
+    rows, cols = t.shape
+    if t.stride(1) == 1 and t.stride(0) == cols and (cols * t.element_size()) % 16 == 0:
+        return "row"
+    if t.stride(0) == 1 and t.stride(1) == rows and (rows * t.element_size()) % 16 == 0:
+        return "col"
+    return None
+
+
+def supported(x: torch.Tensor, w: torch.Tensor, leaves: int) -> bool:
+    """True when :func:`gluon_matmul_cuda` can run ``x @ w.T`` with ``leaves`` leaves."""
+    return unsupported_reason(x, w, leaves, None) is None
+
+
+def _check_config(cfg: GluonConfig, leaves: int, bk: int) -> None:
+    """Shapes the kernel is built for: wgmma rows per warp, registers, shared memory."""
+    if cfg.num_warps not in (4, 8) or cfg.block_m != 16 * cfg.num_warps:
+        raise ValueError(f"{cfg}: block_m must be 16 * num_warps with 4 or 8 warps")
+    if cfg.block_n not in (64, 128, 256) or cfg.num_stages < 2:
+        raise ValueError(f"{cfg}: block_n must be 64, 128 or 256 and num_stages >= 2")
+    tiles_live = {1: 1, 2: 2}.get(leaves, 3)
+    regs = tiles_live * cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+    if regs > 192:
+        raise ValueError(f"{cfg}: {tiles_live} live fp32 tiles need {regs} registers a thread")
+    smem = cfg.num_stages * (cfg.block_m + cfg.block_n) * bk * 2
+    smem += cfg.block_m * cfg.block_n * 4 if leaves == 8 else 0
+    if smem > 227 * 1024 - 1024:
+        raise ValueError(f"{cfg}: {smem} bytes of shared memory is over the 227 KB limit")
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def gluon_matmul_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int,
+                      out_dtype: torch.dtype | None = None, *,
+                      config: GluonConfig | None = None) -> torch.Tensor:
+    """``x @ w.T`` by the contract (bits of ``matmul_cuda`` / ``matmul_partial_cuda``).
+
+    x [M, K] and w [N, K] bf16/fp16 on an sm_90 GPU, each row-major or the transpose of a
+    row-major tensor (the gradients' layouts); ``out_dtype`` None rounds
+    once to ``x.dtype``, ``torch.float32`` returns the unrounded tree.  Raises ValueError
+    naming what is unsupported (see :func:`supported`).
+    """
+    why = unsupported_reason(x, w, leaves, out_dtype)
+    if why is not None:
+        raise ValueError(f"gluon_matmul_cuda: {why}")
+    cfg = config or launch_config(x.shape[0], leaves)
+    return _launch(x, w, leaves, out_dtype or x.dtype, cfg)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
+            cfg: GluonConfig) -> torch.Tensor:
+    """Descriptors, persistent grid and launch for checked inputs."""
+    m, k = x.shape
+    n = w.shape[0]
+    leaf_len = k // leaves
+    bk = block_k(x.dtype, leaf_len)
+    _check_config(cfg, leaves, bk)
+    out = torch.empty((m, n), device=x.device, dtype=out_dtype)
+    gdt = _DTYPES[x.dtype]
+    x_t, w_kn = _major(x) == "col", _major(w) == "col"
+    x_desc = _descriptor(x.t() if x_t else x, [bk, cfg.block_m] if x_t else [cfg.block_m, bk], gdt)
+    w_desc = _descriptor(w.t() if w_kn else w, [bk, cfg.block_n] if w_kn else [cfg.block_n, bk], gdt)
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    grid = (min(_SM_COUNT[dev], tiles), )
+    _contract_mm_ws_kernel[grid](
+        x_desc, w_desc, out, m, n, out.stride(0), leaf_len // bk,
+        LEAVES=leaves, STAGES=cfg.num_stages, GROUP_M=cfg.group_m,
+        PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
+        num_warps=cfg.num_warps)
+    return out
+
+
+_LAYOUTS: dict = {}
+_CAPABILITY: dict = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
+def _descriptor(t: torch.Tensor, block: list[int], gdt) -> TensorDescriptor:
+    """A TMA descriptor of the row-major ``t`` in ``block`` tiles (swizzled for wgmma)."""
+    key = (tuple(block), gdt)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, gdt)
+    return TensorDescriptor.from_tensor(t, block, _LAYOUTS[key])
