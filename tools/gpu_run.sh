@@ -3,7 +3,7 @@
 # comparison with the vanilla path and (2 GPUs) the reducer and the decoder at TP=1 vs TP=2.
 # Run from the repository root on the GPU machine; results go to $OUT (default runs/gpu).
 # STEPS (default all but matmul) picks a subset, run in this order:
-#   reduce,model,e2e,tests,attention,elementwise,softmax,matmul
+#   reduce,model,e2e,tests,attention,elementwise,softmax,matmul,gluon
 # TESTS (default tests/gpu) narrows the test step; MODEL_SEQ (default 256) is the 2-GPU model's length.
 set -u
 OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
@@ -47,7 +47,11 @@ if want softmax; then
   echo "== RMSNorm and softmax bandwidth"
   CUDA_VISIBLE_DEVICES=0 timeout 180 python3 tools/bench_norm_softmax.py --json "$OUT/bench_norm_softmax.json" 2>&1 | tail -20
 fi
+if want gluon; then
+  echo "== Gluon matmul: bits vs the Triton kernel, speed vs cuBLAS"
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 tools/check_gluon_matmul.py --json "$OUT/check_gluon_matmul.json" 2>&1 | tail -30
+fi
 if want matmul; then
   echo "== contract matmul vs cuBLAS"
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 tools/bench_matmul.py --json "$OUT/bench_matmul.json" 2>&1 | tail -20
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 tools/bench_ops.py --gpu-args --json "$OUT/bench_matmul.json" 2>&1 | tail -20
 fi
