@@ -6,12 +6,15 @@ Each rank builds the model at TP=1 in a group of its own (one GPU each) and then
 (``model.loss``) and every parameter gradient gathered to its full tensor, and checks the
 negative control: the plain-torch path (:func:`tpinv.models.vanilla.vanilla_forward`,
 cuBLAS and a plain all-reduce) gives different logits at TP=1 and TP=2.  It also times a
-forward+backward of both paths.  Prints a table; ``--json`` writes the results.
+forward+backward of both paths; with ``--engine`` it also compares the engine's generations
+(token ids and log-probs; on CUDA every decode step replayed from a CUDA graph, NCCL
+collectives inside) at TP=1 and TP=2.  Prints a table; ``--json`` writes the results.
 Without CUDA it runs on CPU with gloo (a check of the script itself).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -74,7 +77,7 @@ def timed(fn, device, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_case(name, layers, group, tp, device, batch, seq, iters):
+def run_case(name, layers, group, tp, device, batch, seq, iters, engine=False):
     model = build(name, layers, torch.bfloat16, group, device)
     vocab = model.args.vocab_size
     gen = torch.Generator().manual_seed(11)
@@ -99,9 +102,31 @@ def run_case(name, layers, group, tp, device, batch, seq, iters):
     t_tpinv = timed(step_tpinv, device, iters)
     t_vanilla = timed(step_vanilla, device, iters)
     params = sum(g.numel() for g in grads.values())
+    model.zero_grad(set_to_none=True)
+    generated, replays = generate(model, device) if engine else (None, 0)
     del model
     return {"logits": logits, "vanilla": vanilla, "loss": loss.detach(), "grads": grads,
-            "t_tpinv": t_tpinv, "t_vanilla": t_vanilla, "params": params}
+            "t_tpinv": t_tpinv, "t_vanilla": t_vanilla, "params": params,
+            "generated": generated, "decode_replays": replays}
+
+
+def generate(model, device) -> tuple[list, int]:
+    """Token ids and log-probs of a few requests joining mid-flight (greedy and sampled), from
+    the engine -- each decode step replayed from a CUDA graph on CUDA -- and the replay count."""
+    from tpinv.engine import Engine, Request, SamplingParams
+    gen = torch.Generator().manual_seed(3)
+    reqs = [Request(f"r{i}", torch.randint(0, model.args.vocab_size, (n,), generator=gen).tolist(),
+                    max_tokens=6, sampling=SamplingParams(0.0) if i % 2 else SamplingParams(0.8, seed=i))
+            for i, n in enumerate((5, 19, 11, 30))]
+    engine = Engine(model, max_batch=3, max_context=64, cuda_graph=device.type == "cuda")
+    results = engine.generate(reqs, arrival_steps=[0, 1, 1, 3])
+    replays = engine.decode_graph.replays if engine.decode_graph is not None else 0
+    engine.decode_graph = None   # free the captured graph (and its NCCL work) before teardown
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return [(r.token_ids, r.logprobs.cpu()) for r in results], replays
 
 
 def compare(one: dict, two: dict) -> dict:
@@ -112,6 +137,9 @@ def compare(one: dict, two: dict) -> dict:
         "grads_equal": int(grads_equal), "grads_total": len(one["grads"]),
         "grad_names_match": one["grads"].keys() == two["grads"].keys(),
         "vanilla_logits_differ": not torch.equal(one["vanilla"], two["vanilla"]),
+        "generated_equal": None if one["generated"] is None else all(
+            a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(one["generated"], two["generated"])),
+        "decode_replays": [one["decode_replays"], two["decode_replays"]],
         "vanilla_max_abs_diff": (one["vanilla"].float() - two["vanilla"].float()).abs().max().item(),
     }
 
@@ -123,6 +151,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--engine", action="store_true",
+                        help="also compare the engine's generations (graphed decode on CUDA)")
     opts = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -140,9 +170,9 @@ def main() -> None:
 
     rows = []
     for name, layers in parse_models(opts.models):
-        one = run_case(name, layers, own[rank], 1, device, opts.batch, opts.seq, opts.iters)
+        one = run_case(name, layers, own[rank], 1, device, opts.batch, opts.seq, opts.iters, opts.engine)
         dist.barrier()
-        two = run_case(name, layers, both, 2, device, opts.batch, opts.seq, opts.iters)
+        two = run_case(name, layers, both, 2, device, opts.batch, opts.seq, opts.iters, opts.engine)
         if rank == 0:
             row = {"model": name, "num_layers": layers or get_config(name).num_layers,
                    "params": two["params"], "batch": opts.batch, "seq": opts.seq,
@@ -155,14 +185,16 @@ def main() -> None:
 
     if rank == 0:
         head = (f"{'model':<12} {'layers':>6} {'params':>11} {'logits':>6} {'loss':>5} {'grads':>9} "
-                f"{'vanilla differs':>15} {'tp1 s':>7} {'tp2 s':>7} {'van1 s':>7} {'van2 s':>7}")
+                f"{'vanilla differs':>15} {'tp1 s':>7} {'tp2 s':>7} {'van1 s':>7} {'van2 s':>7} "
+                f"{'generated':>9} {'replays':>9}")
         print(f"device: {torch.cuda.get_device_name(device) if use_cuda else 'cpu'} x{world}, bf16")
         print(head)
         for r in rows:
             print(f"{r['model']:<12} {r['num_layers']:>6} {r['params']:>11} {str(r['logits_equal']):>6} "
                   f"{str(r['loss_equal']):>5} {r['grads_equal']:>4}/{r['grads_total']:<4} "
                   f"{str(r['vanilla_logits_differ']):>15} {r['tp1_fwd_bwd_s']:>7.3f} {r['tp2_fwd_bwd_s']:>7.3f} "
-                  f"{r['tp1_vanilla_fwd_bwd_s']:>7.3f} {r['tp2_vanilla_fwd_bwd_s']:>7.3f}")
+                  f"{r['tp1_vanilla_fwd_bwd_s']:>7.3f} {r['tp2_vanilla_fwd_bwd_s']:>7.3f} "
+                  f"{str(r['generated_equal']):>9} {str(r['decode_replays']):>9}")
         if opts.json:
             os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
             with open(opts.json, "w") as f:

@@ -111,7 +111,12 @@ def _describe(row: list[int]) -> str:
 
 def _check_agree(op: str, t: torch.Tensor, group, size: int, rank: int, *, algorithm: str,
                  leaves: int, dim: int) -> None:
-    """All-gather a small descriptor; raise the same InvarianceError on every rank on mismatch."""
+    """All-gather a small descriptor; raise the same InvarianceError on every rank on mismatch.
+
+    Not inside a CUDA-graph capture (it reads the gathered descriptors on the host): a captured
+    step replays the shapes its eager warm-up runs checked."""
+    if capturing():
+        return
     shape = list(t.shape)
     if len(shape) > _DESC_DIMS:  # fold the tail so the descriptor keeps a fixed length
         shape = shape[:_DESC_DIMS - 1] + [math.prod(shape[_DESC_DIMS - 1:])]
@@ -143,7 +148,7 @@ def _prepare(op, partial, group, *, algorithm, leaves, check, dim=0):
     check_tp_size(size, leaves)
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: expected 'auto' or one of {ALGORITHMS}")
-    if size > 1 and check and not capturing():  # a capture replays shapes checked when warming up
+    if size > 1 and check:
         _check_agree(op, partial, group, size, rank, algorithm=algorithm, leaves=leaves, dim=dim)
     if algorithm != "auto" and algorithm not in algorithms_for(size):
         raise InvarianceError(
