@@ -35,7 +35,8 @@ import bench_matmul as bm  # noqa: E402  (timing helpers and shapes)
 import triton  # noqa: E402
 
 from tpinv.kernels import tiles  # noqa: E402
-from tpinv.kernels.gluon_matmul import GluonConfig, gluon_matmul_cuda, launch_config  # noqa: E402
+from tpinv.kernels.gluon_matmul import gluon_matmul_cuda  # noqa: E402
+from tpinv.kernels.tiles import GluonConfig, gluon_launch_config as launch_config  # noqa: E402
 from tpinv.kernels.triton_matmul import matmul_cuda, matmul_partial_cuda  # noqa: E402
 
 

@@ -30,8 +30,6 @@ columns never mix with real ones.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -40,40 +38,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tpinv.kernels.tiles import block_k
+from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
 #: Leaf counts the kernel unrolls (saved tree levels: registers for 1-2, smem for the 3rd).
 SUPPORTED_LEAVES = (1, 2, 4, 8)
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-
-
-@dataclass(frozen=True)
-class GluonConfig:
-    """One launch shape: BM = 64 rows per consumer warpgroup.  Tiles, warps and stages
-    never move a bit; ``zero_acc`` picks how a leaf's chain starts (see below)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int      # consumer warps (4 per warpgroup); the producer adds one warp
-    num_stages: int
-    group_m: int = 8
-    producer_regs: int = 40
-    # True: each leaf's chain starts from a +0 tile with every wgmma accumulating (scale-d
-    # 1), the instruction sequence of the Triton kernel.  False: the leaf's first wgmma
-    # ignores the accumulator (scale-d 0), one tile of zeroing moves fewer per leaf.
-    zero_acc: bool = True
-
-
-def launch_config(m: int, leaves: int) -> GluonConfig:
-    """Tile for ``m`` rows: a speed choice only (one leaf cannot split K, so small M
-    takes small tiles to give every SM a tile)."""
-    if m <= 64:
-        return GluonConfig(64, 64, 4, 8)
-    if m <= 256:
-        return GluonConfig(64, 128, 4, 6)
-    if leaves == 1:
-        return GluonConfig(128, 256, 8, 4)
-    return GluonConfig(128, 128, 8, 4)
 
 
 @gluon.jit
@@ -290,22 +259,6 @@ def supported(x: torch.Tensor, w: torch.Tensor, leaves: int) -> bool:
     return unsupported_reason(x, w, leaves, None) is None
 
 
-def _check_config(cfg: GluonConfig, leaves: int, bk: int) -> None:
-    """Shapes the kernel is built for: wgmma rows per warp, registers, shared memory."""
-    if cfg.num_warps not in (4, 8) or cfg.block_m != 16 * cfg.num_warps:
-        raise ValueError(f"{cfg}: block_m must be 16 * num_warps with 4 or 8 warps")
-    if cfg.block_n not in (64, 128, 256) or cfg.num_stages < 2:
-        raise ValueError(f"{cfg}: block_n must be 64, 128 or 256 and num_stages >= 2")
-    tiles_live = {1: 1, 2: 2}.get(leaves, 3)
-    regs = tiles_live * cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
-    if regs > 192:
-        raise ValueError(f"{cfg}: {tiles_live} live fp32 tiles need {regs} registers a thread")
-    smem = cfg.num_stages * (cfg.block_m + cfg.block_n) * bk * 2
-    smem += cfg.block_m * cfg.block_n * 4 if leaves == 8 else 0
-    if smem > 227 * 1024 - 1024:
-        raise ValueError(f"{cfg}: {smem} bytes of shared memory is over the 227 KB limit")
-
-
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -322,7 +275,7 @@ def gluon_matmul_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int,
     why = unsupported_reason(x, w, leaves, out_dtype)
     if why is not None:
         raise ValueError(f"gluon_matmul_cuda: {why}")
-    cfg = config or launch_config(x.shape[0], leaves)
+    cfg = config or gluon_launch_config(x.shape[0], leaves)
     return _launch(x, w, leaves, out_dtype or x.dtype, cfg)
 
 
@@ -333,7 +286,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtyp
     n = w.shape[0]
     leaf_len = k // leaves
     bk = block_k(x.dtype, leaf_len)
-    _check_config(cfg, leaves, bk)
+    check_gluon_config(cfg, leaves, bk)
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
     gdt = _DTYPES[x.dtype]
     x_t, w_kn = _major(x) == "col", _major(w) == "col"

@@ -10,6 +10,8 @@ Everything else about a launch -- BLOCK_M, BLOCK_N, warps, pipeline stages and h
 many CTAs share the leaves of one output tile (``split``) -- may follow M for speed,
 because none of it changes a single addition: every config in :data:`CANDIDATE_CONFIGS`
 is checked to give the same bits as every other one (tests/gpu/test_triton_matmul.py).
+The same holds for the warp-specialized Gluon kernel's table (:class:`GluonConfig`,
+:data:`GLUON_MIN_ROWS`), checked against the Triton kernel (tests/gpu/test_gluon_matmul.py).
 """
 from __future__ import annotations
 
@@ -110,3 +112,56 @@ def check_config(config: MatmulConfig) -> MatmulConfig:
             f"launch config {config} is not one of tiles.CANDIDATE_CONFIGS; only configs "
             f"checked to give identical bits may run (add it there and to the GPU tests)")
     return config
+
+
+# ---- the warp-specialized Gluon kernel (tpinv.kernels.gluon_matmul): same BLOCK_K, same bits
+
+#: Rows from which a bf16/fp16 product on sm_90 runs the Gluon kernel; fewer rows run the
+#: Triton kernel, whose table may split K across CTAs for them.  Both give the same bits
+#: (tests/gpu/test_gluon_matmul.py), so this is a speed choice.
+GLUON_MIN_ROWS = 65
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """One launch shape: BM = 64 rows per consumer warpgroup.  Tiles, warps and stages
+    never move a bit; ``zero_acc`` picks how a leaf's chain starts (see below)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int      # consumer warps (4 per warpgroup); the producer adds one warp
+    num_stages: int
+    group_m: int = 8
+    producer_regs: int = 40
+    # True: each leaf's chain starts from a +0 tile with every wgmma accumulating (scale-d
+    # 1), the instruction sequence of the Triton kernel.  False: the leaf's first wgmma
+    # ignores the accumulator (scale-d 0), one tile of zeroing moves fewer per leaf.
+    zero_acc: bool = True
+
+
+def gluon_launch_config(m: int, leaves: int) -> GluonConfig:
+    """The Gluon kernel's tile for ``m`` rows: a speed choice only (one leaf cannot split K,
+    so small M takes small tiles to give every SM a tile)."""
+    if m <= 64:
+        return GluonConfig(64, 64, 4, 8)
+    if m <= 256:
+        return GluonConfig(64, 128, 4, 6)
+    if leaves == 1:
+        return GluonConfig(128, 256, 8, 4)
+    return GluonConfig(128, 128, 8, 4)
+
+
+def check_gluon_config(cfg: GluonConfig, leaves: int, bk: int) -> None:
+    """Shapes the kernel is built for: wgmma rows per warp, registers, shared memory."""
+    if cfg.num_warps not in (4, 8) or cfg.block_m != 16 * cfg.num_warps:
+        raise ValueError(f"{cfg}: block_m must be 16 * num_warps with 4 or 8 warps")
+    if cfg.block_n not in (64, 128, 256) or cfg.num_stages < 2:
+        raise ValueError(f"{cfg}: block_n must be 64, 128 or 256 and num_stages >= 2")
+    tiles_live = {1: 1, 2: 2}.get(leaves, 3)
+    regs = tiles_live * cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+    if regs > 192:
+        raise ValueError(f"{cfg}: {tiles_live} live fp32 tiles need {regs} registers a thread")
+    smem = cfg.num_stages * (cfg.block_m + cfg.block_n) * bk * 2
+    smem += cfg.block_m * cfg.block_n * 4 if leaves == 8 else 0
+    if smem > 227 * 1024 - 1024:
+        raise ValueError(f"{cfg}: {smem} bytes of shared memory is over the 227 KB limit")

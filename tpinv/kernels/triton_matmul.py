@@ -28,8 +28,8 @@ import triton.language as tl
 
 from tpinv.contract import (DEFAULT_LEAVES, InvarianceError, check_divisible, check_dtype,
                             check_leaves)
-from tpinv.kernels.tiles import (MAX_LEAVES_PER_CTA, MatmulConfig, block_k, check_config,
-                                 launch_config)
+from tpinv.kernels.tiles import (GLUON_MIN_ROWS, MAX_LEAVES_PER_CTA, MatmulConfig, block_k,
+                                 check_config, launch_config)
 
 try:  # host-side tensor-memory-access descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -242,12 +242,6 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
         _combine_groups_kernel[(triton.cdiv(m * n, block),)](
             dest, out, m * n, stride_g, GROUPS=split, BLOCK=block, num_warps=4)
     return out
-
-
-#: Rows from which a bf16/fp16 product on sm_90 runs the warp-specialized Gluon kernel
-#: (:mod:`tpinv.kernels.gluon_matmul`, the same bits: ``tests/gpu/test_gluon_matmul.py``);
-#: fewer rows run this module's kernel, whose table may split K across CTAs for them.
-GLUON_MIN_ROWS = 65
 
 
 def gluon_kernel_for(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype):
