@@ -248,7 +248,8 @@ def gluon_kernel_for(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: 
     """The Gluon matmul module when it runs ``x2 @ w.T`` (a speed choice, never a bit
     choice), else None: fewer rows than :data:`GLUON_MIN_ROWS`, fp32, not sm_90, a layout
     it cannot read, or a Triton without Gluon."""
-    if x2.shape[0] < GLUON_MIN_ROWS or x2.dtype not in (torch.bfloat16, torch.float16):
+    if (x2.shape[0] < GLUON_MIN_ROWS or x2.dtype not in (torch.bfloat16, torch.float16)
+            or not x2.is_cuda):
         return None
     try:
         from tpinv.kernels import gluon_matmul

@@ -1,0 +1,55 @@
+"""The GPU tile tables, checked on the host: every launch shape the tables can pick is one the
+kernels accept, and no table entry depends on anything but what the contract allows.
+
+``block_k`` (the k tile, so the order of every fp32 add) follows the dtype and the leaf length
+only; the Triton and Gluon launch shapes follow M (speed only; their bits are checked equal on
+a GPU in tests/gpu/test_triton_matmul.py and tests/gpu/test_gluon_matmul.py).  The Gluon
+dispatch never takes CPU tensors, fp32 or fewer than ``GLUON_MIN_ROWS`` rows.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpinv.kernels import tiles
+from tpinv.kernels.triton_matmul import gluon_kernel_for
+
+MS = (1, 17, 64, 65, 256, 257, 1000, 4096, 8192)
+
+
+def test_block_k_is_the_largest_power_of_two_dividing_the_leaf():
+    expect = {torch.bfloat16: {512: 64, 1536: 64, 96: 32, 48: 16, 100: 16, 1: 16},
+              torch.float16: {512: 64, 96: 32},
+              torch.float32: {512: 32, 96: 32, 48: 16}}
+    for dtype, cases in expect.items():
+        for leaf_len, bk in cases.items():
+            assert tiles.block_k(dtype, leaf_len) == bk, (dtype, leaf_len)
+    with pytest.raises(ValueError, match="leaf length"):
+        tiles.block_k(torch.bfloat16, 0)
+
+
+@pytest.mark.parametrize("leaves", [1, 2, 4, 8])
+def test_every_gluon_table_entry_fits_the_kernel(leaves):
+    for m in MS:
+        cfg = tiles.gluon_launch_config(m, leaves)
+        for leaf_len in (64, 512, 1536):
+            tiles.check_gluon_config(cfg, leaves, tiles.block_k(torch.bfloat16, leaf_len))
+
+
+def test_gluon_checks_refuse_what_does_not_fit():
+    with pytest.raises(ValueError, match="registers"):   # three live 128x256 fp32 tiles
+        tiles.check_gluon_config(tiles.GluonConfig(128, 256, 8, 4), 8, 64)
+    with pytest.raises(ValueError, match="shared memory"):
+        tiles.check_gluon_config(tiles.GluonConfig(128, 256, 8, 6), 1, 64)
+    with pytest.raises(ValueError, match="block_m"):
+        tiles.check_gluon_config(tiles.GluonConfig(96, 128, 8, 4), 1, 64)
+
+
+def test_gluon_dispatch_takes_only_what_it_can_run():
+    w = torch.zeros(128, 256, dtype=torch.bfloat16)
+    assert tiles.GLUON_MIN_ROWS > 64          # decode-sized products stay on the Triton kernel
+    for m in (1, tiles.GLUON_MIN_ROWS - 1, tiles.GLUON_MIN_ROWS, 4096):
+        x = torch.zeros(m, 256, dtype=torch.bfloat16)
+        assert gluon_kernel_for(x, w, 8, torch.bfloat16) is None      # CPU tensors
+    x = torch.zeros(4096, 256)
+    assert gluon_kernel_for(x, w.float(), 8, torch.float32) is None  # fp32
