@@ -14,7 +14,6 @@ Without CUDA it runs on CPU with gloo (a check of the script itself).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
@@ -121,9 +120,7 @@ def generate(model, device) -> tuple[list, int]:
     engine = Engine(model, max_batch=3, max_context=64, cuda_graph=device.type == "cuda")
     results = engine.generate(reqs, arrival_steps=[0, 1, 1, 3])
     replays = engine.decode_graph.replays if engine.decode_graph is not None else 0
-    engine.decode_graph = None   # free the captured graph (and its NCCL work) before teardown
-    del engine
-    gc.collect()
+    engine.close()   # free the captured graph (it holds NCCL work) before the process group goes
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return [(r.token_ids, r.logprobs.cpu()) for r in results], replays

@@ -107,6 +107,14 @@ class DecodeGraph:
         finally:
             self.num_valid.copy_(valid)
 
+    def reset(self) -> None:
+        """Free the captured graph (the next call captures again).  A graph that holds NCCL
+        collectives must be freed before ``destroy_process_group``, which otherwise waits on
+        it (PyTorch issue 115388)."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph, self.logits = None, None
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, num_valid: torch.Tensor) -> torch.Tensor:
         self._check(tokens, positions, num_valid)
         with torch.no_grad():

@@ -79,6 +79,8 @@ def test_engine_with_cuda_graph_equals_eager_engine(model):
     eng = Engine(model, max_batch=3, max_context=64, cuda_graph=True)
     graphed = eng.generate(reqs, arrival_steps=arrivals)
     assert eng.decode_graph.replays > 0
+    eng.close()
+    assert eng.decode_graph.graph is None
     for a, b in zip(eager, graphed):
         assert a.finish_reason == "length" and len(a.token_ids) == 7, a
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason

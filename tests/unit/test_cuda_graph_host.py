@@ -108,6 +108,12 @@ def test_advance_updates_the_lengths_in_place(model):
     assert cache.lengths is lengths and lengths.tolist() == [3, 1]
 
 
+def test_engine_close_without_a_graph_is_harmless(model):
+    engine = Engine(model, max_batch=2)
+    engine.close()
+    assert engine.decode_graph is None
+
+
 def test_cuda_graphs_are_refused_off_cuda(model):
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         Engine(model, max_batch=2, cuda_graph=True)

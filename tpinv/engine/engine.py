@@ -41,8 +41,8 @@ class Engine:
     plus admitted prompts); ``slot_order`` is the order free slots are handed out in;
     ``eos_token_id`` defaults to the tokenizer's.  ``cuda_graph`` replays the decode step
     (one token for every slot) from a CUDA graph captured at the first decode: the same bits
-    as the eager step, without its per-kernel host work.  Under TP every rank of the model's
-    group makes the same calls with the same requests.
+    as the eager step, without its per-kernel host work (:meth:`close` frees it).  Under TP
+    every rank of the model's group makes the same calls with the same requests.
     """
 
     def __init__(self, model: Transformer, *, tokenizer=None, max_batch: int = 8, max_context: Optional[int] = None,
@@ -89,6 +89,12 @@ class Engine:
             return self._handles
         self.scheduler.add(SequenceState(request, ids, handle=self._handles))
         return self._handles
+
+    def close(self) -> None:
+        """Free the captured decode graph, if any (do this before ``destroy_process_group``
+        when the model is tensor-parallel: the graph holds NCCL collectives)."""
+        if self.decode_graph is not None:
+            self.decode_graph.reset()
 
     def has_unfinished(self) -> bool:
         return bool(self._errors) or self.scheduler.has_work()
