@@ -1,4 +1,4 @@
-"""The engine at TP=1: batch/slot/arrival/budget invariance, trainer parity, bad input, stops, scheduler, loading.
+"""The engine at TP=1: batch/slot/arrival/budget invariance, trainer parity, bad input, stops, loading.
 
 Invariance is bitwise (``torch.equal`` on the fp32 log-probs, ``==`` on tokens); each has a
 negative control: the vanilla engine (BLAS, SDPA) on the same weights and requests changes
@@ -13,10 +13,9 @@ import re
 import pytest
 import torch
 
-from tpinv.engine import Engine, Request, SamplingParams, Scheduler
+from tpinv.engine import Engine, Request, SamplingParams
 from tpinv.engine.metrics import (count_unique_outputs, fraction_bitwise_equal, k3_kl, max_probability_divergence,
                                   mismatch_metrics, token_mult_prob_error, trainer_log_probs)
-from tpinv.engine.scheduler import SequenceState
 from tpinv.testing import num_threads, sharpened_model
 from tpinv.models import Transformer, get_config
 
@@ -225,50 +224,6 @@ def test_requests_join_and_leave_mid_flight(model):
     assert sorted(r.request_id for r in done) == ["r0", "r1", "r2"]
     for r in done:
         assert same(r, alone[r.request_id])
-
-
-def state(n, rid="x"):
-    return SequenceState(Request(rid, [1] * n), [1] * n)
-
-
-def test_scheduler_slots_fifo_and_token_budget():
-    s = Scheduler(3, token_budget=10, slot_order=[2, 0, 1])
-    a, b, c, d, e = (state(n, rid) for n, rid in ((4, "a"), (5, "b"), (3, "c"), (20, "d"), (2, "e")))
-    for r in (a, b, c, d, e):
-        s.add(r)
-    ids = lambda states: [r.request.request_id for r in states]  # noqa: E731
-    first = s.admit()                              # a (4) + b (5) = 9 <= 10; c would make 12
-    assert ids(first) == ["a", "b"] and [r.slot for r in first] == [2, 0]
-    assert ids(s.admit()) == ["c"]                 # 2 decode tokens + 3 = 5; then no free slot
-    s.release(a)
-    s.release(b)
-    big = s.admit()                                # d (20 > the whole budget) runs as the only prompt of its step
-    assert ids(big) == ["d"] and big[0].slot == 2
-    assert ids(s.admit()) == ["e"] and e.slot == 0  # 2 decode tokens + 2 = 4
-    assert s.has_work() and not s.waiting
-    with pytest.raises(ValueError, match="does not hold slot"):
-        s.release(state(1, "stranger"))
-
-
-def test_scheduler_holds_a_prompt_until_running_requests_leave():
-    s = Scheduler(2, token_budget=6)
-    x, y = state(6, "x"), state(6, "y")
-    s.add(x)
-    s.add(y)
-    assert s.admit() == [x]
-    assert s.admit() == []                         # 1 decode token + 6 > 6: y waits though a slot is free
-    s.release(x)
-    assert s.admit() == [y] and y.slot == 0        # the freed slot is reused
-    s.release(y)
-    assert not s.has_work()
-
-
-@pytest.mark.parametrize("kwargs,match", [(dict(max_batch=0), "max_batch"),
-                                          (dict(max_batch=2, token_budget=1), "token_budget"),
-                                          (dict(max_batch=2, slot_order=[0, 0]), "permutation")])
-def test_scheduler_rejects_bad_settings(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        Scheduler(**kwargs)
 
 
 def test_engine_rejects_bad_settings(model):
