@@ -3,7 +3,7 @@
 # comparison with the vanilla path and (2 GPUs) the reducer and the decoder at TP=1 vs TP=2.
 # Run from the repository root on the GPU machine; results go to $OUT (default runs/gpu).
 # STEPS (default all but matmul) picks a subset, run in this order:
-#   reduce,model,e2e,tests,attention,elementwise,softmax,matmul,gluon
+#   reduce,model,e2e,tests,attention,elementwise,softmax,matmul,gluon,host
 # TESTS (default tests/gpu) narrows the test step; MODEL_SEQ (default 256) is the 2-GPU model's length.
 set -u
 OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
@@ -54,4 +54,8 @@ fi
 if want matmul; then
   echo "== contract matmul vs cuBLAS"
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 tools/bench_ops.py --gpu-args --json "$OUT/bench_matmul.json" 2>&1 | tail -20
+fi
+if want host; then
+  echo "== host time per eager call, tpinv ops vs torch"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 tools/bench_host.py --json "$OUT/bench_host.json" 2>&1 | tail -12
 fi
