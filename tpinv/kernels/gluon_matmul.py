@@ -275,8 +275,14 @@ def gluon_matmul_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int,
     why = unsupported_reason(x, w, leaves, out_dtype)
     if why is not None:
         raise ValueError(f"gluon_matmul_cuda: {why}")
-    cfg = config or gluon_launch_config(x.shape[0], leaves)
-    return _launch(x, w, leaves, out_dtype or x.dtype, cfg)
+    return launch_checked(x, w, leaves, out_dtype or x.dtype, config)
+
+
+def launch_checked(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
+                   config: GluonConfig | None = None) -> torch.Tensor:
+    """:func:`gluon_matmul_cuda` for inputs :func:`unsupported_reason` has already passed
+    (the dispatch in :mod:`tpinv.kernels.triton_matmul` checks once per call)."""
+    return _launch(x, w, leaves, out_dtype, config or gluon_launch_config(x.shape[0], leaves))
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,

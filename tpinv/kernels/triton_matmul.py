@@ -251,11 +251,17 @@ def gluon_kernel_for(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: 
     if (x2.shape[0] < GLUON_MIN_ROWS or x2.dtype not in (torch.bfloat16, torch.float16)
             or not x2.is_cuda):
         return None
-    try:
-        from tpinv.kernels import gluon_matmul
-    except ImportError:
-        return None
-    return gluon_matmul if gluon_matmul.unsupported_reason(x2, w, leaves, out_dtype) is None else None
+    if not _GLUON:  # imported once, on the first product that could use it
+        try:
+            from tpinv.kernels import gluon_matmul
+        except ImportError:
+            gluon_matmul = None
+        _GLUON.append(gluon_matmul)
+    gluon = _GLUON[0]
+    return gluon if gluon is not None and gluon.unsupported_reason(x2, w, leaves, out_dtype) is None else None
+
+
+_GLUON: list = []   # [the gluon_matmul module, or None without Gluon], once resolved
 
 
 def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
@@ -264,7 +270,7 @@ def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
     x2 = x.reshape(-1, x.shape[-1])
     gluon = gluon_kernel_for(x2, w, leaves, out_dtype) if config is None else None
     if gluon is not None:
-        out = gluon.gluon_matmul_cuda(x2, w, leaves, out_dtype)
+        out = gluon.launch_checked(x2, w, leaves, out_dtype)
     else:
         cfg = launch_config(x2.shape[0], leaves) if config is None else check_config(config)
         out = _launch(x2, w, leaves, out_dtype, cfg)
