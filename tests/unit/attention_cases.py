@@ -44,6 +44,17 @@ def sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def sdpa_decode_differs(q, k, v, vis: torch.Tensor, steps: int, attend=sdpa) -> bool:
+    """Control: does vanilla attention (``attend``) of the last ``steps`` queries, one decode
+    step each against the keys so far, differ from the same rows of the full prefill?"""
+    S = q.shape[2]
+    full = attend(q, k, v, vis)
+    last = range(S - steps, S)
+    decoded = torch.cat([attend(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], vis[:, i:i + 1, :i + 1])
+                         for i in last], 2)
+    return not torch.equal(full[:, :, last.start:], decoded)
+
+
 def reference(q, k, v, vis: torch.Tensor, scale: Optional[float] = None):
     """fp64 ``(out, lse)``; rows with no visible key give ``out = 0`` and ``lse = -inf``."""
     g = q.shape[1] // k.shape[1]

@@ -1,8 +1,7 @@
 """The Triton attention kernels under Triton's interpreter (CPU): parity and invariance.
 
-Each test runs one check of this file in a fresh interpreter process
-(``python this_file CHECK`` with ``TRITON_INTERPRET=1`` set before triton is imported), so
-other test modules that imported triton for the GPU cannot change the mode.  fp16 and fp32
+Each check runs in its own interpreter process (:mod:`triton_interp`, one process per check),
+so other test modules that imported triton for the GPU cannot change the mode.  fp16 and fp32
 only (bf16 is not reliable in the interpreter), tiny shapes.  Parity with the CPU op is
 ``allclose`` (fp32: 1e-5; fp16: 4e-3 forward, 1e-2 gradients, from rounding ``p`` and
 ``dS`` to fp16 before their dots); invariance is bitwise, each beside a control showing
@@ -13,16 +12,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from triton_interp import checks_of, interpreted_test, main  # noqa: E402
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 FP16, FP32 = torch.float16, torch.float32
 NAN = float("nan")
 TOL = {FP32: (1e-5, 1e-5), FP16: (4e-3, 4e-3)}
@@ -33,19 +32,6 @@ FWD_CASES = [(2, 2, 2, 70, 70, 16, "causal"), (1, 1, 1, 130, 130, 64, "window"),
              (3, 1, 2, 9, 129, 64, "mask")]
 BWD_CASES = [(2, 2, 2, 70, 70, 16, "causal"), (1, 1, 1, 100, 130, 64, "window"),
              (2, 1, 2, 20, 90, 16, "mask"), (1, 2, 1, 33, 100, 24, "full")]
-CHECKS = ["forward_parity", "backward_parity", "prefill_chunked_decode", "ragged_batch_padding",
-          "grads_right_padding", "paths_and_strides", "edge_cases"]
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-@pytest.mark.parametrize("check", CHECKS)
-def test_interpreter(check):
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "unit")]))
-    res = subprocess.run([sys.executable, os.path.abspath(__file__), check], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, f"check {check} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
-    assert f"OK {check}" in res.stdout, res.stdout[-3000:]
 
 
 # ------------------------------------------------------------------ checks (subprocess side)
@@ -68,13 +54,19 @@ def _sdpa_bf16(q, k, v, vis):
     return cases.sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), vis)
 
 
+def _parity_case(case, dtype):
+    """``(q, k, v, pos, mask, causal, window)`` of a parity case: queries last in the keys."""
+    B, Hkv, g, S, T, D, mode = case
+    q, k, v = cases.qkv(B, Hkv, g, S, T, D, dtype)
+    mask = torch.rand(B, S, T) < 0.6 if mode == "mask" else None
+    return q, k, v, cases.arange_pos(B, S, T - S), mask, mode != "full", 37 if mode == "window" else None
+
+
 def check_forward_parity():
     for dtype in (FP32, FP16):
-        for B, Hkv, g, S, T, D, mode in FWD_CASES:
-            q, k, v = cases.qkv(B, Hkv, g, S, T, D, dtype)
-            pos = cases.arange_pos(B, S, T - S)
-            causal, window = mode != "full", 37 if mode == "window" else None
-            mask = torch.rand(B, S, T) < 0.6 if mode == "mask" else None
+        for case in FWD_CASES:
+            q, k, v, pos, mask, causal, window = _parity_case(case, dtype)
+            mode = case[-1]
             if mask is not None:
                 mask[:, 0] = False  # a row that sees nothing
             got = fwd(q, k, v, pos, mask, causal, window, None)
@@ -86,11 +78,9 @@ def check_forward_parity():
 
 def check_backward_parity():
     for dtype in (FP32, FP16):
-        for B, Hkv, g, S, T, D, mode in BWD_CASES:
-            q, k, v = cases.qkv(B, Hkv, g, S, T, D, dtype)
-            pos = cases.arange_pos(B, S, T - S)
-            causal, window = mode != "full", 37 if mode == "window" else None
-            mask = torch.rand(B, S, T) < 0.6 if mode == "mask" else None
+        for case in BWD_CASES:
+            q, k, v, pos, mask, causal, window = _parity_case(case, dtype)
+            mode = case[-1]
             out, lse = attention_forward(q, k, v, pos, mask, causal, window)
             dout = cases.randn(*q.shape, dtype=dtype)
             dlse = cases.randn(*lse.shape) if mode != "causal" else None
@@ -127,12 +117,8 @@ def check_prefill_chunked_decode():
                 qd = q.transpose(1, 2)[rows][:, None].transpose(1, 2)
                 out, _ = fwd(qd, kc, vc, torch.tensor(s)[:, None], None, True, window, None)
                 assert torch.equal(out, full.transpose(1, 2)[rows][:, None].transpose(1, 2)), s
-            vis = cases.visibility(pos, S, window=window)
-            van = _sdpa_bf16(q, k, v, vis)
-            last = range(S - 8, S)
-            steps = torch.cat([_sdpa_bf16(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1],
-                                          vis[:, i:i + 1, :i + 1]) for i in last], 2)
-            if not torch.equal(van[:, :, last.start:], steps):
+            if cases.sdpa_decode_differs(q, k, v, cases.visibility(pos, S, window=window), 8,
+                                         attend=_sdpa_bf16):
                 differs = True
                 break
         assert differs, "control: SDPA prefill and decode never differed"
@@ -255,9 +241,16 @@ def check_edge_cases():
         raise AssertionError("D=300 must be refused")
 
 
+def _seeded(check):
+    def run():
+        torch.manual_seed(0)
+        _setup()
+        check()
+    return run
+
+
+CHECKS = {name: _seeded(fn) for name, fn in checks_of(dict(globals())).items()}
+test_interpreter = interpreted_test(__file__, CHECKS, process_per_check=True)
+
 if __name__ == "__main__":
-    name = sys.argv[1]
-    torch.manual_seed(0)
-    _setup()
-    globals()[f"check_{name}"]()
-    print(f"OK {name}")
+    main(CHECKS)

@@ -41,23 +41,27 @@ def run_checks(checks: dict[str, Callable[[], None]]) -> dict[str, str]:
     return results
 
 
-def _outcomes(module_file: str) -> dict[str, str]:
+def _outcomes(module_file: str, names: tuple[str, ...] = ()) -> dict[str, str]:
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, str(Path(module_file).resolve())], env=env, cwd=REPO,
+    proc = subprocess.run([sys.executable, str(Path(module_file).resolve()), *names], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(lines[-1])
 
 
-def interpreted_test(module_file: str, checks: dict[str, Callable[[], None]]) -> Callable:
-    """A pytest test, one case per check, that runs ``module_file`` once under the interpreter."""
+def interpreted_test(module_file: str, checks: dict[str, Callable[[], None]], *,
+                     process_per_check: bool = False) -> Callable:
+    """A pytest test, one case per check, that runs ``module_file`` once under the interpreter
+    (or once per check with ``process_per_check``: long checks then spread over pytest workers)."""
     cache: dict[str, dict[str, str]] = {}
 
     @pytest.mark.parametrize("name", sorted(checks))
     def test_interpreted(name):
-        if not cache:
+        if process_per_check:
+            cache["outcomes"] = _outcomes(module_file, (name,))
+        elif not cache:
             cache["outcomes"] = _outcomes(module_file)
         outcome = cache["outcomes"].get(name, f"check {name} did not run")
         assert outcome == "ok", f"{name} failed under TRITON_INTERPRET=1:\n{outcome}"
@@ -66,5 +70,7 @@ def interpreted_test(module_file: str, checks: dict[str, Callable[[], None]]) ->
 
 
 def main(checks: dict[str, Callable[[], None]]) -> None:
-    """Child side entry point: print the outcomes as one JSON line."""
-    print(json.dumps(run_checks(checks)))
+    """Child side entry point: run the checks named on the command line (default all) and
+    print the outcomes as one JSON line."""
+    names = sys.argv[1:] or list(checks)
+    print(json.dumps(run_checks({name: checks[name] for name in names})))
