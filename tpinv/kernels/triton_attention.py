@@ -163,6 +163,16 @@ def load_kv_block(base, s_t, slots, offs_d, T, D):
     return tl.load(base + slots.to(tl.int64)[:, None] * s_t + offs_d[None, :], mask=ok, other=0.0)
 
 
+@triton.jit
+def load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB: tl.constexpr, DP: tl.constexpr):
+    """``(slots, K, V)`` of key block ``blk``: absolute slots ``blk * KB + [0, KB)``, the tiles
+    zero past ``T`` and past the head dim."""
+    slots = blk * KB + tl.arange(0, KB)
+    offs_d = tl.arange(0, DP)
+    return (slots, load_kv_block(k_base, s_kt, slots, offs_d, T, D),
+            load_kv_block(v_base, s_vt, slots, offs_d, T, D))
+
+
 # ------------------------------------------------------------------ forward kernel
 
 @triton.jit
@@ -170,10 +180,7 @@ def _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid, ma
                T, D, window, scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, KB: tl.constexpr,
                DP: tl.constexpr):
-    slots = blk * KB + tl.arange(0, KB)
-    offs_d = tl.arange(0, DP)
-    k = load_kv_block(k_base, s_kt, slots, offs_d, T, D)
-    v = load_kv_block(v_base, s_vt, slots, offs_d, T, D)
+    slots, k, v = load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB, DP)
     if MASKED:
         vis = visibility(pos, valid, slots, T, window, mask_row_ptr, s_mt, CAUSAL, WINDOW,
                          HAS_MASK)

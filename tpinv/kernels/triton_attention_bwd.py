@@ -34,7 +34,7 @@ import triton.language as tl
 from tpinv.kernels.cpu_attention import KV_BLOCK, check_attention_inputs
 from tpinv.kernels.cpu_attention_bwd import check_backward_inputs
 from tpinv.kernels.triton_attention import (block_ranges, clean_kv, forward_config,
-                                            last_dim_contiguous, load_kv_block, mask_args,
+                                            last_dim_contiguous, load_kv_block, load_kv_blocks, mask_args,
                                             padded_head_dim, poison_rows, resolve_scale,
                                             row_tile, visibility)
 
@@ -100,6 +100,21 @@ def _tile_span(qpos_ptr, s_pb, s_ps, b, S, j0, j_last, window, CAUSAL: tl.conste
 
 
 @triton.jit
+def _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid, offs_d, D,
+                     s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh):
+    """``q``, ``dO`` ``[rows, DP]`` and ``lse``, ``delta`` ``[rows]`` of a row tile (zeros
+    where a row is not valid or past the head dim)."""
+    ok2 = valid[:, None] & (offs_d < D)[None, :]
+    q = tl.load((q_ptr + b * s_qb + head * s_qh + s64 * s_qs)[:, None] + offs_d[None, :],
+                mask=ok2, other=0.0)
+    do = tl.load((do_ptr + b * s_db + head * s_dh + s64 * s_ds)[:, None] + offs_d[None, :],
+                 mask=ok2, other=0.0)
+    lse = tl.load(lse_ptr + b * s_lb + head * s_lh + s64 * s_ls, mask=valid, other=0.0)
+    delta = tl.load(delta_ptr + b * s_xb + head * s_xh + s64, mask=valid, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_ptr,
                  dk_ptr, dv_ptr, s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
                  s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, s_pb, s_ps, s_mb, s_ms, s_mt,
@@ -124,13 +139,9 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask
         valid, s_idx, hg, pos = row_tile(t, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
         head = hk * G + hg
         s64 = s_idx.to(tl.int64)
-        ok2 = valid[:, None] & (offs_d < D)[None, :]
-        q = tl.load((q_ptr + b * s_qb + head * s_qh + s64 * s_qs)[:, None] + offs_d[None, :],
-                    mask=ok2, other=0.0)
-        do = tl.load((do_ptr + b * s_db + head * s_dh + s64 * s_ds)[:, None] + offs_d[None, :],
-                     mask=ok2, other=0.0)
-        lse = tl.load(lse_ptr + b * s_lb + head * s_lh + s64 * s_ls, mask=valid, other=0.0)
-        delta = tl.load(delta_ptr + b * s_xb + head * s_xh + s64, mask=valid, other=0.0)
+        q, do, lse, delta = _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
+                                             offs_d, D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
+                                             s_lb, s_lh, s_ls, s_xb, s_xh)
         vis = visibility(pos, valid, slots, T, window, mask_ptr + b * s_mb + s64 * s_ms, s_mt,
                          CAUSAL, WINDOW, HAS_MASK)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
@@ -152,10 +163,7 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid
               s_mt, T, D, window, scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, KB: tl.constexpr,
               DP: tl.constexpr):
-    slots = blk * KB + tl.arange(0, KB)
-    offs_d = tl.arange(0, DP)
-    k = load_kv_block(k_base, s_kt, slots, offs_d, T, D)
-    v = load_kv_block(v_base, s_vt, slots, offs_d, T, D)
+    slots, k, v = load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB, DP)
     if MASKED:
         vis = visibility(pos, valid, slots, T, window, mask_row_ptr, s_mt, CAUSAL, WINDOW,
                          HAS_MASK)
@@ -190,13 +198,9 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_p
     head = hk * G + hg
     s64 = s_idx.to(tl.int64)
     offs_d = tl.arange(0, DP)
-    ok2 = valid[:, None] & (offs_d < D)[None, :]
-    q = tl.load((q_ptr + b * s_qb + head * s_qh + s64 * s_qs)[:, None] + offs_d[None, :],
-                mask=ok2, other=0.0)
-    do = tl.load((do_ptr + b * s_db + head * s_dh + s64 * s_ds)[:, None] + offs_d[None, :],
-                 mask=ok2, other=0.0)
-    lse = tl.load(lse_ptr + b * s_lb + head * s_lh + s64 * s_ls, mask=valid, other=0.0)
-    delta = tl.load(delta_ptr + b * s_xb + head * s_xh + s64, mask=valid, other=0.0)
+    q, do, lse, delta = _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
+                                         offs_d, D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
+                                         s_lb, s_lh, s_ls, s_xb, s_xh)
     k_base = k_ptr + b * s_kb + hk * s_kh
     v_base = v_ptr + b * s_vb + hk * s_vh
     mrow = mask_ptr + b * s_mb + s64 * s_ms
@@ -214,7 +218,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_p
         dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid, mrow,
                        s_mt, T, D, window, scale, True, CAUSAL, WINDOW, HAS_MASK, KB, DP)
     tl.store((dq_ptr + b * s_gb + head * s_gh + s64 * s_gs)[:, None] + offs_d[None, :],
-             (dq * scale + 0.0).to(dq_ptr.dtype.element_ty), mask=ok2)
+             (dq * scale + 0.0).to(dq_ptr.dtype.element_ty),
+             mask=valid[:, None] & (offs_d < D)[None, :])
 
 
 def _check_backward_inputs(grad_out, grad_lse, q, out, lse) -> None:
