@@ -96,12 +96,14 @@ class _VanillaCrossEntropy(torch.autograd.Function):
         return ((softmax - hit) * grad.unsqueeze(-1)).to(ctx.dtype), None, None, None
 
 
-def _rms_norm(x, weight, eps):
+def plain_rms_norm(x, weight, eps):
+    """HF's RMSNorm: fp32 statistics with ATen's reductions, rounded, times the weight."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _rope(x, cos, sin):
+def plain_rope(x, cos, sin):
+    """HF's rotation in the input dtype: ``x * cos + rotate_half(x) * sin``."""
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -141,9 +143,9 @@ def _attention(attn, x, cos, sin, positions, mask, cache, layer, group):
     k = _column(x, attn.k_proj, group).view(B, S, attn.local_kv_heads, attn.head_dim)
     v = _column(x, attn.v_proj, group).view(B, S, attn.local_kv_heads, attn.head_dim)
     if attn.q_norm is not None:
-        q = _rms_norm(q, attn.q_norm.weight, attn.q_norm.eps)
-        k = _rms_norm(k, attn.k_norm.weight, attn.k_norm.eps)
-    q, k, v = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+        q = plain_rms_norm(q, attn.q_norm.weight, attn.q_norm.eps)
+        k = plain_rms_norm(k, attn.k_norm.weight, attn.k_norm.eps)
+    q, k, v = plain_rope(q.transpose(1, 2), cos, sin), plain_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
     gqa = attn.local_heads != attn.local_kv_heads
     if cache is not None:
         k, v = cache.append(layer, k, v, positions, check=False)  # checked once per step
@@ -172,12 +174,12 @@ def vanilla_forward(model, tokens: torch.Tensor, positions: Optional[torch.Tenso
     h = _ReduceFromTP.apply(h, group)
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
-        h = h + _attention(a, _rms_norm(h, layer.input_layernorm.weight, layer.input_layernorm.eps),
+        h = h + _attention(a, plain_rms_norm(h, layer.input_layernorm.weight, layer.input_layernorm.eps),
                            cos, sin, positions, mask, cache, i, group)
-        x = _rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        x = plain_rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         mlp = layer.mlp
         h = h + _row(F.silu(_column(x, mlp.gate_proj, group)) * _column(x, mlp.up_proj, group), mlp.down_proj, group)
-    h = _rms_norm(h, model.norm.weight, model.norm.eps)
+    h = plain_rms_norm(h, model.norm.weight, model.norm.eps)
     weight = emb.weight if args.tie_word_embeddings else model.lm_head.weight
     logits = F.linear(_CopyToTP.apply(h, group), weight)
     if cache is not None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tpinv import ops
+from tpinv.models.vanilla import plain_rms_norm, plain_rope
 
 
 def host_us(fn, calls: int, device) -> float:
@@ -57,11 +58,9 @@ def cases(device, dtype):
     return [
         ("matmul 16x1024x1024 (leaves 8)", lambda: ops.matmul(x, w), lambda: F.linear(x, w)),
         ("matmul 16x3072x1024 (leaves 1)", lambda: ops.matmul(x, w_up, 1), lambda: F.linear(x, w_up)),
-        ("rms_norm 16x1024", lambda: ops.rms_norm(x, norm_w, 1e-6),
-         lambda: norm_w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)),
+        ("rms_norm 16x1024", lambda: ops.rms_norm(x, norm_w, 1e-6), lambda: plain_rms_norm(x, norm_w, 1e-6)),
         ("silu_mul 16x3072", lambda: ops.silu_mul(g, u), lambda: F.silu(g) * u),
-        ("apply_rope 16x16x1x128", lambda: ops.apply_rope(q, cos, sin),
-         lambda: q * cos.to(dtype) + torch.cat((-q[..., 64:], q[..., :64]), -1) * sin.to(dtype)),
+        ("apply_rope 16x16x1x128", lambda: ops.apply_rope(q, cos, sin), lambda: plain_rope(q, cos, sin)),
         ("attention decode 16 x 577 slots", lambda: ops.attention(q, k, v, pos),
          lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
         ("log_softmax 16x151936", lambda: ops.log_softmax(logits), lambda: F.log_softmax(logits, -1)),

@@ -21,6 +21,7 @@ from triton.testing import do_bench
 from tpinv.contract import DEFAULT_LEAVES
 from tpinv.kernels.triton_norm import rms_norm_backward_cuda, rms_norm_forward_cuda
 from tpinv.kernels.triton_softmax import log_softmax_forward_cuda, logsumexp_forward_cuda
+from tpinv.models.vanilla import plain_rms_norm
 
 
 def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
@@ -28,11 +29,6 @@ def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * n_bytes / ms / 1e6
-
-
-def torch_rms_norm(x, w, eps=1e-6):
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def gbps(n_bytes: int, fn) -> tuple[float, float]:
@@ -48,7 +44,7 @@ def run(copy_gbps: float) -> list[dict]:
             w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
             n_bytes = 2 * x.numel() * 2 + hidden * 2
             ms, bw = gbps(n_bytes, lambda: rms_norm_forward_cuda(x, w, 1e-6))
-            tms, tbw = gbps(n_bytes, lambda: torch_rms_norm(x, w))
+            tms, tbw = gbps(n_bytes, lambda: plain_rms_norm(x, w, 1e-6))
             g = torch.randn_like(x)
             # dx, the fp32 [T, H] dweight contributions (written, then read by the token sum)
             b_bytes = 3 * x.numel() * 2 + 2 * x.numel() * 4

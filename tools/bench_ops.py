@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tpinv import ops
+from tpinv.models.vanilla import plain_rms_norm, plain_rope
 
 
 def timeit(fn, repeat):
@@ -58,12 +59,10 @@ def cases(quick):
     ids, emb_w = torch.randint(0, V, (T,)), torch.randn(V, H, dtype=dt)
 
     def rope_ref(x):
-        half = x.shape[-1] // 2
-        return x * cos.unsqueeze(1).to(x.dtype) + torch.cat((-x[..., half:], x[..., :half]), -1) * sin.unsqueeze(1).to(x.dtype)
+        return plain_rope(x, cos, sin)
 
     def rms_ref(x, w):
-        xf = x.float()
-        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return plain_rms_norm(x, w, 1e-6)
 
     return [
         (f"matmul [{T}x{H}]@[{H}x{F_}]", lambda a, b: ops.matmul(a, b), lambda a, b: a @ b.t(), (x, w)),
