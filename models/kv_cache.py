@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from tpinv.cuda_graph import capturing, value_range
+from tpinv.cuda_graph import value_range
 
 
 class KVCache:
@@ -57,8 +57,9 @@ class KVCache:
         if positions.dtype != torch.int64 or positions.dim() != 2 or positions.shape[0] != self.batch:
             raise ValueError(f"positions must be int64 of shape [batch={self.batch}, S], got "
                              f"{positions.dtype} {list(positions.shape)}")
-        if positions.numel() and not capturing():
-            low, high = value_range(positions)
+        bounds = value_range(positions)
+        if bounds is not None:
+            low, high = bounds
             if low < 0 or high >= self.max_len:
                 raise ValueError(f"positions must lie in [0, max_len={self.max_len}) of the cache, got "
                                  f"[{low}, {high}]; build a longer cache")

@@ -5,7 +5,7 @@ the same buffers, so its logits are the eager step's logits bit for bit (and so 
 ``tests/gpu/test_cuda_graph.py``).  Capture moves no arithmetic; it moves only the input
 checks.  A check that reads tensor values on the host (token ids inside the vocabulary,
 positions inside the cache, the reducer's cross-rank shape check) cannot run inside a capture,
-so those checks ask :func:`capturing` and stand aside there, and :class:`DecodeGraph` runs the
+so those checks read values through :func:`value_range`, which stands aside there, and :class:`DecodeGraph` runs the
 same value checks on its inputs before every replay.  Shape checks run at capture time,
 on the shapes every replay reuses.
 """
@@ -23,14 +23,18 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _check_warmup(warmup: int) -> None:
+    if warmup < 1:
+        raise ValueError(f"warmup={warmup}: at least one eager run must precede the capture "
+                         f"(Triton compiles its kernels there)")
+
+
 def capture(run: Callable[[], object], *, warmup: int = 2,
             device: Optional[torch.device] = None) -> tuple[torch.cuda.CUDAGraph, object]:
     """``(graph, output)``: ``run()`` captured once after ``warmup`` eager runs on a side
     stream (Triton compiles there; the allocator settles).  ``graph.replay()`` reruns the
     captured kernels on the same buffers; ``output`` is what the captured call returned."""
-    if warmup < 1:
-        raise ValueError(f"warmup={warmup}: at least one eager run must precede the capture "
-                         f"(Triton compiles its kernels there)")
+    _check_warmup(warmup)
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -43,8 +47,13 @@ def capture(run: Callable[[], object], *, warmup: int = 2,
     return graph, output
 
 
-def value_range(t: torch.Tensor) -> tuple[int, int]:
-    """``(min, max)`` of a non-empty integer tensor, read on the host in one transfer."""
+def value_range(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """``(min, max)`` of an integer tensor, read on the host in one transfer; None for an empty
+    tensor and inside a CUDA-graph capture, where no value can be read (the captured step's
+    runner checks its inputs before each replay).  Every value check of a step goes through
+    here, so none of them needs its own capture case."""
+    if t.numel() == 0 or capturing():
+        return None
     low, high = torch.aminmax(t)
     return tuple(torch.stack((low, high)).tolist())
 
@@ -70,8 +79,7 @@ class DecodeGraph:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}; run the eager step on "
                              f"{device.type}")
-        if warmup < 1:
-            raise ValueError(f"warmup={warmup}: at least one eager run must precede the capture")
+        _check_warmup(warmup)   # here too: a bad setting fails at construction, not at the first step
         self.forward, self.cache, self.vocab_size, self.warmup = forward, cache, int(vocab_size), warmup
         B = cache.batch
         self.tokens = torch.zeros(B, 1, dtype=torch.int64, device=device)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tpinv.contract import SUPPORTED_DTYPES
-from tpinv.cuda_graph import capturing, value_range
+from tpinv.cuda_graph import value_range
 
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -31,10 +31,8 @@ def check_ids(ids: torch.Tensor, num_rows: int) -> None:
         raise TypeError(f"ids must have an integer dtype ({names}), got {ids.dtype}")
     if not isinstance(num_rows, int) or num_rows < 0:
         raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
-    if ids.numel() == 0 or capturing():  # a captured step's runner checks its ids itself
-        return
-    low, high = value_range(ids)
-    if low < 0 or high >= num_rows:
+    bounds = value_range(ids)   # None when empty, or inside a capture (its runner checks)
+    if bounds is not None and (bounds[0] < 0 or bounds[1] >= num_rows):
         value = int(ids[(ids < 0) | (ids >= num_rows)].reshape(-1)[0])
         raise IndexError(f"embedding id {value} is out of range for a table of num_rows={num_rows} "
                          f"rows; expected every id in [0, {num_rows})")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tpinv.layers.common import check_layer_sizes, config_leaves, group_size_rank, init_sharded_weight, params_dtype
 from tpinv.layers.common import reject_unsupported
-from tpinv.cuda_graph import capturing, value_range
+from tpinv.cuda_graph import value_range
 from tpinv.ops import embedding_backward
 from tpinv.reduce import tree_all_reduce
 
@@ -82,8 +82,9 @@ class VocabParallelEmbedding(torch.nn.Module):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if input_.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token ids must be int64 or int32, got {input_.dtype}")
-        if input_.numel() and not capturing():  # a captured step's runner checks the ids itself
-            low, high = value_range(input_)
+        bounds = value_range(input_)   # None inside a capture: its runner checks the ids
+        if bounds is not None:
+            low, high = bounds
             if low < 0 or high >= self.num_embeddings:
                 bad = high if high >= self.num_embeddings else low
                 raise IndexError(f"token id {bad} is outside the vocabulary [0, {self.num_embeddings})")
