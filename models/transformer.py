@@ -226,8 +226,8 @@ class Transformer(torch.nn.Module):
                        self.args.head_dim, dtype=self.args.dtype, device=device)
 
     def _positions(self, tokens, positions, cache):
-        B, S = tokens.shape
         """The step's positions, checked once (the layers' cache writes do not re-check them)."""
+        B, S = tokens.shape
         if positions is None:
             if cache is not None:
                 positions = cache.next_positions(S).to(tokens.device)
