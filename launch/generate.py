@@ -69,7 +69,7 @@ def init_group():
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return None, 0
     import torch.distributed as dist
-    from tpinv.parallel import ParallelDims
+    from tpinv.distributed.parallel import ParallelDims
     state = ParallelDims(int(os.environ["WORLD_SIZE"])).build()
     return state.tp_group, dist.get_rank()
 
@@ -78,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from tpinv.engine import Engine
     from tpinv.engine.scheduler import error_result
-    from tpinv.tokenizer import load_tokenizer
+    from tpinv.io.tokenizer import load_tokenizer
     group, rank = init_group()
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed, "top_logprobs": args.top_logprobs}

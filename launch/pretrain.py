@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tpinv.contract import DEFAULT_LEAVES
+from tpinv.core.contract import DEFAULT_LEAVES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,8 +80,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch.distributed as dist
 
-    from tpinv import determinism
-    from tpinv.parallel import ParallelDims
+    from tpinv.core import determinism
+    from tpinv.distributed.parallel import ParallelDims
     from tpinv.training import train
     try:
         if args.threads is not None:

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tpinv.contract import check_dtype
+from tpinv.core.contract import check_dtype
 
 #: HF ``architectures`` entry -> family.
 ARCHITECTURES = {

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from tpinv.cuda_graph import value_range
+from tpinv.core.capture import value_range
 
 
 class KVCache:
@@ -53,7 +53,7 @@ class KVCache:
     def check_positions(self, positions: torch.Tensor) -> None:
         """Shape, dtype and range of ``positions``; the range is read on the host (one sync),
         except inside a CUDA-graph capture, whose runner checks its inputs before each replay
-        (:class:`tpinv.cuda_graph.DecodeGraph`)."""
+        (:class:`tpinv.engine.decode_graph.DecodeGraph`)."""
         if positions.dtype != torch.int64 or positions.dim() != 2 or positions.shape[0] != self.batch:
             raise ValueError(f"positions must be int64 of shape [batch={self.batch}, S], got "
                              f"{positions.dtype} {list(positions.shape)}")

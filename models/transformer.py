@@ -4,9 +4,8 @@ Invariant: logits, per-token losses and every parameter gradient have the same b
 every TP size dividing the leaf count, at every batch size and composition, and in a full
 forward, a chunked prefill or token-by-token decoding with a :class:`KVCache`.  The model
 adds no reduction of its own: every sum runs inside a tpinv layer or op in the contract's
-order; the residual adds are elementwise.  The one cross-head sum, the gradient of the
-Qwen3 q/k norm weights (shared by all heads, heads split by TP), gathers the per-head
-gradients exactly and sums them over all heads in a fixed order on every rank.
+order; the residual adds are elementwise (the one cross-head sum, the Qwen3 q/k norm
+weights' gradient, lives in :class:`tpinv.layers.HeadRMSNorm`).
 
 Module names follow HF, so a HF checkpoint maps by stripping ``model.``.
 """
@@ -18,18 +17,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_tp_size
-from tpinv.kernels.cpu_norm import check_rms_norm_inputs
-from tpinv.kernels.cpu_tree import halving_sum
-from tpinv.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_tp_size
+from tpinv.layers import (ColumnParallelLinear, HeadRMSNorm, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                           vocab_parallel_cross_entropy)
 from tpinv.layers.common import ROW_STRATEGIES, group_size_rank
-from tpinv.mappings import gather_from_tensor_model_parallel_region
+from tpinv.distributed.mappings import gather_from_tensor_model_parallel_region
 from tpinv.models.args import ModelArgs
 from tpinv.models.kv_cache import KVCache
-from tpinv.ops import apply_rope, attention, rms_norm, rope_cos_sin, silu_mul
-from tpinv.ops.norm import rms_norm_backward_heads_op, rms_norm_op
-from tpinv.reduce import all_gather
+from tpinv.ops import apply_rope, attention, rope_cos_sin, silu_mul
 
 #: Std of the normal init of projection and embedding weights (HF ``initializer_range``).
 INIT_STD = 0.02
@@ -48,61 +43,6 @@ class LayerConfig:
 
 def normal_init(tensor: torch.Tensor) -> None:
     torch.nn.init.normal_(tensor, mean=0.0, std=INIT_STD)
-
-
-class RMSNorm(torch.nn.Module):
-    """``weight * x / rms(x)`` over the last dim (tpinv's fixed-order ``rms_norm``)."""
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-class _HeadRMSNorm(torch.autograd.Function):
-    """RMSNorm of every head of ``x [..., heads, D]`` with one shared ``weight [D]``.
-
-    Forward and ``dx`` are one call each (rows are independent, so a head's bits are those
-    of a call on that head alone).  The weight gradient is each head's own token sum
-    (:func:`tpinv.ops.norm.rms_norm_backward_heads_op`), gathered exactly across the TP
-    group (rank order = head order) and summed over *all* heads by a fixed halving, so
-    every rank and every TP size gets the same bits.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, group):
-        ctx.save_for_backward(x, weight)
-        ctx.eps, ctx.group = eps, group
-        return rms_norm_op(x, weight, eps)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x, per_head = rms_norm_backward_heads_op(grad.contiguous(), x, weight, ctx.eps)
-        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
-            per_head = all_gather(per_head.contiguous(), ctx.group, dim=0)
-        return grad_x, halving_sum(per_head.float().t()).to(weight.dtype), None, None
-
-
-def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group) -> torch.Tensor:
-    """RMSNorm over the last dim of every head of ``x [..., heads, D]`` (one shared weight),
-    with a weight gradient that is the same at every TP size (``group``: the TP group)."""
-    check_rms_norm_inputs(x, weight, eps)
-    return _HeadRMSNorm.apply(x.contiguous(), weight, float(eps), group)
-
-
-class HeadRMSNorm(RMSNorm):
-    """RMSNorm over head_dim applied to each head of ``x [B, S, heads, D]`` (Qwen3 q/k norm)."""
-
-    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype, group):
-        super().__init__(head_dim, eps, dtype)
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return head_rms_norm(x, self.weight, self.eps, self.group)
 
 
 class Attention(torch.nn.Module):

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tpinv.kernels.cpu_attention import block_visibility
-from tpinv.cuda_graph import capturing
+from tpinv.kernels.reference_attention import block_visibility
+from tpinv.core.capture import capturing
 from tpinv.models.kv_cache import KVCache
 from tpinv.ops import rope_cos_sin
 

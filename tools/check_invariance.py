@@ -107,7 +107,7 @@ def run_config(model, forward, prompts, batch, new_tokens, seed, leaves):
 
 
 def rank_main(rank, world, a):
-    from tpinv.models.loading import load_model
+    from tpinv.io.loading import load_model
     from tpinv.models.vanilla import vanilla_forward
 
     groups = {t: dist.new_group(list(range(t))) for t in a.tp}

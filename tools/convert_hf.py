@@ -1,4 +1,4 @@
-"""Convert HF checkpoints to tpinv checkpoints and back (a thin CLI over tpinv.models.hf_convert).
+"""Convert HF checkpoints to tpinv checkpoints and back (a thin CLI over tpinv.io.hf_convert).
 
     python tools/convert_hf.py to-tpinv HF_DIR OUT_DIR [--tp C] [--dtype bf16|fp16|fp32|keep]
     python tools/convert_hf.py to-hf TPINV_DIR OUT_DIR [--dtype ...] [--fuse] [--max-shard-size 5GB]
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from tpinv.models.hf_convert import convert_hf_to_tpinv, convert_tpinv_to_hf
+    from tpinv.io.hf_convert import convert_hf_to_tpinv, convert_tpinv_to_hf
     progress = not args.no_progress and sys.stderr.isatty()
     if args.command == "to-tpinv":
         out = convert_hf_to_tpinv(args.hf_dir, args.out_dir, tp=args.tp, dtype=DTYPES[args.dtype],

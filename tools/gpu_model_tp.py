@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
-from tpinv.reduce import all_gather
+from tpinv.distributed.reduce import all_gather
 
 
 def parse_models(text: str) -> list[tuple[str, int | None]]:

@@ -77,20 +77,20 @@ def make_requests(args, vocab_size: int):
 
 def vocab_size(source: str) -> int:
     """The vocabulary size of a model source, read from its config (no weights loaded)."""
-    from tpinv.checkpoint import read_info
-    from tpinv.models.loading import source_kind
+    from tpinv.io.checkpoint import read_info
+    from tpinv.io.loading import source_kind
     from tpinv.models.configs import get_config
     kind = source_kind(source)
     if kind == "config":
         return get_config(source).vocab_size
     if kind == "tpinv":
         return int(read_info(source).model_args["vocab_size"])
-    from tpinv.models.hf_convert import read_hf_config
+    from tpinv.io.hf_convert import read_hf_config
     return read_hf_config(source)[1].vocab_size
 
 
 def build_model(spec: dict, group):
-    from tpinv.models.loading import load_model
+    from tpinv.io.loading import load_model
     model, tokenizer = load_model(spec["model"], tp_group=group, dtype=spec["dtype"], init_seed=spec["init_seed"])
     if spec["weight_scale"] != 1.0:
         with torch.no_grad():

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard
 transformers = pytest.importorskip("transformers")
 
 import dtensor_cases as cases  # noqa: E402
-from tpinv.contract import InvarianceError  # noqa: E402
+from tpinv.core.contract import InvarianceError  # noqa: E402
 from tpinv.dtensor import validate  # noqa: E402
 from tpinv.testing import run_ranks  # noqa: E402
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpinv.contract import tree_combine_list
-from tpinv.mappings import (copy_to_tensor_model_parallel_region,
+from tpinv.core.contract import tree_combine_list
+from tpinv.distributed.mappings import (copy_to_tensor_model_parallel_region,
                             gather_from_sequence_parallel_region,
                             gather_from_tensor_model_parallel_region,
                             reduce_from_tensor_model_parallel_region,

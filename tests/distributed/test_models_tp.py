@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tpinv.layers import vocab_parallel_cross_entropy
 from tpinv.models import Transformer, get_config
 from tpinv.ops import rope_cos_sin
-from tpinv.reduce import all_gather
+from tpinv.distributed.reduce import all_gather
 from tpinv.testing import run_ranks
 
 COMBOS = list(itertools.product(("qwen3-tiny", "llama-tiny", "mistral-tiny"),

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpinv.contract import InvarianceError
-from tpinv.parallel import ParallelDims, ParallelState
-from tpinv.reduce import tree_all_reduce
+from tpinv.core.contract import InvarianceError
+from tpinv.distributed.parallel import ParallelDims, ParallelState
+from tpinv.distributed.reduce import tree_all_reduce
 from tpinv.testing import RankTimeoutError, bits, record_ops, run_ranks
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None \

@@ -34,7 +34,7 @@ BASE = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch
 
 def run_configs(rank, world_size, configs):
     """Run each ``(tp, overrides)`` in turn on this world; rank 0 returns what the asserts need."""
-    from tpinv.parallel import ParallelDims
+    from tpinv.distributed.parallel import ParallelDims
     from tpinv.training import train
     out = []
     for tp, overrides in configs:

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
-from tpinv.contract import rank_leaves, tree_combine, tree_combine_list
-from tpinv.kernels.cpu_tree import leaf_partials, leaf_tree_sum
-from tpinv.reduce import (ALGORITHMS, CollectiveError, algorithms_for, all_gather,
+from tpinv.core.contract import rank_leaves, tree_combine, tree_combine_list
+from tpinv.kernels.reference_tree import leaf_partials, leaf_tree_sum
+from tpinv.distributed.reduce import (ALGORITHMS, CollectiveError, algorithms_for, all_gather,
                           choose_algorithm, tree_all_reduce, tree_reduce_scatter)
 from tpinv.testing import RankFailedError, record_ops, run_ranks
 

@@ -1,6 +1,6 @@
 """A decode step replayed from a CUDA graph gives the eager step's bits, and the prefill's.
 
-A Qwen3-0.6B-shaped model cut to two layers, bf16 on CUDA: greedy decoding with :class:`tpinv.cuda_graph.DecodeGraph`
+A Qwen3-0.6B-shaped model cut to two layers, bf16 on CUDA: greedy decoding with :class:`tpinv.engine.decode_graph.DecodeGraph`
 == eager decoding, step by step, and each replayed step == the prefill of the same tokens;
 the engine with ``cuda_graph=True`` == without, requests joining mid-flight; a training step
 (loss and backward) replayed == eager, for two different batches fed through the same input
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpinv.cuda_graph import DecodeGraph, capture
+from tpinv.core.capture import capture
+from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.engine import Engine, Request, SamplingParams
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from tpinv.contract import DEFAULT_LEAVES, tree_combine
+from tpinv.core.contract import DEFAULT_LEAVES, tree_combine
 from tpinv.ops import (
     apply_rope, attention, embedding, embedding_backward, log_softmax, logsumexp, matmul, rms_norm,
     rope_cos_sin, silu_mul, softmax, sum_exp_partial, tree_sum,

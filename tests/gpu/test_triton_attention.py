@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpinv.kernels.cpu_attention import block_visibility
+from tpinv.kernels.reference_attention import block_visibility
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

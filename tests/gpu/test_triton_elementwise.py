@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpinv.kernels import cpu_activation, cpu_rope
+from tpinv.kernels import reference_activation, reference_rope
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
@@ -49,7 +49,7 @@ def rope_inputs(dtype, batch=None, heads=None, seq=None, seed=0):
     batch, heads, seq = batch or B, heads or H, S if seq is None else seq
     pos = torch.arange(seq, device=DEV).expand(batch, seq).contiguous()
     pos[1:] += 1000
-    cos, sin = cpu_rope.rope_cos_sin(pos, D, 1e6)
+    cos, sin = reference_rope.rope_cos_sin(pos, D, 1e6)
     return rand(batch, heads, seq, D, dtype=dtype, seed=seed, scale=1.0), cos, sin
 
 
@@ -92,8 +92,8 @@ def test_silu_mul_parity_with_cpu_and_torch_path(dtype):
     rtol, atol = TOL[dtype]
     ours = (k.silu_mul_forward_cuda(g, u),) + k.silu_mul_backward_cuda(dy, g, u)
     for ref_args, name in (((g.cpu(), u.cpu(), dy.cpu()), "cpu"), ((g, u, dy), "torch on cuda")):
-        ref = (cpu_activation.silu_mul_forward(*ref_args[:2]),) + \
-            cpu_activation.silu_mul_backward(ref_args[2], *ref_args[:2])
+        ref = (reference_activation.silu_mul_forward(*ref_args[:2]),) + \
+            reference_activation.silu_mul_backward(ref_args[2], *ref_args[:2])
         for a, b in zip(ours, ref):
             torch.testing.assert_close(a.cpu().float(), b.cpu().float(), rtol=rtol, atol=atol,
                                        equal_nan=True, msg=lambda m: f"{name}: {m}")
@@ -157,8 +157,8 @@ def test_rope_parity_with_cpu_and_torch_path(dtype):
     k = te()
     x, cos, sin = rope_inputs(dtype, heads=8, seq=300, seed=4)
     rtol, atol = ROPE_TOL[dtype]
-    for ours_fn, ref_fn in ((k.apply_rope_forward_cuda, cpu_rope.apply_rope_forward),
-                            (k.apply_rope_backward_cuda, cpu_rope.apply_rope_backward)):
+    for ours_fn, ref_fn in ((k.apply_rope_forward_cuda, reference_rope.apply_rope_forward),
+                            (k.apply_rope_backward_cuda, reference_rope.apply_rope_backward)):
         ours = ours_fn(x, cos, sin)
         for args, name in (((x.cpu(), cos.cpu(), sin.cpu()), "cpu"), ((x, cos, sin), "torch on cuda")):
             torch.testing.assert_close(ours.cpu().float(), ref_fn(*args).cpu().float(), rtol=rtol, atol=atol,
@@ -178,7 +178,7 @@ def test_rope_empty_and_errors():
     k = te()
     x, cos, sin = rope_inputs(torch.bfloat16, seq=0)
     assert k.apply_rope_forward_cuda(x, cos, sin).shape == x.shape
-    from tpinv.contract import InvarianceError
+    from tpinv.core.contract import InvarianceError
     x, cos, sin = rope_inputs(torch.bfloat16, seq=16)
     with pytest.raises(InvarianceError):
         k.apply_rope_forward_cuda(x, cos[:, :8], sin[:, :8])

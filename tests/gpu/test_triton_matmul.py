@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tpinv.contract import InvarianceError, tree_combine
+from tpinv.core.contract import InvarianceError, tree_combine
 from tpinv.kernels import tiles
 
 triton = pytest.importorskip("triton")

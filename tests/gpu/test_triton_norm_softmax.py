@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tpinv.contract import DEFAULT_LEAVES, tree_combine
-from tpinv.kernels import cpu_norm, cpu_softmax
+from tpinv.core.contract import DEFAULT_LEAVES, tree_combine
+from tpinv.kernels import reference_norm, reference_softmax
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
@@ -66,7 +66,7 @@ def test_rms_norm_rows_invariant_and_parity(dtype, hidden):
     w = torch.rand(hidden, device=DEV) + 0.5    # fp32 weight: one rounding of n to x.dtype
     full = assert_rows_invariant(lambda t: tn().rms_norm_forward_cuda(t, w, 1e-6), x)
     rtol, atol = TOL[dtype]
-    torch.testing.assert_close(full.float(), cpu_norm.rms_norm_forward(x, w, 1e-6).float(),
+    torch.testing.assert_close(full.float(), reference_norm.rms_norm_forward(x, w, 1e-6).float(),
                                rtol=rtol, atol=atol)
 
 
@@ -93,7 +93,7 @@ def test_rms_norm_backward_rows_and_dweight_padding():
         gp = torch.cat([g, torch.zeros(pad, hidden, dtype=g.dtype, device=DEV)])
         dxp, dwp = tn().rms_norm_backward_cuda(gp, xp, w, 1e-6)
         assert torch.equal(dwp, dw) and torch.equal(dxp[:300], dx), f"pad={pad}"
-    rdx, rdw = cpu_norm.rms_norm_backward(g.float(), x.float(), w.float(), 1e-6)
+    rdx, rdw = reference_norm.rms_norm_backward(g.float(), x.float(), w.float(), 1e-6)
     torch.testing.assert_close(dx.float(), rdx, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(dw.float(), rdw, rtol=2e-2, atol=2e-1)
 
@@ -110,7 +110,7 @@ def test_rms_norm_backward_heads_is_each_head_alone_and_control():
         assert torch.equal(dx[..., h, :], dx_h) and torch.equal(per_head[h], dw_h), h
     _, all_rows = tn().rms_norm_backward_cuda(g.float() * 1e3, x.float(), w.float(), 1e-6)
     _, heads32 = tn().rms_norm_backward_heads_cuda(g.float() * 1e3, x.float(), w.float(), 1e-6)
-    from tpinv.kernels.cpu_tree import halving_sum
+    from tpinv.kernels.reference_tree import halving_sum
     assert not torch.equal(halving_sum(heads32.t()), all_rows)
 
 
@@ -118,7 +118,7 @@ def test_rms_norm_backward_fp32_parity_with_torch_code():
     x, g = rand(37, 777, seed=6), rand(37, 777, seed=7)
     w = torch.rand(777, device=DEV) + 0.5
     dx, dw = tn().rms_norm_backward_cuda(g, x, w, 1e-6)
-    rdx, rdw = cpu_norm.rms_norm_backward(g, x, w, 1e-6)
+    rdx, rdw = reference_norm.rms_norm_backward(g, x, w, 1e-6)
     torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-4)
 
@@ -137,7 +137,7 @@ def test_softmax_rows_invariant_and_parity(dtype, name):
     x = rand(1000, 8 * 125, dtype=dtype, seed=len(name))
     fn = getattr(ts(), f"{name}_forward_cuda")
     full = assert_rows_invariant(lambda t: fn(t, DEFAULT_LEAVES), x)
-    ref = getattr(cpu_softmax, f"{name}_forward")(x, DEFAULT_LEAVES)
+    ref = getattr(reference_softmax, f"{name}_forward")(x, DEFAULT_LEAVES)
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(full.float(), ref.float(), rtol=rtol, atol=atol)
 
@@ -161,11 +161,11 @@ def test_vocab_split_equals_unsplit(dtype, width):
                              for s in x.chunk(ranks, -1)], -1)
         assert torch.equal(tree_combine(parts), whole), f"C={ranks}"
     log_sm = ts().log_softmax_forward_cuda(x, DEFAULT_LEAVES)
-    composed = torch.cat([cpu_softmax.log_softmax_from_parts(s, max_, whole).to(dtype)
+    composed = torch.cat([reference_softmax.log_softmax_from_parts(s, max_, whole).to(dtype)
                           for s in x.chunk(2, -1)], -1)
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(log_sm.float(), composed.float(), rtol=rtol, atol=atol)
-    ref = cpu_softmax.sum_exp_partial(x, max_, DEFAULT_LEAVES)
+    ref = reference_softmax.sum_exp_partial(x, max_, DEFAULT_LEAVES)
     torch.testing.assert_close(whole, ref, rtol=1e-5, atol=0.0)
 
 
@@ -189,7 +189,7 @@ def test_fused_equals_vocab_split_composition(dtype, width):
             split = torch.cat([fn(sl, max_, total) for sl in slices], -1)
             assert torch.equal(split, fused[name]), f"{name} C={ranks}"
     lse = ts().logsumexp_forward_cuda(x, DEFAULT_LEAVES)
-    assert torch.equal(lse, cpu_softmax.logsumexp_from_parts(max_, s).to(dtype))
+    assert torch.equal(lse, reference_softmax.logsumexp_from_parts(max_, s).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", TOL)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpinv.testing import num_threads
-from tpinv.contract import InvarianceError
+from tpinv.core.contract import InvarianceError
 from tpinv.ops.activation import silu_mul, silu_mul_backward_op, silu_mul_op
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.testing import record_ops

@@ -12,8 +12,8 @@ import torch
 
 from attention_cases import (CONTROL_TRIES, arange_pos, qkv, randn, ragged_batch, reference,
                              rel_err, sdpa, visibility)
-from tpinv.kernels.cpu_attention import KV_BLOCK, attention_forward
-from tpinv.kernels.cpu_attention_bwd import attention_backward
+from tpinv.kernels.reference_attention import KV_BLOCK, attention_forward
+from tpinv.kernels.reference_attention_bwd import attention_backward
 from tpinv.ops.attention import attention
 
 DTYPES = [torch.float32, torch.bfloat16]

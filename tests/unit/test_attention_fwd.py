@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from attention_cases import (CONTROL_TRIES, arange_pos, qkv, ragged_batch, reference, rel_err,
                              sdpa, sdpa_decode_differs, visibility)
-from tpinv.kernels.cpu_attention import KV_BLOCK, attention_forward
+from tpinv.kernels.reference_attention import KV_BLOCK, attention_forward
 from tpinv.ops.attention import attention
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from attention_cases import arange_pos, qkv
-from tpinv.contract import InvarianceError
-from tpinv.kernels.cpu_attention import all_finite, halve, kv_block_range
-from tpinv.kernels.cpu_attention_bwd import halve_span
-from tpinv.kernels.cpu_tree import halving_sum
+from tpinv.core.contract import InvarianceError
+from tpinv.kernels.reference_attention import all_finite, halve, kv_block_range
+from tpinv.kernels.reference_attention_bwd import halve_span
+from tpinv.kernels.reference_tree import halving_sum
 from tpinv.ops.attention import attention, attention_backward_op, attention_op
 
 NEG_INF = float("-inf")

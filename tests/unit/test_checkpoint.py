@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 
-import tpinv.checkpoint as ckpt
-from tpinv.checkpoint import (CheckpointError, CheckpointReader, TensorSource, iter_full_tensors, load_full,
+import tpinv.io.checkpoint as ckpt
+from tpinv.io.checkpoint import (CheckpointError, CheckpointReader, TensorSource, iter_full_tensors, load_full,
                               load_shard, read_info, save_checkpoint, shard_index, write_checkpoint)
-from tpinv.contract import InvarianceError
-from tpinv.safetensors_stream import SafetensorsReader, SafetensorsStreamWriter, TensorSpec, read_header
+from tpinv.core.contract import InvarianceError
+from tpinv.io.safetensors_stream import SafetensorsReader, SafetensorsStreamWriter, TensorSpec, read_header
 
 ARGS = {"family": "llama", "hidden_size": 24, "dtype": torch.bfloat16}
 

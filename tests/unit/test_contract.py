@@ -6,10 +6,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tpinv.contract import (DEFAULT_LEAVES, InvarianceError, check_divisible, check_dtype,
+from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, check_divisible, check_dtype,
                             check_leaves, check_tp_size, leaf_bounds, rank_leaves, tree_combine,
                             tree_combine_list)
-from tpinv.kernels.cpu_tree import halving_sum, leaf_partials, leaf_tree_sum
+from tpinv.kernels.reference_tree import halving_sum, leaf_partials, leaf_tree_sum
 
 
 def _wide(*shape):

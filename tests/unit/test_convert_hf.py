@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tpinv.checkpoint import CheckpointError, load_shard, param_meta_from_module, read_info, shard_index
-from tpinv.contract import InvarianceError
+from tpinv.io.checkpoint import CheckpointError, load_shard, param_meta_from_module, read_info, shard_index
+from tpinv.core.contract import InvarianceError
 from tpinv.models.args import ModelArgs
-from tpinv.models.hf_convert import convert_hf_to_tpinv, convert_tpinv_to_hf
-from tpinv.models.hf_keys import (args_from_dict, args_to_dict, hf_config_from_args, param_meta, param_specs,
+from tpinv.io.hf_convert import convert_hf_to_tpinv, convert_tpinv_to_hf
+from tpinv.io.hf_keys import (args_from_dict, args_to_dict, hf_config_from_args, param_meta, param_specs,
                                   to_hf_name)
-from tpinv.safetensors_stream import SafetensorsReader
+from tpinv.io.safetensors_stream import SafetensorsReader
 from tpinv.testing import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -197,7 +197,7 @@ def test_model_args_and_config_round_trip():
 def test_trained_model_exports_with_a_derived_config(tmp_path, name):
     """A checkpoint saved from a tpinv model (no HF config stored) exports to a HF directory transformers loads."""
     import transformers
-    from tpinv.checkpoint import save_checkpoint
+    from tpinv.io.checkpoint import save_checkpoint
     from tpinv.models.configs import get_config
     from tpinv.models.transformer import Transformer
     args = get_config(name, dtype=torch.bfloat16)
@@ -217,7 +217,7 @@ def test_trained_model_exports_with_a_derived_config(tmp_path, name):
 def _tp_logits(rank, world_size, ck, tokens, swap=False):
     """Logits of the converted checkpoint loaded at TP ``world_size`` (and with the rank shards swapped)."""
     import torch.distributed as dist
-    from tpinv.models.hf_keys import args_from_dict as from_dict
+    from tpinv.io.hf_keys import args_from_dict as from_dict
     from tpinv.models.transformer import Transformer
     info = read_info(ck)
     group = dist.group.WORLD if world_size > 1 else None

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from test_convert_hf import FAMILIES, _gone, _hf_model, _hf_tensors, hf_dirs  # noqa: F401  (hf_dirs is a fixture)
-from tpinv.checkpoint import CheckpointError, read_info
-from tpinv.contract import InvarianceError
-from tpinv.models.hf_convert import convert_hf_to_tpinv, convert_tpinv_to_hf
+from tpinv.io.checkpoint import CheckpointError, read_info
+from tpinv.core.contract import InvarianceError
+from tpinv.io.hf_convert import convert_hf_to_tpinv, convert_tpinv_to_hf
 
 
 def _copy(src: str, dst) -> str:
@@ -110,7 +110,7 @@ def test_unsupported_architecture_and_tp(hf_dirs, tmp_path):
 
 
 def test_failure_mid_write_leaves_no_output(hf_dirs, tmp_path, monkeypatch):
-    from tpinv.safetensors_stream import SafetensorsStreamWriter
+    from tpinv.io.safetensors_stream import SafetensorsStreamWriter
     real, calls, fail_at = SafetensorsStreamWriter.write, [], [25]
 
     def failing(self, name, tensor):

@@ -1,7 +1,7 @@
 """What a CUDA-graph capture of a decode step needs from the host side, checked on CPU.
 
 A capture cannot read tensor values on the host.  With a capture simulated
-(:func:`tpinv.cuda_graph.capturing` patched to True where it is asked), a decode step of the
+(:func:`tpinv.core.capture.capturing` patched to True where it is asked), a decode step of the
 invariant model and of the vanilla control reads no tensor value outside the CPU kernels
 (which never run on CUDA); the negative control shows the same detector does see the eager
 step's checks.  Eager, a decode step reads values twice (the positions' range, the token
@@ -16,17 +16,17 @@ import traceback
 import pytest
 import torch
 
-import tpinv.cuda_graph
+import tpinv.core.capture
 import tpinv.models.vanilla
-import tpinv.reduce
-from tpinv.cuda_graph import DecodeGraph
+import tpinv.distributed.reduce
+from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.engine import Engine
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward
 from tpinv.testing import num_threads
 
 HOST_READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
-ASKERS = (tpinv.cuda_graph, tpinv.models.vanilla, tpinv.reduce)   # where capturing() is asked
+ASKERS = (tpinv.core.capture, tpinv.models.vanilla, tpinv.distributed.reduce)   # where capturing() is asked
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -42,7 +42,7 @@ def model():
 
 
 def host_reads(monkeypatch, step) -> collections.Counter:
-    """Where ``step()`` reads tensor values on the host, outside ``tpinv/kernels/cpu_*``."""
+    """Where ``step()`` reads tensor values on the host, outside ``tpinv/kernels/reference_*``."""
     seen = collections.Counter()
     for name in HOST_READS:
         original = getattr(torch.Tensor, name)
@@ -50,7 +50,7 @@ def host_reads(monkeypatch, step) -> collections.Counter:
         def wrapped(self, *a, __original=original, __name=name, **k):
             frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
             caller = frames[-1]
-            if "tpinv/kernels/cpu_" not in caller.filename.replace("\\", "/"):
+            if "tpinv/kernels/reference_" not in caller.filename.replace("\\", "/"):
                 seen[f"{__name} at {caller.filename.rsplit('/', 2)[-1]}:{caller.lineno}"] += 1
             return __original(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, wrapped)

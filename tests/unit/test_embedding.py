@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tpinv.testing import num_threads
-from tpinv.kernels.cpu_embedding import embedding_backward_reference
+from tpinv.kernels.reference_embedding import embedding_backward_reference
 from tpinv.ops import embedding, embedding_backward
 from tpinv.ops.embedding import embedding_backward_op, embedding_op
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel

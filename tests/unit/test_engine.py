@@ -181,7 +181,7 @@ def test_eos_stop_ids_max_tokens_and_context(model):
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     import sentencepiece as spm
-    from tpinv.tokenizer import load_tokenizer
+    from tpinv.io.tokenizer import load_tokenizer
     corpus = ["the quick brown fox jumps over the lazy dog", "same bits at any tensor parallel size",
               "hello world of reproducible sums"] * 30
     out = io.BytesIO()
@@ -260,9 +260,9 @@ def test_load_named_config_tpinv_checkpoint_and_hf_directory(tmp_path, tokenizer
     import shutil
 
     import transformers
-    from tpinv.checkpoint import param_meta_from_module, save_checkpoint
-    from tpinv.models.hf_convert import convert_hf_to_tpinv
-    from tpinv.models.hf_keys import args_to_dict, hf_config_from_args
+    from tpinv.io.checkpoint import param_meta_from_module, save_checkpoint
+    from tpinv.io.hf_convert import convert_hf_to_tpinv
+    from tpinv.io.hf_keys import args_to_dict, hf_config_from_args
     reqs = make_requests(3, seed=6, max_tokens=3)
     named = Engine.load("llama-tiny", init_seed=3, max_batch=2)
     again = Engine.load("llama-tiny", init_seed=3, max_batch=3).generate(reqs)

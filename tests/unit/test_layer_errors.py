@@ -4,7 +4,7 @@ import types
 import pytest
 import torch
 
-from tpinv.contract import InvarianceError
+from tpinv.core.contract import InvarianceError
 from tpinv.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpinv.testing import num_threads
-from tpinv.contract import DEFAULT_LEAVES, InvarianceError, tree_combine, tree_combine_list
-from tpinv.kernels import cpu_matmul
-from tpinv.kernels.cpu_tree import leaf_tree_sum
+from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, tree_combine, tree_combine_list
+from tpinv.kernels import reference_matmul
+from tpinv.kernels.reference_tree import leaf_tree_sum
 from tpinv.ops import matmul, matmul_partial, tree_sum
 from tpinv.ops.linear import matmul_op, matmul_partial_op, tree_sum_op
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
@@ -51,10 +51,10 @@ def test_equals_definition(dtype, m, n, k, leaves):
     want = leaf_tree_sum(x.float()[..., None, :] * w.float()[None, :, :], leaves)
     assert torch.equal(matmul_partial(x, w, leaves), want)
     for chunk in (1, 7, 300):       # chunk edges, zero padding of M and N, both layouts
-        assert torch.equal(cpu_matmul.matmul_partial(x, w, leaves, chunk_elements=chunk), want)
+        assert torch.equal(reference_matmul.matmul_partial(x, w, leaves, chunk_elements=chunk), want)
 
 
-@pytest.mark.parametrize("rows", [1, cpu_matmul.K_OUTER_MIN_ROWS + 1])   # both layouts
+@pytest.mark.parametrize("rows", [1, reference_matmul.K_OUTER_MIN_ROWS + 1])   # both layouts
 def test_definition_negative_zero_and_padding(rows):
     # A leaf of 3 is padded to 4 with +0.0, so a leaf of -0.0 products sums to +0.0;
     # a leaf of 4 has no padding and sums to -0.0.
@@ -63,7 +63,7 @@ def test_definition_negative_zero_and_padding(rows):
         x = torch.full((rows, k), -0.0)
         want = leaf_tree_sum(x[..., None, :] * w[None, :, :k], 8)
         for chunk in (1, 1 << 18):
-            got = cpu_matmul.matmul_partial(x, w[:, :k], 8, chunk_elements=chunk)
+            got = reference_matmul.matmul_partial(x, w[:, :k], 8, chunk_elements=chunk)
             assert torch.equal(got, want) and bool(torch.signbit(got).all()) == negative
 
 
@@ -74,7 +74,7 @@ def test_shapes_property(m, n, k8, leaves, dtype, seed):
     k = 8 * k8
     x, w = rand(m, k, dtype=dtype, seed=seed), rand(n, k, dtype=dtype, seed=seed + 1)
     full = matmul_partial(x, w, leaves)
-    assert torch.equal(full, cpu_matmul.matmul_partial_reference(x, w, leaves))
+    assert torch.equal(full, reference_matmul.matmul_partial_reference(x, w, leaves))
     row = seed % m
     assert torch.equal(matmul_partial(x[row:row + 1], w, leaves), full[row:row + 1])
 
@@ -163,7 +163,7 @@ def test_threads_do_not_change_bits():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [3, cpu_matmul.K_OUTER_MIN_ROWS + 5])     # both layouts
+@pytest.mark.parametrize("m", [3, reference_matmul.K_OUTER_MIN_ROWS + 5])     # both layouts
 def test_layout_does_not_change_bits(dtype, m):
     x, w = rand(m, 8 * 40, dtype=dtype), rand(300, 8 * 40, dtype=dtype)
     want = matmul_partial(x, w)

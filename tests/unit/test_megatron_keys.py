@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from test_convert_hf import _hf_model
-from tpinv.checkpoint import read_info
-from tpinv.models.hf_convert import convert_hf_to_tpinv
-from tpinv.models.hf_keys import param_specs
+from tpinv.io.checkpoint import read_info
+from tpinv.io.hf_convert import convert_hf_to_tpinv
+from tpinv.io.hf_keys import param_specs
 from tpinv.testing import run_ranks
 
 pytest.importorskip("megatron.core")
@@ -24,9 +24,9 @@ def _megatron_check(rank, world_size, checkpoints, tokens):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from tpinv.checkpoint import load_full
-    from tpinv.models.hf_keys import args_from_dict as from_dict
-    from tpinv.models.megatron_keys import from_megatron_state_dict, to_megatron_state_dict
+    from tpinv.io.checkpoint import load_full
+    from tpinv.io.hf_keys import args_from_dict as from_dict
+    from tpinv.io.megatron_keys import from_megatron_state_dict, to_megatron_state_dict
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     results = []
@@ -88,7 +88,7 @@ def test_megatron_state_dict_loads_and_matches_hf(tmp_path):
 def test_megatron_tp_shards():
     """Rank r's megatron shard: query groups [r*G/C, (r+1)*G/C) of linear_qkv, [gate_r; up_r], fc2 columns."""
     from tpinv.models.configs import get_config
-    from tpinv.models.megatron_keys import to_megatron_state_dict
+    from tpinv.io.megatron_keys import to_megatron_state_dict
     args = get_config("llama-tiny", num_heads=8, head_dim=8, attention_bias=True)
     full = {n: torch.randn(s.shape) for n, s in param_specs(args).items()}
     g, hd = args.num_kv_heads, args.head_dim

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpinv.contract import InvarianceError
+from tpinv.core.contract import InvarianceError
 from tpinv.models import KVCache, ModelArgs, Transformer, check_model_sizes, get_config
 from tpinv.ops import rope_cos_sin
 from tpinv.testing import record_ops

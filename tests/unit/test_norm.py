@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from tpinv.testing import num_threads
-from tpinv.contract import InvarianceError
-from tpinv.kernels.cpu_tree import halving_sum
+from tpinv.core.contract import InvarianceError
+from tpinv.kernels.reference_tree import halving_sum
 from tpinv.ops.norm import rms_norm, rms_norm_backward_heads_op, rms_norm_backward_op, rms_norm_op
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.testing import record_ops

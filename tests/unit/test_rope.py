@@ -16,7 +16,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from tpinv.testing import num_threads
-from tpinv.contract import InvarianceError
+from tpinv.core.contract import InvarianceError
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.ops.rope import apply_rope, apply_rope_backward_op, apply_rope_op, rope_cos_sin, rope_inv_freq
 from tpinv.testing import record_ops

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpinv.testing import num_threads
-from tpinv.contract import DEFAULT_LEAVES, InvarianceError, tree_combine
-from tpinv.kernels.cpu_tree import leaf_tree_sum
+from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, tree_combine
+from tpinv.kernels.reference_tree import leaf_tree_sum
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.ops.softmax import (log_softmax, log_softmax_backward_op, log_softmax_from_parts, log_softmax_op,
                                logsumexp, logsumexp_backward_op, logsumexp_from_parts, logsumexp_op, softmax,

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tpinv.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
+from tpinv.io.tokenizer import HFTokenizer, SentencePieceTokenizer, load_tokenizer
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

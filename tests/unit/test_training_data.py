@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tpinv.contract import InvarianceError
+from tpinv.core.contract import InvarianceError
 from tpinv.training import ArithmeticTask, TrainConfig, Trainer, dp_slice, make_dataset, micro_batches
 from tpinv.training.model import build_model
 

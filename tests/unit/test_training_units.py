@@ -1,4 +1,4 @@
-"""Units of tpinv.training and tpinv.determinism, in one process (the data: test_training_data.py).
+"""Units of tpinv.training and tpinv.core.determinism, in one process (the data: test_training_data.py).
 
 Bitwise (torch.equal) for invariance, each beside a negative control that differs; allclose
 (stated tolerance) for parity with plain PyTorch.  Checkpoint errors (corrupt, mismatched,
@@ -14,11 +14,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tpinv import determinism
-from tpinv.contract import InvarianceError, tree_combine_list
+from tpinv.core import determinism
+from tpinv.core.contract import InvarianceError, tree_combine_list
 from tpinv.training import (CheckpointError, TrainConfig, Trainer, TreeAccumulator, adamw_update,
                             global_grad_norm, lr_at, read_metrics)
-from tpinv.training import checkpoint as train_ckpt
+from tpinv.training import train_state as train_ckpt
 from tpinv.training.loop import fp32_hex
 from tpinv.training.model import build_model
 from tpinv.training.optim import ParamLayout

@@ -39,8 +39,8 @@ BWD_CASES = [(2, 2, 2, 70, 70, 16, "causal"), (1, 1, 1, 100, 130, 64, "window"),
 def _setup():
     global fwd, bwd, attention_forward, attention_backward, cases
     import attention_cases as cases
-    from tpinv.kernels.cpu_attention import attention_forward
-    from tpinv.kernels.cpu_attention_bwd import attention_backward
+    from tpinv.kernels.reference_attention import attention_forward
+    from tpinv.kernels.reference_attention_bwd import attention_backward
     from tpinv.kernels.triton_attention import attention_forward_cuda as fwd
     from tpinv.kernels.triton_attention_bwd import attention_backward_cuda as bwd
 

@@ -54,7 +54,7 @@ def _grad_of(g, u):
 # ------------------------------------------------------------------ checks (run in the subprocess)
 
 def check_silu_cpu_parity():
-    from tpinv.kernels import cpu_activation
+    from tpinv.kernels import reference_activation
     te = _te()
     special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-4, 20.0, -20.0, 88.0, -88.0, 90.0, -104.0,
                             200.0, -200.0, float("inf"), float("-inf"), float("nan")])
@@ -62,13 +62,13 @@ def check_silu_cpu_parity():
         g = torch.cat([rand(9, 50, dtype=dtype, seed=1).reshape(-1), special.to(dtype)])
         u = torch.cat([rand(9, 50, dtype=dtype, seed=2).reshape(-1), torch.linspace(-2, 2, 16).to(dtype)])
         dy = rand(g.numel(), dtype=dtype, seed=3)
-        torch.testing.assert_close(te.silu_mul_forward_cuda(g, u), cpu_activation.silu_mul_forward(g, u),
+        torch.testing.assert_close(te.silu_mul_forward_cuda(g, u), reference_activation.silu_mul_forward(g, u),
                                    equal_nan=True, **SILU_TOL[dtype])
-        for ours, ref in zip(te.silu_mul_backward_cuda(dy, g, u), cpu_activation.silu_mul_backward(dy, g, u)):
+        for ours, ref in zip(te.silu_mul_backward_cuda(dy, g, u), reference_activation.silu_mul_backward(dy, g, u)):
             torch.testing.assert_close(ours, ref, equal_nan=True, **SILU_TOL[dtype])
         # fp32 grad with 16-bit activations, as autograd may hand it
         for ours, ref in zip(te.silu_mul_backward_cuda(dy.float(), g, u),
-                             cpu_activation.silu_mul_backward(dy.float(), g, u)):
+                             reference_activation.silu_mul_backward(dy.float(), g, u)):
             torch.testing.assert_close(ours, ref, equal_nan=True, **SILU_TOL[dtype])
 
 
@@ -101,7 +101,7 @@ def check_silu_vanilla_differs_control():
 
 
 def _rope_inputs(dtype, batch=2, heads=5, seq=11, dim=16, seed=0):
-    from tpinv.kernels.cpu_rope import rope_cos_sin
+    from tpinv.kernels.reference_rope import rope_cos_sin
     pos = (torch.arange(seq) + 3).expand(batch, seq).contiguous()
     pos[1] += 40
     cos, sin = rope_cos_sin(pos, dim, 1e4)
@@ -115,14 +115,14 @@ def _rope_fns():
 
 
 def check_rope_cpu_bits():
-    from tpinv.kernels import cpu_rope
+    from tpinv.kernels import reference_rope
     te = _te()
     for dtype in DTYPES:
         for dim in (2, 6, 16, 64):
             x, cos, sin = _rope_inputs(dtype, dim=dim, seed=dim)
             for c, s in ((cos, sin), (cos[1], sin[1])):
-                assert torch.equal(te.apply_rope_forward_cuda(x, c, s), cpu_rope.apply_rope_forward(x, c, s))
-                assert torch.equal(te.apply_rope_backward_cuda(x, c, s), cpu_rope.apply_rope_backward(x, c, s))
+                assert torch.equal(te.apply_rope_forward_cuda(x, c, s), reference_rope.apply_rope_forward(x, c, s))
+                assert torch.equal(te.apply_rope_backward_cuda(x, c, s), reference_rope.apply_rope_backward(x, c, s))
 
 
 def check_rope_position_invariant():
@@ -161,7 +161,7 @@ def check_rope_vanilla_differs_control():
 
 
 def check_empty_and_errors():
-    from tpinv.contract import InvarianceError
+    from tpinv.core.contract import InvarianceError
     te = _te()
     g = torch.empty(0, 5)
     assert te.silu_mul_forward_cuda(g, g).shape == (0, 5)

@@ -34,8 +34,8 @@ def ids_of(*shape, high, seed=1):
 
 
 def _kernels():
-    from tpinv.kernels import cpu_embedding, triton_embedding
-    return cpu_embedding.embedding_backward, triton_embedding.embedding_backward_cuda
+    from tpinv.kernels import reference_embedding, triton_embedding
+    return reference_embedding.embedding_backward, triton_embedding.embedding_backward_cuda
 
 
 # ------------------------------------------------------------------ checks (run in the subprocess)

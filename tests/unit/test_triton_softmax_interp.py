@@ -6,7 +6,7 @@ Checked: the fused one-launch kernel gives the bits of the split composition -- 
 ``C = 1, 2, 4, 8``, ``leaves = 1, 2, 4, 8``, fp32 and fp16, with one and with many
 ``BLOCK`` steps per leaf; a row's bits alone == in a batch == beside junk rows, for several
 persistent-grid sizes and leaf groupings; the lane fold is contiguous halving and the leaf
-combine the adjacent-pair tree; parity with :mod:`tpinv.kernels.cpu_softmax`.
+combine the adjacent-pair tree; parity with :mod:`tpinv.kernels.reference_softmax`.
 
 The checks run in one child process with the interpreter on (:mod:`triton_interp`).  Negative
 controls (plain torch, in this process): a vocabulary-parallel sum in the usual order and a
@@ -62,8 +62,8 @@ def _rand(rows, width, dtype, seed, scale=3.0):
 
 
 def _check_fused_equals_split_composition(ts):
-    from tpinv.contract import tree_combine
-    from tpinv.kernels.cpu_softmax import logsumexp_from_parts
+    from tpinv.core.contract import tree_combine
+    from tpinv.kernels.reference_softmax import logsumexp_from_parts
     for max_block in (ts._MAX_LEAF_BLOCK, 16):        # one BLOCK step per leaf, then many
         ts._MAX_LEAF_BLOCK = max_block
         for dtype in (torch.float32, torch.float16):
@@ -121,7 +121,7 @@ def _check_fold_and_tree_order(ts):
     import triton
     import triton.language as tl
 
-    from tpinv.contract import tree_combine
+    from tpinv.core.contract import tree_combine
 
     globals().update(_fold_lanes=ts._fold_lanes, _pair_tree=ts._pair_tree)   # jit resolves globals
 
@@ -146,21 +146,21 @@ def _check_fold_and_tree_order(ts):
 
 
 def _check_parity_with_cpu_kernels(ts):
-    from tpinv.kernels import cpu_softmax
+    from tpinv.kernels import reference_softmax
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         x = _rand(4, 8 * 45, dtype, seed=6)
         for name in ("log_softmax", "softmax", "logsumexp"):
             got = getattr(ts, f"{name}_forward_cuda")(x, 8)
-            want = getattr(cpu_softmax, f"{name}_forward")(x, 8)
+            want = getattr(reference_softmax, f"{name}_forward")(x, 8)
             assert got.dtype == want.dtype and got.shape == want.shape, name
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
         max_ = x.float().amax(-1)
         torch.testing.assert_close(ts.sum_exp_partial_cuda(x, max_, 8),
-                                   cpu_softmax.sum_exp_partial(x, max_, 8), rtol=1e-5, atol=0.0)
+                                   reference_softmax.sum_exp_partial(x, max_, 8), rtol=1e-5, atol=0.0)
 
 
 def _check_infinite_and_nan_rows(ts):
-    from tpinv.kernels import cpu_softmax
+    from tpinv.kernels import reference_softmax
     x = _rand(4, 64, torch.float32, seed=7)
     x[0] = float("-inf")
     x[1, 5] = float("inf")
@@ -169,7 +169,7 @@ def _check_infinite_and_nan_rows(ts):
     assert torch.isnan(m[2]) and torch.equal(m[[0, 1, 3]], x.amax(-1)[[0, 1, 3]]), "max as torch.amax"
     for name in ("log_softmax", "softmax", "logsumexp"):
         got = getattr(ts, f"{name}_forward_cuda")(x, 8)
-        want = getattr(cpu_softmax, f"{name}_forward")(x, 8)
+        want = getattr(reference_softmax, f"{name}_forward")(x, 8)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert torch.isneginf(ts.logsumexp_forward_cuda(x, 8)[0])
 

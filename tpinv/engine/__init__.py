@@ -5,7 +5,7 @@ size and batch composition, with raw log-probs equal to the training forward's.
 :class:`SamplingParams` and :func:`counter_uniform` fix how tokens are drawn.
 """
 from tpinv.engine.engine import Engine
-from tpinv.models.loading import load_model
+from tpinv.io.loading import load_model
 from tpinv.engine.metrics import (count_unique_outputs, k3_kl, max_probability_divergence, mismatch_metrics,
                                   token_mult_prob_error)
 from tpinv.engine.sampling import SamplingParams, counter_uniform, prefix_sum, sample_row

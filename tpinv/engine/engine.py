@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from tpinv.cuda_graph import DecodeGraph
+from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.engine.sampling import sample_row, vocab_log_probs
 from tpinv.engine.scheduler import Request, Result, Scheduler, SequenceState, error_result, validate_request
 from tpinv.layers import vocab_parallel_log_probs
@@ -71,7 +71,7 @@ class Engine:
         """An engine over a named config (random weights from ``init_seed``), a tpinv checkpoint
         directory or a HF model directory, at the TP size of ``tp_group``; a tokenizer found in
         the directory is used unless ``tokenizer`` is given."""
-        from tpinv.models.loading import load_model
+        from tpinv.io.loading import load_model
         model, found = load_model(source, tp_group=tp_group, dtype=dtype, row_strategy=row_strategy, leaves=leaves,
                                   init_seed=init_seed)
         return cls(model, tokenizer=tokenizer if tokenizer is not None else found, **engine_kwargs)

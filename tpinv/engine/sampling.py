@@ -31,7 +31,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from tpinv.contract import DEFAULT_LEAVES
+from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.ops import logsumexp
 
 __all__ = ["GREEDY_BELOW", "SamplingParams", "SampleOutput", "counter_uniform", "prefix_sum", "request_key",

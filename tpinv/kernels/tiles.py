@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpinv.contract import InvarianceError, check_dtype
+from tpinv.core.contract import InvarianceError, check_dtype
 
 #: Shortest k tile of a leaf chain: a leaf shorter than this is zero-padded up to it.
 MIN_BLOCK_K = 16

@@ -6,7 +6,7 @@ Order fixed, per query row:
   one kv head, interleaved ``r = s * g + hg``, in tiles of ``BLOCK_M`` rows;
 * score ``s_j = dot(q, k_j) * scale`` in fp32 (tensor-core dot; fp32 inputs use the exact
   ``ieee`` dot, never TF32);
-* key slots are visited in blocks of :data:`~tpinv.kernels.cpu_attention.KV_BLOCK` slots
+* key slots are visited in blocks of :data:`~tpinv.kernels.reference_attention.KV_BLOCK` slots
   starting at absolute slot 0, in increasing order, by an online softmax
   ``m' = max(m, max_block s)``, ``alpha = exp(m - m')`` (exactly 1 when ``m' == m``),
   ``l = l * alpha + sum_block p``, ``acc = acc * alpha + dot(p, v)``;
@@ -21,7 +21,7 @@ unused KV-cache slot cannot leak through ``0 * NaN``); a block no row sees leave
 ``(m, l, acc)`` bit-identical, so blocks outside the tile's visible range are skipped.
 Blocks every row of the tile sees entirely take a path without the visibility test: it
 computes the same bits for each row as the masked path.  A query that sees no key gets
-``out = 0`` and ``lse = -inf``.  Semantics are those of :mod:`tpinv.kernels.cpu_attention`;
+``out = 0`` and ``lse = -inf``.  Semantics are those of :mod:`tpinv.kernels.reference_attention`;
 bits differ from the CPU kernel.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.cpu_attention import KV_BLOCK, check_attention_inputs
+from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 
 __all__ = ["attention_forward_cuda", "AttentionConfig", "forward_config", "padded_head_dim",
            "MAX_HEAD_DIM"]

@@ -21,7 +21,7 @@ With ``p = exp(s - lse)`` recomputed from the forward's score ``s = dot(q, k) * 
 Slots no row of a dQ tile may see are zeroed before ``dS k`` (``0 * NaN`` cannot leak);
 the dK/dV kernel masks ``p`` and ``dS`` so junk in a slot reaches only that slot's zero
 gradient.  ``q`` and ``grad_out`` must be finite on every row.  Semantics are those of
-:mod:`tpinv.kernels.cpu_attention_bwd`; bits differ from the CPU kernel.
+:mod:`tpinv.kernels.reference_attention_bwd`; bits differ from the CPU kernel.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.cpu_attention import KV_BLOCK, check_attention_inputs
-from tpinv.kernels.cpu_attention_bwd import check_backward_inputs
+from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
+from tpinv.kernels.reference_attention_bwd import check_backward_inputs
 from tpinv.kernels.triton_attention import (block_ranges, clean_kv, forward_config,
                                             last_dim_contiguous, load_kv_block, load_kv_blocks, mask_args,
                                             padded_head_dim, poison_rows, resolve_scale,

@@ -6,8 +6,8 @@ the same fixed sequence of separately rounded operations wherever it sits in the
 rounded once to the output dtype.  There is no reduction, so neither the tile shape, the grid,
 the batch size nor padding can change a bit; the block sizes below are speed choices only.
 
-The sequences are those of :mod:`tpinv.kernels.cpu_activation` and
-:mod:`tpinv.kernels.cpu_rope`:
+The sequences are those of :mod:`tpinv.kernels.reference_activation` and
+:mod:`tpinv.kernels.reference_rope`:
 
 - ``silu_mul``: ``e = exp(-g); d = e + 1; y = (g / d) * u``; backward
   ``sig = 1 / d; d_gate = (grad * u) * (sig * ((g * (1 - sig)) + 1)); d_up = grad * (g / d)``.
@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.contract import InvarianceError
-from tpinv.kernels.cpu_activation import check_silu_mul_inputs
-from tpinv.kernels.cpu_rope import check_rope_inputs
+from tpinv.core.contract import InvarianceError
+from tpinv.kernels.reference_activation import check_silu_mul_inputs
+from tpinv.kernels.reference_rope import check_rope_inputs
 
 try:  # the libdevice entry points (absent from the interpreter's view of triton)
     from triton.language.extra import libdevice
@@ -98,7 +98,7 @@ def _check_device(*tensors: torch.Tensor) -> None:
         raise ValueError(f"expected all tensors on one device, got {sorted(map(str, devices))}")
     if not tensors[0].is_cuda and not _interpreting():
         raise ValueError(f"the Triton elementwise kernels need CUDA tensors, got {tensors[0].device} "
-                         "(use tpinv.kernels.cpu_activation / cpu_rope on CPU)")
+                         "(use tpinv.kernels.reference_activation / reference_rope on CPU)")
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The embedding weight gradient on CUDA, in token order and without atomics.
 
-Invariant kept (the CPU kernel's, :mod:`tpinv.kernels.cpu_embedding`): the gradient of a table
+Invariant kept (the CPU kernel's, :mod:`tpinv.kernels.reference_embedding`): the gradient of a table
 row is the fp32 chain of its tokens' gradients in flattened token order,
 ``((0 + g_t1) + g_t2) + ...``, rounded once, so a row's bits depend only on its own tokens and
 their order -- the same bits as the CPU kernel's, since the chain holds only adds.
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.cpu_embedding import token_runs
+from tpinv.kernels.reference_embedding import token_runs
 
 __all__ = ["embedding_backward_cuda"]
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.contract import (DEFAULT_LEAVES, InvarianceError, check_divisible, check_dtype,
+from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, check_divisible, check_dtype,
                             check_leaves)
 from tpinv.kernels.tiles import (GLUON_MIN_ROWS, MAX_LEAVES_PER_CTA, MatmulConfig, block_k,
                                  check_config, launch_config)
@@ -284,7 +284,7 @@ def matmul_partial_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int = DEFAULT_
     x ``[..., K]`` (bf16/fp16/fp32, any strides), w ``[N, K]`` (nn.Linear layout, or a
     strided/transposed view of that shape), ``leaves`` a power of two dividing K.
     Returns fp32 ``[..., N]``.  A rank owning one of ``C`` contiguous K slices computes
-    its sub-tree with ``leaves // C``; :func:`tpinv.contract.tree_combine` of the C
+    its sub-tree with ``leaves // C``; :func:`tpinv.core.contract.tree_combine` of the C
     partials equals this function at full K, bit for bit.  Without ``config`` a product
     of :data:`GLUON_MIN_ROWS` or more bf16/fp16 rows on sm_90 runs the Gluon kernel (same
     bits); a ``config`` (this module's :class:`~tpinv.kernels.tiles.MatmulConfig`) always

@@ -4,13 +4,13 @@ Order fixed: one program per row loads the whole row into a block of
 ``BLOCK = next_power_of_two(H)`` lanes (masked lanes are zero) and reduces it with one
 ``tl.sum`` over that block, so the reduction tree is a function of ``H`` alone -- never of
 the number of rows, the row's position or padding rows.  The semantics are those of
-:mod:`tpinv.kernels.cpu_norm` (``n = x * rsqrt(sum(x*x) / H + eps)`` with a correctly
+:mod:`tpinv.kernels.reference_norm` (``n = x * rsqrt(sum(x*x) / H + eps)`` with a correctly
 rounded division, ``y = n.to(x.dtype) * weight`` rounded once); the bits may differ from the
 CPU kernel (another reduction tree, another ``rsqrt``).
 
 Backward: ``dx`` per row with the same per-row reduction shape.  ``dweight`` is a sum over
 tokens: each program writes its row's fp32 contributions ``g * n`` to a ``[T, H]`` buffer,
-and the token sum is :func:`tpinv.kernels.cpu_tree.leaf_tree_sum` ``(., 1)`` over that
+and the token sum is :func:`tpinv.kernels.reference_tree.leaf_tree_sum` ``(., 1)`` over that
 buffer (zero padding to a power of two, contiguous halving), so zero-gradient padding
 tokens appended after the real ones leave ``dweight`` unchanged.
 """
@@ -20,16 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.cpu_norm import (check_per_head_inputs, check_rms_norm_backward_inputs, check_rms_norm_inputs,
+from tpinv.kernels.reference_norm import (check_per_head_inputs, check_rms_norm_backward_inputs, check_rms_norm_inputs,
                                     rms_norm_backward, rms_norm_backward_heads, rms_norm_forward,
                                     rms_norm_out_dtype, sum_over_tokens_per_head)
-from tpinv.kernels.cpu_tree import leaf_tree_sum
+from tpinv.kernels.reference_tree import leaf_tree_sum
 
 __all__ = ["rms_norm_forward_cuda", "rms_norm_backward_cuda", "rms_norm_backward_heads_cuda",
            "MAX_HIDDEN"]
 
 #: Largest hidden size one program holds in registers (one row per program); wider rows run
-#: the fixed-order torch code of :mod:`tpinv.kernels.cpu_norm` (also a function of ``H`` only).
+#: the fixed-order torch code of :mod:`tpinv.kernels.reference_norm` (also a function of ``H`` only).
 MAX_HIDDEN = 65536
 
 

@@ -10,7 +10,7 @@ element per step.  The split kernel runs it for one leaf per program, the fused 
 a group of leaves side by side: the same adds either way.  ``BLOCK`` is a function of the leaf length only (:func:`leaf_block`),
 and the order is written out in the code, so it depends on neither ``num_warps`` nor the
 register layout.  The fp32 leaf sums are combined by the adjacent-pair tree
-``((l0+l1)+(l2+l3))+...`` -- :func:`tpinv.contract.tree_combine` on the split path, the same
+``((l0+l1)+(l2+l3))+...`` -- :func:`tpinv.core.contract.tree_combine` on the split path, the same
 adds in-kernel on the fused path.
 
 A leaf's sum depends on its own elements and ``shift`` alone: not on the row count, other
@@ -19,7 +19,7 @@ slices, each given to :func:`sum_exp_partial_cuda` with ``leaves // C``, combine
 (``tree_combine`` in rank order) to the bits the fused kernel computes for the whole row.
 
 ``m`` is the exact row max (any order; NaN propagates as in ``torch.amax``); a row whose max
-is infinite is shifted by 0 (:func:`tpinv.kernels.cpu_softmax.safe_shift`).  Per element,
+is infinite is shifted by 0 (:func:`tpinv.kernels.reference_softmax.safe_shift`).  Per element,
 in fp32 and rounded once to the output dtype (:func:`_write_chunk`, shared by the fused
 kernel and the from-parts kernel)::
 
@@ -27,7 +27,7 @@ kernel and the from-parts kernel)::
 
 ``logsumexp = logsumexp_from_parts(m, s)`` in torch, as on the split path.  The kernels are
 compiled without FMA contraction, so each formula is the same instruction sequence in both
-kernels.  Semantics are those of :mod:`tpinv.kernels.cpu_softmax`; bits may differ from it.
+kernels.  Semantics are those of :mod:`tpinv.kernels.reference_softmax`; bits may differ from it.
 
 The fused kernel (:func:`_softmax_rows_kernel`) runs a persistent grid (a fixed number of
 programs per SM, each looping over rows): one program reads its row for the max, re-reads
@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.contract import tree_combine
-from tpinv.kernels.cpu_softmax import (check_partial_inputs, check_softmax_inputs,
+from tpinv.core.contract import tree_combine
+from tpinv.kernels.reference_softmax import (check_partial_inputs, check_softmax_inputs,
                                        logsumexp_from_parts, safe_shift)
 
 __all__ = ["sum_exp_partial_cuda", "max_and_sum_exp_cuda", "softmax_forward_cuda",

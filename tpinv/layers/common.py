@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_leaves, check_tp_size
+from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_leaves, check_tp_size
 
 ROW_STRATEGIES = ("tree", "column_only")
 

@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.contract import DEFAULT_LEAVES, check_divisible, check_tp_size
+from tpinv.core.contract import DEFAULT_LEAVES, check_divisible, check_tp_size
 from tpinv.ops import sum_exp_partial
-from tpinv.reduce import tree_all_reduce
+from tpinv.distributed.reduce import tree_all_reduce
 
 
 def _size_rank(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from tpinv.layers.common import check_layer_sizes, config_leaves, group_size_rank, init_sharded_weight, params_dtype
 from tpinv.layers.common import reject_unsupported
-from tpinv.cuda_graph import value_range
+from tpinv.core.capture import value_range
 from tpinv.ops import embedding_backward
-from tpinv.reduce import tree_all_reduce
+from tpinv.distributed.reduce import tree_all_reduce
 
 
 class _VocabParallelLookup(torch.autograd.Function):

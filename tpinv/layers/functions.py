@@ -19,9 +19,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.contract import tree_combine
+from tpinv.core.contract import tree_combine
 from tpinv.ops import matmul_partial, tree_sum
-from tpinv.reduce import all_gather, tree_all_reduce, tree_reduce_scatter
+from tpinv.distributed.reduce import all_gather, tree_all_reduce, tree_reduce_scatter
 
 
 def _size(group: Optional[dist.ProcessGroup]) -> int:

@@ -1,7 +1,7 @@
 """TP-invariant ``ColumnParallelLinear`` and ``RowParallelLinear`` with megatron-core's signatures.
 
 The output, the loss and every gradient have the same bits at every TP size dividing
-the run's leaf count (see :mod:`tpinv.contract`).  Both return ``(output, output_bias)``.
+the run's leaf count (see :mod:`tpinv.core.contract`).  Both return ``(output, output_bias)``.
 Keywords tpinv does not support raise ``NotImplementedError`` naming the keyword.
 """
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.contract import check_divisible
+from tpinv.core.contract import check_divisible
 from tpinv.layers.common import (
     check_layer_sizes, config_leaves, config_row_strategy, group_size_rank, init_sharded_weight,
     params_dtype, reject_unsupported,
 )
 from tpinv.layers.functions import ColumnParallelMatmul, RowParallelColumnOnlyMatmul, RowParallelTreeMatmul
-from tpinv.mappings import gather_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region
+from tpinv.distributed.mappings import gather_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region
 
 
 def _device(config: Any) -> torch.device:

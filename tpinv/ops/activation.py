@@ -1,7 +1,7 @@
 """``tpinv::silu_mul``: ``silu(gate) * up`` as a torch.library custom op.
 
 Each output element depends only on its own ``gate`` and ``up`` values (see
-:mod:`tpinv.kernels.cpu_activation`: no ``torch.sigmoid``/``F.silu``, whose results depend
+:mod:`tpinv.kernels.reference_activation`: no ``torch.sigmoid``/``F.silu``, whose results depend
 on an element's position), so the result is the same bits at any batch size, layout,
 chunking or thread count.  The CPU kernel is registered here; on CUDA the same
 fixed-order code runs (:mod:`tpinv.ops.cuda_torch`).  No double backward.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tpinv.kernels import cpu_activation
+from tpinv.kernels import reference_activation
 from tpinv.ops.registry import define_op
 
 __all__ = ["silu_mul", "silu_mul_op", "silu_mul_backward_op"]
@@ -19,23 +19,23 @@ __all__ = ["silu_mul", "silu_mul_op", "silu_mul_backward_op"]
 
 @define_op("silu_mul")
 def silu_mul_op(gate: Tensor, up: Tensor) -> Tensor:
-    return cpu_activation.silu_mul_forward(gate, up)
+    return reference_activation.silu_mul_forward(gate, up)
 
 
 @define_op("silu_mul_backward")
 def silu_mul_backward_op(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    return cpu_activation.silu_mul_backward(grad, gate, up)
+    return reference_activation.silu_mul_backward(grad, gate, up)
 
 
 @silu_mul_op.register_fake
 def _silu_mul_fake(gate, up):
-    cpu_activation.check_silu_mul_inputs(gate, up)
+    reference_activation.check_silu_mul_inputs(gate, up)
     return torch.empty_like(gate)
 
 
 @silu_mul_backward_op.register_fake
 def _silu_mul_backward_fake(grad, gate, up):
-    cpu_activation.check_silu_mul_inputs(gate, up)
+    reference_activation.check_silu_mul_inputs(gate, up)
     return torch.empty_like(gate), torch.empty_like(up)
 
 
@@ -53,5 +53,5 @@ silu_mul_op.register_autograd(_backward, setup_context=_setup_context)
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """Invariant ``silu(gate) * up`` (same shape and dtype), fp32 inside, rounded once."""
-    cpu_activation.check_silu_mul_inputs(gate, up)
+    reference_activation.check_silu_mul_inputs(gate, up)
     return silu_mul_op(gate, up)

@@ -1,6 +1,6 @@
 """``tpinv::attention``: invariant attention as a torch.library custom op, with autograd.
 
-The CPU kernels (:mod:`tpinv.kernels.cpu_attention`, :mod:`tpinv.kernels.cpu_attention_bwd`)
+The CPU kernels (:mod:`tpinv.kernels.reference_attention`, :mod:`tpinv.kernels.reference_attention_bwd`)
 fix every reduction order, so a query's output, log-sum-exp and gradients are the same
 bits in prefill, chunked prefill and decode, at any batch size and padding.  On CUDA the
 slots hold the Triton kernels of :mod:`tpinv.kernels.triton_attention` and
@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from tpinv.kernels.cpu_attention import attention_forward, check_attention_inputs
-from tpinv.kernels.cpu_attention_bwd import attention_backward
+from tpinv.kernels.reference_attention import attention_forward, check_attention_inputs
+from tpinv.kernels.reference_attention_bwd import attention_backward
 from tpinv.ops.registry import define_op
 
 __all__ = ["attention", "attention_op", "attention_backward_op"]

@@ -5,7 +5,7 @@ Triton kernels (:data:`TRITON_CUDA_KERNELS`: RMSNorm, the softmax family's forwa
 SiLU-and-mul, RoPE, attention forward and backward, the embedding gradient) each state the
 order they fix in their module.  The remaining ops (:data:`TORCH_CUDA_OPS`: the embedding
 lookup, the tree sum, the softmax-family backward) run the very function their CPU slot runs -- products and exact adds
-in the fixed halving / leaf-tree order of :mod:`tpinv.kernels.cpu_tree`, elementwise CUDA
+in the fixed halving / leaf-tree order of :mod:`tpinv.kernels.reference_tree`, elementwise CUDA
 kernels that compute an element the same way wherever it sits -- so their order is the CPU
 order (the bits may differ from the CPU: other transcendental implementations).
 ``tests/gpu/`` checks every slot on the device.  The contract matmul registers its own Triton

@@ -1,7 +1,7 @@
 """``tpinv::embedding`` and ``tpinv::embedding_backward``: lookup with a fixed-order gradient.
 
 The lookup is exact.  The gradient of each table row is the fp32 chain of its tokens'
-gradients in flattened token order, rounded once (:mod:`tpinv.kernels.cpu_embedding`),
+gradients in flattened token order, rounded once (:mod:`tpinv.kernels.reference_embedding`),
 so a row's gradient bits depend only on its own tokens and their order.  The CUDA
 slots raise until an invariant GPU kernel is registered (:mod:`tpinv.ops.registry`);
 nothing falls back to an atomic-add scatter.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from tpinv.kernels import cpu_embedding
+from tpinv.kernels import reference_embedding
 from tpinv.ops.registry import define_op
 
 __all__ = ["embedding", "embedding_backward", "embedding_op", "embedding_backward_op"]
@@ -18,18 +18,18 @@ __all__ = ["embedding", "embedding_backward", "embedding_op", "embedding_backwar
 
 @define_op("embedding")
 def embedding_op(ids: Tensor, weight: Tensor) -> Tensor:
-    return cpu_embedding.embedding_forward(ids, weight)
+    return reference_embedding.embedding_forward(ids, weight)
 
 
 @embedding_op.register_fake
 def _embedding_fake(ids, weight):
-    _, dim = cpu_embedding.check_weight(weight)
+    _, dim = reference_embedding.check_weight(weight)
     return weight.new_empty(*ids.shape, dim)
 
 
 @define_op("embedding_backward")
 def embedding_backward_op(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
-    return cpu_embedding.embedding_backward(grad, ids, num_rows)
+    return reference_embedding.embedding_backward(grad, ids, num_rows)
 
 
 @embedding_backward_op.register_fake
@@ -59,8 +59,8 @@ def embedding(ids: Tensor, weight: Tensor) -> Tensor:
 
     ``ids`` integer, every value in ``[0, num_rows)`` (else :class:`IndexError` naming the id).
     """
-    num_rows, _ = cpu_embedding.check_weight(weight)
-    cpu_embedding.check_ids(ids, num_rows)
+    num_rows, _ = reference_embedding.check_weight(weight)
+    reference_embedding.check_ids(ids, num_rows)
     return embedding_op(ids, weight)
 
 
@@ -68,5 +68,5 @@ def embedding_backward(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
     """``[num_rows, dim]`` in ``grad.dtype``: row ``r`` is ``((0 + g_t1) + g_t2) + ...`` over the
     tokens ``t1 < t2 < ...`` (flattened order) with ``ids[t] == r``, summed in fp32, rounded once.
     """
-    cpu_embedding.check_backward_inputs(grad, ids, num_rows)
+    reference_embedding.check_backward_inputs(grad, ids, num_rows)
     return embedding_backward_op(grad, ids, num_rows)

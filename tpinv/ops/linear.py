@@ -1,7 +1,7 @@
 """``tpinv::matmul_partial``, ``tpinv::matmul`` and ``tpinv::tree_sum``: invariant linear algebra.
 
-All three keep the contract's order (:mod:`tpinv.kernels.cpu_matmul`,
-:mod:`tpinv.kernels.cpu_tree`): a reduction over a dimension that parallelism may
+All three keep the contract's order (:mod:`tpinv.kernels.reference_matmul`,
+:mod:`tpinv.kernels.reference_tree`): a reduction over a dimension that parallelism may
 split is cut into ``leaves`` equal leaves, each reduced by its fixed chain, the leaf
 results combined by the adjacent-pair tree, in fp32.  ``matmul_partial`` is a rank's
 fp32 partial (its ``leaves`` are the rank's share of the global leaves); ``matmul``
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tpinv.contract import DEFAULT_LEAVES, SUPPORTED_DTYPES, check_divisible, check_leaves
-from tpinv.kernels import cpu_matmul
-from tpinv.kernels.cpu_tree import leaf_tree_sum
+from tpinv.core.contract import DEFAULT_LEAVES, SUPPORTED_DTYPES, check_divisible, check_leaves
+from tpinv.kernels import reference_matmul
+from tpinv.kernels.reference_tree import leaf_tree_sum
 from tpinv.ops.registry import define_op, register_cuda_kernel
 
 __all__ = ["matmul", "matmul_partial", "tree_sum", "matmul_op", "matmul_partial_op", "tree_sum_op"]
@@ -25,24 +25,24 @@ __all__ = ["matmul", "matmul_partial", "tree_sum", "matmul_op", "matmul_partial_
 
 @define_op("matmul_partial")
 def matmul_partial_op(x: Tensor, w: Tensor, leaves: int) -> Tensor:
-    return cpu_matmul.matmul_partial(x, w, leaves)
+    return reference_matmul.matmul_partial(x, w, leaves)
 
 
 @matmul_partial_op.register_fake
 def _matmul_partial_fake(x, w, leaves):
-    n, _ = cpu_matmul.check_matmul_inputs(x, w, leaves)
+    n, _ = reference_matmul.check_matmul_inputs(x, w, leaves)
     return x.new_empty(*x.shape[:-1], n, dtype=torch.float32)
 
 
 @define_op("matmul")
 def matmul_op(x: Tensor, w: Tensor, leaves: int, grad_leaves: int) -> Tensor:
     _check_grad_leaves(grad_leaves)
-    return cpu_matmul.matmul_partial(x, w, leaves).to(x.dtype)
+    return reference_matmul.matmul_partial(x, w, leaves).to(x.dtype)
 
 
 @matmul_op.register_fake
 def _matmul_fake(x, w, leaves, grad_leaves):
-    n, _ = cpu_matmul.check_matmul_inputs(x, w, leaves)
+    n, _ = reference_matmul.check_matmul_inputs(x, w, leaves)
     _check_grad_leaves(grad_leaves)
     return x.new_empty(*x.shape[:-1], n)
 
@@ -123,10 +123,10 @@ def matmul_partial(x: Tensor, w: Tensor, leaves: int = DEFAULT_LEAVES) -> Tensor
 
     ``K`` is cut into ``leaves`` leaves (a power of two dividing ``K``); for a rank holding
     ``K/C`` of the columns pass ``leaves = L // C`` and combine the ``C`` partials with
-    :func:`tpinv.contract.tree_combine`.  Same dtype for ``x`` and ``w`` (fp32, bf16, fp16).
+    :func:`tpinv.core.contract.tree_combine`.  Same dtype for ``x`` and ``w`` (fp32, bf16, fp16).
     No autograd: a building block for layers that route partials themselves.
     """
-    cpu_matmul.check_matmul_inputs(x, w, leaves)
+    reference_matmul.check_matmul_inputs(x, w, leaves)
     return matmul_partial_op(x, w, leaves)
 
 
@@ -138,7 +138,7 @@ def matmul(x: Tensor, w: Tensor, leaves: int = DEFAULT_LEAVES,
     (``N`` must divide by it when ``x`` needs a gradient), ``dW`` a fixed chain over the
     flattened tokens; both rounded once.
     """
-    cpu_matmul.check_matmul_inputs(x, w, leaves)
+    reference_matmul.check_matmul_inputs(x, w, leaves)
     _check_grad_leaves(grad_leaves)
     return matmul_op(x, w, leaves, grad_leaves)
 

@@ -1,4 +1,4 @@
-"""``tpinv::rms_norm``: a torch.library custom op over :mod:`tpinv.kernels.cpu_norm`.
+"""``tpinv::rms_norm``: a torch.library custom op over :mod:`tpinv.kernels.reference_norm`.
 
 The op keeps the kernel's order: the hidden sum of each row and the token sum of the
 weight gradient are fixed ``leaf_tree_sum(., 1)`` chains, so a row's output and input
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tpinv.kernels import cpu_norm
+from tpinv.kernels import reference_norm
 from tpinv.ops.registry import define_op
 
 __all__ = ["rms_norm", "rms_norm_op", "rms_norm_backward_op", "rms_norm_backward_heads_op"]
@@ -21,37 +21,37 @@ __all__ = ["rms_norm", "rms_norm_op", "rms_norm_backward_op", "rms_norm_backward
 
 @define_op("rms_norm")
 def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return cpu_norm.rms_norm_forward(x, weight, eps)
+    return reference_norm.rms_norm_forward(x, weight, eps)
 
 
 @define_op("rms_norm_backward")
 def rms_norm_backward_op(grad: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return cpu_norm.rms_norm_backward(grad, x, weight, eps)
+    return reference_norm.rms_norm_backward(grad, x, weight, eps)
 
 
 @define_op("rms_norm_backward_heads")
 def rms_norm_backward_heads_op(grad: Tensor, x: Tensor, weight: Tensor,
                                eps: float) -> tuple[Tensor, Tensor]:
     """For ``x [..., heads, H]``: ``(dx, dweight [heads, H])``, each head's token sum apart."""
-    return cpu_norm.rms_norm_backward_heads(grad, x, weight, eps)
+    return reference_norm.rms_norm_backward_heads(grad, x, weight, eps)
 
 
 @rms_norm_backward_heads_op.register_fake
 def _rms_norm_backward_heads_fake(grad, x, weight, eps):
-    cpu_norm.check_rms_norm_inputs(x, weight, eps)
-    cpu_norm.check_per_head_inputs(x)
+    reference_norm.check_rms_norm_inputs(x, weight, eps)
+    reference_norm.check_per_head_inputs(x)
     return torch.empty_like(x), weight.new_empty((x.shape[-2], x.shape[-1]))
 
 
 @rms_norm_op.register_fake
 def _rms_norm_fake(x, weight, eps):
-    cpu_norm.check_rms_norm_inputs(x, weight, eps)
-    return x.new_empty(x.shape, dtype=cpu_norm.rms_norm_out_dtype(x, weight))
+    reference_norm.check_rms_norm_inputs(x, weight, eps)
+    return x.new_empty(x.shape, dtype=reference_norm.rms_norm_out_dtype(x, weight))
 
 
 @rms_norm_backward_op.register_fake
 def _rms_norm_backward_fake(grad, x, weight, eps):
-    cpu_norm.check_rms_norm_inputs(x, weight, eps)
+    reference_norm.check_rms_norm_inputs(x, weight, eps)
     return torch.empty_like(x), torch.empty_like(weight)
 
 
@@ -77,5 +77,5 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     in the promoted dtype of ``x`` and ``weight``.  The mean is the fixed-order sum divided
     by ``H``.
     """
-    cpu_norm.check_rms_norm_inputs(x, weight, eps)
+    reference_norm.check_rms_norm_inputs(x, weight, eps)
     return rms_norm_op(x, weight, float(eps))

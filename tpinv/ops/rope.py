@@ -3,7 +3,7 @@
 ``rope_cos_sin`` builds fp32 ``cos``/``sin`` tables whose row for position ``p`` has the same
 bits however many positions are computed with it; ``apply_rope`` rotates ``x [B, H, S, D]``
 by them in fp32 from separate elementwise ops, rounded once (see
-:mod:`tpinv.kernels.cpu_rope`).  The CPU kernel is registered here; on CUDA the same
+:mod:`tpinv.kernels.reference_rope`).  The CPU kernel is registered here; on CUDA the same
 fixed-order code runs (:mod:`tpinv.ops.cuda_torch`).  The tables receive no gradient.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tpinv.kernels import cpu_rope
-from tpinv.kernels.cpu_rope import rope_cos_sin, rope_inv_freq
+from tpinv.kernels import reference_rope
+from tpinv.kernels.reference_rope import rope_cos_sin, rope_inv_freq
 from tpinv.ops.registry import define_op
 
 __all__ = ["apply_rope", "apply_rope_op", "apply_rope_backward_op", "rope_cos_sin", "rope_inv_freq"]
@@ -20,23 +20,23 @@ __all__ = ["apply_rope", "apply_rope_op", "apply_rope_backward_op", "rope_cos_si
 
 @define_op("apply_rope")
 def apply_rope_op(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return cpu_rope.apply_rope_forward(x, cos, sin)
+    return reference_rope.apply_rope_forward(x, cos, sin)
 
 
 @define_op("apply_rope_backward")
 def apply_rope_backward_op(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return cpu_rope.apply_rope_backward(grad, cos, sin)
+    return reference_rope.apply_rope_backward(grad, cos, sin)
 
 
 @apply_rope_op.register_fake
 def _apply_rope_fake(x, cos, sin):
-    cpu_rope.check_rope_inputs(x, cos, sin)
+    reference_rope.check_rope_inputs(x, cos, sin)
     return torch.empty_like(x)
 
 
 @apply_rope_backward_op.register_fake
 def _apply_rope_backward_fake(grad, cos, sin):
-    cpu_rope.check_rope_inputs(grad, cos, sin)
+    reference_rope.check_rope_inputs(grad, cos, sin)
     return torch.empty_like(grad)
 
 
@@ -59,5 +59,5 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     ``out = x*cos + rotate_half(x)*sin`` (HF convention) in fp32, rounded once to ``x.dtype``.
     """
-    cpu_rope.check_rope_inputs(x, cos, sin)
+    reference_rope.check_rope_inputs(x, cos, sin)
     return apply_rope_op(x, cos, sin)

@@ -1,6 +1,6 @@
 """``tpinv::softmax``, ``tpinv::log_softmax``, ``tpinv::logsumexp``, ``tpinv::sum_exp_partial``.
 
-torch.library custom ops over :mod:`tpinv.kernels.cpu_softmax`: the row max is exact and
+torch.library custom ops over :mod:`tpinv.kernels.reference_softmax`: the row max is exact and
 the one sum over the last dim (which may be a tensor-parallel vocabulary) follows the
 contract with ``leaves`` leaves, forward and backward.  The split pieces
 (``sum_exp_partial`` and the ``*_from_parts`` functions) compose over ``C`` ranks to the
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tpinv.contract import DEFAULT_LEAVES
-from tpinv.kernels import cpu_softmax as kern
+from tpinv.core.contract import DEFAULT_LEAVES
+from tpinv.kernels import reference_softmax as kern
 from tpinv.ops.registry import define_op
 
 __all__ = ["softmax", "log_softmax", "logsumexp", "sum_exp_partial",

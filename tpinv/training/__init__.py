@@ -6,7 +6,7 @@ gradient sums over tokens and micro-batches, the data-parallel gradient reductio
 gradient norm -- follows the invariance contract, and the optimizer is elementwise, so the
 per-step losses and the final weights do not depend on the TP size.
 """
-from tpinv.training.checkpoint import CheckpointError, load_train_state, resolve_checkpoint, save_train_state
+from tpinv.training.train_state import CheckpointError, load_train_state, resolve_checkpoint, save_train_state
 from tpinv.training.data import ArithmeticTask, Batch, TextDataset, dp_slice, make_dataset, micro_batches
 from tpinv.training.loop import TrainConfig, Trainer, TreeAccumulator, train
 from tpinv.training.metrics import MetricsLogger, plot_loss_curve, read_metrics

@@ -12,7 +12,7 @@ dataset needs is the number of samples consumed.
   fixed held-out set of problems, never drawn for training, measures exact-match accuracy of
   the greedy (argmax) answer tokens, teacher-forced (:meth:`tpinv.training.Trainer.evaluate`).
 * :class:`TextDataset`: a ``.txt`` file or a ``.jsonl`` file with a ``"text"`` field, tokenized
-  with :func:`tpinv.tokenizer.load_tokenizer` (or as UTF-8 bytes), cut into windows of
+  with :func:`tpinv.io.tokenizer.load_tokenizer` (or as UTF-8 bytes), cut into windows of
   ``seq_len + 1`` tokens, visited in a seeded permutation per epoch; the loss on every token.
 """
 from __future__ import annotations
@@ -217,6 +217,6 @@ def make_dataset(data: str, seq_len: int, seed: int, *, tokenizer: Optional[str]
         if not os.path.exists(tokenizer):
             raise FileNotFoundError(f"tokenizer {tokenizer} not found; expected a tokenizer.json, a "
                                     f"tokenizer.model or a directory holding one")
-        from tpinv.tokenizer import load_tokenizer
+        from tpinv.io.tokenizer import load_tokenizer
         tok = load_tokenizer(tokenizer)
     return TextDataset(data, seq_len, seed, tok, tokenizer)

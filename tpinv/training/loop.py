@@ -30,10 +30,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.contract import InvarianceError
+from tpinv.core.contract import InvarianceError
 from tpinv.ops import tree_sum
-from tpinv.reduce import all_gather, tree_all_reduce
-from tpinv.training.checkpoint import load_train_state, save_train_state
+from tpinv.distributed.reduce import all_gather, tree_all_reduce
+from tpinv.training.train_state import load_train_state, save_train_state
 from tpinv.training.data import dp_slice, make_dataset, micro_batches
 from tpinv.training.metrics import PLOT_FILE, MetricsLogger, plot_loss_curve, read_metrics
 from tpinv.training.model import build_model

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from tpinv.checkpoint import read_info
+from tpinv.io.checkpoint import read_info
 from tpinv.models import check_model_sizes, get_config
 
 __all__ = ["DTYPES", "build_model", "resolve_model_args"]
@@ -31,10 +31,10 @@ def resolve_model_args(model: str, dtype: str):
     dt = _dtype(dtype)
     if os.path.isdir(model):
         if os.path.isfile(os.path.join(model, "tpinv.json")):
-            from tpinv.models.hf_keys import args_from_dict
+            from tpinv.io.hf_keys import args_from_dict
             return args_from_dict(read_info(model).model_args).replace(dtype=dt), "tpinv"
         if os.path.isfile(os.path.join(model, "config.json")):
-            from tpinv.models.hf_convert import read_hf_config
+            from tpinv.io.hf_convert import read_hf_config
             return read_hf_config(model)[1].replace(dtype=dt), "hf"
         raise FileNotFoundError(f"model directory {model} has neither config.json (HF) nor tpinv.json (tpinv)")
     try:
@@ -47,10 +47,10 @@ def build_model(config, tp_group, tp: int, tp_rank: int):
     """``(ModelArgs, Transformer)``: this rank's shard of the model ``config.model`` names.
 
     The sizes are checked against ``tp`` and the leaf count first (a clear error before
-    anything is built); :func:`tpinv.models.loading.load_model` -- the loader the inference
+    anything is built); :func:`tpinv.io.loading.load_model` -- the loader the inference
     engine uses -- then builds the model and reads exactly this rank's slice of the weights.
     """
-    from tpinv.models.loading import load_model
+    from tpinv.io.loading import load_model
     args, _ = resolve_model_args(config.model, config.dtype)
     check_model_sizes(args, tp, config.leaves)  # TP dividing heads, sizes splitting into leaves
     if config.seq_len > args.max_position_embeddings:

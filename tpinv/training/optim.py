@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.contract import DEFAULT_LEAVES, InvarianceError, check_leaves
-from tpinv.kernels.cpu_tree import halving_sum, leaf_tree_sum
-from tpinv.reduce import tree_all_reduce
+from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_leaves
+from tpinv.kernels.reference_tree import halving_sum, leaf_tree_sum
+from tpinv.distributed.reduce import tree_all_reduce
 
 __all__ = ["ParamSlot", "ParamLayout", "lr_at", "global_grad_norm", "vanilla_grad_norm", "clip_coefficient",
            "adamw_update", "InvariantAdamW", "TorchAdamW"]

@@ -1,0 +1,186 @@
+"""Benchmark the Triton invariant attention against torch SDPA (Qwen3-8B attention shapes).
+
+bf16, Hq=32, Hkv=8, D=128.  Prefill: causal S=T=4096 at B=1 and 4, forward and
+forward+backward; decode: one query per sequence against T=4096 cached keys at
+B=1, 16, 64.  Times are medians of ``triton.testing.do_bench`` (L2 flushed before each
+run).  ``ratio = sdpa_time / ours`` (above 1: ours is faster).  ``--check`` first runs
+the bitwise invariance checks on the device and prints PASS/FAIL for each.
+
+    python benchmarks/bench_attention.py [--check] [--json PATH] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HQ, HKV, D = 32, 8, 128
+DT = torch.bfloat16
+
+
+def _inputs(B, S, T, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=DT, generator=gen)  # noqa: E731
+    return mk(B, HQ, S, D), mk(B, HKV, T, D), mk(B, HKV, T, D)
+
+
+def _sdpa_backend():
+    """The first SDPA backend that runs causal GQA here: ``(name, context factory)``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = _inputs(1, 128, 128)
+    for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        try:
+            with sdpa_kernel([be]):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return be.name, (lambda be=be: sdpa_kernel([be]))
+        except RuntimeError:
+            continue
+    return "default", contextlib.nullcontext
+
+
+def _bench(fn):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
+
+
+def run_checks() -> bool:
+    """Bitwise invariance on the device at the benchmark's sizes."""
+    from tpinv.kernels.triton_attention import attention_forward_cuda as fwd
+    from tpinv.kernels.triton_attention_bwd import attention_backward_cuda as bwd
+    ok_all = True
+
+    def report(name, ok):
+        nonlocal ok_all
+        ok_all &= bool(ok)
+        print(f"check {name:<44} {'PASS' if ok else 'FAIL'}")
+
+    B, S, T = 2, 1000, 1536
+    q, k, v = _inputs(B, S, S, seed=1)
+    pos = torch.arange(S, device="cuda").expand(B, S).contiguous()
+    full, lse = fwd(q, k, v, pos, None, True, None, None)
+    kc = torch.full((B, HKV, T, D), float("nan"), device="cuda", dtype=DT)
+    vc = kc.clone()
+    kc[:, :, :S], vc[:, :, :S] = k, v
+    ok = all(torch.equal(fwd(q[:, :, c:c + 300], kc, vc, pos[:, c:c + 300].contiguous(),
+                             None, True, None, None)[0], full[:, :, c:c + 300])
+             for c in range(0, S, 300))
+    report("prefill == chunked prefill (NaN cache tail)", ok)
+    ok = all(torch.equal(fwd(q[:, :, i:i + 1], kc, vc, pos[:, i:i + 1].contiguous(), None, True,
+                             None, None)[0], full[:, :, i:i + 1]) for i in (0, 64, 511, S - 1))
+    report("prefill == decode steps", ok)
+    report("row alone == row in batch", torch.equal(
+        fwd(q[1:], k[1:], v[1:], pos[1:], None, True, None, None)[0], full[1:]))
+    dout = torch.randn_like(q)
+    g_full = bwd(dout, None, q, k, v, full, lse, pos, None, True, None, None)
+    o1, l1 = fwd(q[1:], k[1:], v[1:], pos[1:], None, True, None, None)
+    g_one = bwd(dout[1:], None, q[1:], k[1:], v[1:], o1, l1, pos[1:], None, True, None, None)
+    report("grads alone == grads in batch",
+           all(torch.equal(a, b[1:]) for a, b in zip(g_one, g_full)))
+    L = 700
+    o2, l2 = fwd(q[:1, :, :L], k[:1, :, :L], v[:1, :, :L], pos[:1, :L], None, True, None, None)
+    g_short = bwd(dout[:1, :, :L], None, q[:1, :, :L], k[:1, :, :L], v[:1, :, :L], o2, l2,
+                  pos[:1, :L], None, True, None, None)
+    d_pad = dout[:1].clone()
+    d_pad[:, :, L:] = 0
+    o3, l3 = fwd(q[:1], k[:1], v[:1], pos[:1], None, True, None, None)
+    g_pad = bwd(d_pad, None, q[:1], k[:1], v[:1], o3, l3, pos[:1], None, True, None, None)
+    report("grads == grads with right padding rows", all(
+        torch.equal(a, b[:, :, :L]) for a, b in zip(g_short, g_pad)))
+    van = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    report("control: SDPA prefill != SDPA decode", any(not torch.equal(
+        F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1],
+                                       enable_gqa=True), van[:, :, i:i + 1])
+        for i in (511, 700, S - 1)))
+    return ok_all
+
+
+def bench_prefill(B, S, backend_ctx):
+    from tpinv.kernels.triton_attention import attention_forward_cuda as fwd
+    from tpinv.kernels.triton_attention_bwd import attention_backward_cuda as bwd
+    q, k, v = _inputs(B, S, S, seed=B)
+    pos = torch.arange(S, device="cuda").expand(B, S).contiguous()
+    dout = torch.randn_like(q)
+    rec = dict(kind="prefill", B=B, S=S, T=S)
+    rec["ours_fwd_us"] = _bench(lambda: fwd(q, k, v, pos, None, True, None, None))
+
+    def ours_fb():
+        out, lse = fwd(q, k, v, pos, None, True, None, None)
+        bwd(dout, None, q, k, v, out, lse, pos, None, True, None, None)
+    rec["ours_fwdbwd_us"] = _bench(ours_fb)
+    with backend_ctx():
+        rec["sdpa_fwd_us"] = _bench(lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True))
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+        def sdpa_fb():
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+            torch.autograd.grad(out, leaves, dout)
+        rec["sdpa_fwdbwd_us"] = _bench(sdpa_fb)
+    flops = 4 * B * HQ * S * S * D / 2
+    for part, mult in (("fwd", 1.0), ("fwdbwd", 3.5)):
+        rec[f"ratio_{part}"] = rec[f"sdpa_{part}_us"] / rec[f"ours_{part}_us"]
+        rec[f"ours_{part}_tflops"] = mult * flops / rec[f"ours_{part}_us"] / 1e6
+        rec[f"sdpa_{part}_tflops"] = mult * flops / rec[f"sdpa_{part}_us"] / 1e6
+    return rec
+
+
+def bench_decode(B, T, backend_ctx):
+    from tpinv.kernels.triton_attention import attention_forward_cuda as fwd
+    q, k, v = _inputs(B, 1, T, seed=100 + B)
+    pos = torch.full((B, 1), T - 1, device="cuda", dtype=torch.int64)
+    rec = dict(kind="decode", B=B, S=1, T=T)
+    rec["ours_us"] = _bench(lambda: fwd(q, k, v, pos, None, True, None, None))
+    rec["sdpa_us"] = _bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    kv_bytes = 2 * B * HKV * T * D * k.element_size()
+    rec["ratio"] = rec["sdpa_us"] / rec["ours_us"]
+    rec["ours_kv_GBps"] = kv_bytes / rec["ours_us"] / 1e3
+    rec["sdpa_kv_GBps"] = kv_bytes / rec["sdpa_us"] / 1e3
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="bitwise invariance checks first")
+    ap.add_argument("--json", help="write the records to this path")
+    ap.add_argument("--quick", action="store_true", help="B=1 prefill and B=1, 64 decode only")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    status = 0
+    if args.check and not run_checks():
+        status = 1
+    name, ctx = _sdpa_backend()
+    print(f"device {torch.cuda.get_device_name()}  SDPA backend (prefill): {name}")
+    records = []
+    print(f"{'prefill':<8}{'B':>3}{'S':>6} | {'ours fwd us':>11}{'sdpa':>9}{'ratio':>7}{'TF/s':>6}"
+          f" | {'ours f+b us':>11}{'sdpa':>9}{'ratio':>7}{'TF/s':>6}")
+    for B in ((1,) if args.quick else (1, 4)):
+        r = bench_prefill(B, 4096, ctx)
+        records.append(r)
+        print(f"{'':<8}{B:>3}{4096:>6} | {r['ours_fwd_us']:>11.0f}{r['sdpa_fwd_us']:>9.0f}"
+              f"{r['ratio_fwd']:>7.2f}{r['ours_fwd_tflops']:>6.0f} | {r['ours_fwdbwd_us']:>11.0f}"
+              f"{r['sdpa_fwdbwd_us']:>9.0f}{r['ratio_fwdbwd']:>7.2f}"
+              f"{r['ours_fwdbwd_tflops']:>6.0f}")
+    print(f"{'decode':<8}{'B':>3}{'T':>6} | {'ours us':>11}{'sdpa':>9}{'ratio':>7}"
+          f"{'ours GB/s':>11}{'sdpa GB/s':>11}")
+    for B in ((1, 64) if args.quick else (1, 16, 64)):
+        r = bench_decode(B, 4096, ctx)
+        records.append(r)
+        print(f"{'':<8}{B:>3}{4096:>6} | {r['ours_us']:>11.1f}{r['sdpa_us']:>9.1f}"
+              f"{r['ratio']:>7.2f}"
+              f"{r['ours_kv_GBps']:>11.0f}{r['sdpa_kv_GBps']:>11.0f}")
+    if args.json:
+        meta = dict(device=torch.cuda.get_device_name(), sdpa_backend=name, torch=torch.__version__)
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, records=records), f, indent=1)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""End to end on one device: a training step and greedy decoding, invariant path vs vanilla.
+
+The invariant path is the model itself (:class:`tpinv.models.Transformer`: the tpinv ops in
+their CUDA slots); the vanilla path is :mod:`tpinv.models.vanilla` on the same weights
+(cuBLAS, SDPA, ``F.silu``, plain RMSNorm).  Two measurements, each the median of repeated
+runs after a warm-up, in the same process:
+
+* training step: ``loss(tokens, targets).backward(w)`` at ``--batch x --seq`` tokens;
+  ratio = invariant time / vanilla time (the target is <= 1.25).  On CUDA each path is also
+  timed replayed from a CUDA graph (the device time alone; the invariant graph's gradients
+  are checked equal to the eager step's, bitwise).
+* decoding: a prompt of ``--prompt`` tokens is prefilled into a KV cache, then ``--new``
+  greedy steps of one token for each of ``--decode-batch`` sequences; tokens/s of the decode
+  steps; ratio = invariant tokens/s / vanilla tokens/s (the target is >= 0.75).  Each path is
+  timed eager and, on CUDA, replayed from a CUDA graph (:class:`tpinv.engine.decode_graph.DecodeGraph`;
+  vanilla's graph attends through the masked SDPA call, as it cannot pick its unmasked
+  shortcut without reading the positions on the host).
+
+Before timing, the invariant decode (eager, and replayed on CUDA) is checked against the
+invariant prefill of the same tokens (the last position's logits, bitwise) and the run stops
+if they differ.
+Prints a table; ``--json`` writes the records.  Runs on CPU too (a check of the script).
+
+    python benchmarks/bench_e2e.py --model qwen3-0.6b --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from tpinv.core.capture import capture
+from tpinv.engine.decode_graph import DecodeGraph
+from tpinv.models import Transformer, get_config
+from tpinv.models.vanilla import vanilla_forward, vanilla_loss
+
+try:
+    from gpu_model_tp import sync, timed as median_seconds
+except ImportError:  # run from elsewhere: tools/ is not on the path
+    from tools.gpu_model_tp import sync, timed as median_seconds
+
+
+def build(name: str, layers: int | None, dtype: torch.dtype, device) -> Transformer:
+    """Random weights from seed 0 (the same for both paths), on ``device``."""
+    overrides = {"dtype": dtype} if layers is None else {"dtype": dtype, "num_layers": layers}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Transformer(get_config(name, **overrides))
+    return model.to(device)
+
+
+def train_step_times(model, device, batch: int, seq: int, iters: int) -> dict:
+    gen = torch.Generator().manual_seed(11)
+    vocab = model.args.vocab_size
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    targets = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    weights = (torch.rand(batch, seq, generator=gen) / (batch * seq)).to(device)
+
+    def step(loss_fn):
+        def run():
+            model.zero_grad(set_to_none=True)
+            loss_fn(tokens, targets).backward(weights)
+        return run
+
+    paths = {"invariant": model.loss, "vanilla": lambda t, y: vanilla_loss(model, t, y)}
+    out = {"tokens": batch * seq}
+    for name, loss_fn in paths.items():
+        out[f"{name}_s"] = median_seconds(step(loss_fn), device, iters)
+    out["ratio_time"] = out["invariant_s"] / out["vanilla_s"]
+    if device.type == "cuda":  # the same steps replayed from CUDA graphs: device time only
+        try:
+            out.update(graphed_train_times(model, paths, step, device, iters))
+        except RuntimeError as exc:  # reported in the table and the JSON, the rest still runs
+            out["graph_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def graphed_train_times(model, paths, step, device, iters) -> dict:
+    """Each path's step captured in a CUDA graph and timed by its replays (device time)."""
+    out = {}
+    eager_grads = train_grads(model, step(model.loss))
+    for name, loss_fn in paths.items():
+        replay = capture(step(loss_fn), device=device)[0].replay
+        if name == "invariant":
+            replay()
+            out["graph_grads_equal_eager"] = all(
+                torch.equal(a, b) for a, b in zip(train_grads(model, lambda: None), eager_grads))
+        out[f"{name}_graph_s"] = median_seconds(replay, device, iters)
+    out["ratio_time_graph"] = out["invariant_graph_s"] / out["vanilla_graph_s"]
+    return out
+
+
+def train_grads(model, run) -> list[torch.Tensor]:
+    """``run()``, then a copy of every parameter's gradient."""
+    run()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def decode_step(forward, model, cache, graph: bool):
+    """``step(tokens [B, 1]) -> logits``: one greedy step against ``cache``, eager or replayed."""
+    ones = torch.ones(cache.batch, dtype=torch.int64, device=cache.lengths.device)
+    run = (lambda t, p, v: forward(t, p, cache, v))
+    if graph:
+        run = DecodeGraph(run, cache, model.args.vocab_size)
+    return lambda tokens: run(tokens, cache.next_positions(1), ones)
+
+
+def greedy_decode(forward, model, prompt: torch.Tensor, new: int, device, graph: bool
+                  ) -> tuple[float, torch.Tensor]:
+    """Seconds of ``new`` one-token steps (prefill and the first step, which captures, excluded)."""
+    batch = prompt.shape[0]
+    cache = model.new_cache(batch, prompt.shape[1] + new + 1, device=device)
+    logits = forward(prompt, None, cache, None)
+    step = decode_step(forward, model, cache, graph)
+    logits = step(logits[:, -1].argmax(-1, keepdim=True))
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(new):
+        logits = step(token)
+        token = logits[:, -1].argmax(-1, keepdim=True)
+    sync(device)
+    return time.perf_counter() - t0, logits[:, -1]
+
+
+def check_decode_equals_prefill(model, device, batch: int, prompt_len: int, graph: bool) -> bool:
+    """Decoding the last prompt token against the cache (eager, or replayed from a CUDA graph)
+    == prefilling the whole prompt, bitwise."""
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, model.args.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    forward = (lambda t, p, c, v: model(t, p, c, num_valid=v))
+    with torch.no_grad():
+        full = model(tokens)[:, -1]
+        cache = model.new_cache(batch, prompt_len + 8, device=device)
+        model(tokens[:, :-1], cache=cache)
+        step = decode_step(forward, model, cache, graph)(tokens[:, -1:])[:, -1]
+    return torch.equal(full, step)
+
+
+def decode_rates(model, device, batch: int, prompt_len: int, new: int, repeats: int, modes) -> dict:
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, model.args.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    paths = {"invariant": lambda t, p, c, v: model(t, p, c, num_valid=v),
+             "vanilla": lambda t, p, c, v: vanilla_forward(model, t, p, c, num_valid=v)}
+    out = {"decode_batch": batch, "prompt": prompt_len, "new_tokens": new}
+    with torch.no_grad():
+        for mode in modes:
+            for name, forward in paths.items():
+                graph = mode == "graph"
+                greedy_decode(forward, model, prompt, min(new, 4), device, graph)  # warm-up
+                runs = sorted(greedy_decode(forward, model, prompt, new, device, graph)[0]
+                              for _ in range(repeats))
+                out[f"{name}_{mode}_tokens_per_s"] = batch * new / runs[len(runs) // 2]
+            out[f"ratio_rate_{mode}"] = out[f"invariant_{mode}_tokens_per_s"] / out[f"vanilla_{mode}_tokens_per_s"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3-0.6b", help="config name, optionally :LAYERS")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--decode-batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--json", default=None)
+    opts = p.parse_args()
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    name, _, layers = opts.model.partition(":")
+    model = build(name, int(layers) if layers else None, getattr(torch, opts.dtype), device)
+    params = sum(t.numel() for t in model.parameters())
+    modes = ["eager", "graph"] if device.type == "cuda" else ["eager"]
+    for mode in modes:
+        if not check_decode_equals_prefill(model, device, 2, min(opts.prompt, 200), mode == "graph"):
+            raise SystemExit(f"FAIL: the invariant decode step ({mode}) differs from the invariant prefill")
+    train = train_step_times(model, device, opts.batch, opts.seq, opts.iters)
+    decode = decode_rates(model, device, opts.decode_batch, opts.prompt, opts.new, opts.repeats, modes)
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {dev}; model {opts.model} ({params / 1e6:.0f} M params), {opts.dtype}; "
+          f"decode == prefill bitwise ({', '.join(modes)}): yes")
+    print(f"{'measure':<40} {'invariant':>12} {'vanilla':>12} {'ratio':>7} {'target':>8}")
+    train_label = f"train step s ({train['tokens']} tokens)"
+    print(f"{train_label:<40} {train['invariant_s']:>12.4f} "
+          f"{train['vanilla_s']:>12.4f} {train['ratio_time']:>7.2f} {'<= 1.25':>8}")
+    if "graph_error" in train:
+        print(f"train step, CUDA graph: not captured ({train['graph_error'][:300]})")
+    if "invariant_graph_s" in train:
+        label = f"train step s, CUDA graph (grads == eager: {train['graph_grads_equal_eager']})"
+        print(f"{label:<40} {train['invariant_graph_s']:>12.4f} "
+              f"{train['vanilla_graph_s']:>12.4f} {train['ratio_time_graph']:>7.2f} {'<= 1.25':>8}")
+    for mode in modes:
+        label = f"decode tok/s (batch {opts.decode_batch}, {mode})"
+        print(f"{label:<40} {decode[f'invariant_{mode}_tokens_per_s']:>12.1f} "
+              f"{decode[f'vanilla_{mode}_tokens_per_s']:>12.1f} {decode[f'ratio_rate_{mode}']:>7.2f} "
+              f"{'>= 0.75':>8}")
+    if opts.json:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
+        with open(opts.json, "w") as f:
+            json.dump({"device": dev, "model": opts.model, "params": params, "dtype": opts.dtype,
+                       "train": train, "decode": decode}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Host time per call: each tpinv op against the PyTorch op it stands in for, eager, decode-sized.
+
+An eager step is bound by the host when its ops cost more Python time than device time; this
+measures the host side alone.  Each case is called ``--calls`` times in a row without a
+synchronisation, on tensors small enough that the device keeps up, and the time until the
+last call returns is divided by the count (after a warm-up and a final synchronisation, so
+compilation and queueing are excluded).  Prints a table and writes ``--json``.  On a machine
+without CUDA it runs the CPU kernels (a check of the script; the numbers then include the
+CPU work).
+
+    python benchmarks/bench_host.py [--calls 500] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tpinv import ops
+from tpinv.models.vanilla import plain_rms_norm, plain_rope
+
+
+def host_us(fn, calls: int, device) -> float:
+    """Mean microseconds of host time per ``fn()`` over ``calls`` calls in a row."""
+    for _ in range(10):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return elapsed / calls * 1e6
+
+
+def cases(device, dtype):
+    """(name, tpinv call, PyTorch call) at decode size: 16 tokens of a 0.6B-shaped model."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+
+    x, w, w_up = rand(16, 1024), rand(1024, 1024), rand(3072, 1024)
+    g, u = rand(16, 3072), rand(16, 3072)
+    norm_w = rand(1024) + 1
+    q, k, v = rand(16, 16, 1, 128), rand(16, 8, 577, 128), rand(16, 8, 577, 128)
+    pos = torch.full((16, 1), 576, dtype=torch.int64, device=device)
+    cos, sin = (rand(16, 1, 128, dt=torch.float32) for _ in range(2))
+    logits = rand(16, 151936, dt=torch.float32)
+    ids = torch.randint(0, 151936, (16,), generator=gen).to(device)
+    table = rand(151936, 1024)
+    return [
+        ("matmul 16x1024x1024 (leaves 8)", lambda: ops.matmul(x, w), lambda: F.linear(x, w)),
+        ("matmul 16x3072x1024 (leaves 1)", lambda: ops.matmul(x, w_up, 1), lambda: F.linear(x, w_up)),
+        ("rms_norm 16x1024", lambda: ops.rms_norm(x, norm_w, 1e-6), lambda: plain_rms_norm(x, norm_w, 1e-6)),
+        ("silu_mul 16x3072", lambda: ops.silu_mul(g, u), lambda: F.silu(g) * u),
+        ("apply_rope 16x16x1x128", lambda: ops.apply_rope(q, cos, sin), lambda: plain_rope(q, cos, sin)),
+        ("attention decode 16 x 577 slots", lambda: ops.attention(q, k, v, pos),
+         lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+        ("log_softmax 16x151936", lambda: ops.log_softmax(logits), lambda: F.log_softmax(logits, -1)),
+        ("embedding 16 ids", lambda: ops.embedding(ids, table), lambda: F.embedding(ids, table)),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--json", default=None)
+    opts = p.parse_args()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16
+    rows = []
+    for name, mine, ref in cases(device, dtype):
+        with torch.no_grad():
+            rows.append({"op": name, "tpinv_us": host_us(mine, opts.calls, device),
+                         "torch_us": host_us(ref, opts.calls, device)})
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (CPU kernels)"
+    print(f"host time per eager call, {label}, bf16, mean of {opts.calls} calls in a row")
+    print(f"{'op':<34} {'tpinv us':>9} {'torch us':>9} {'x':>6}")
+    for r in rows:
+        print(f"{r['op']:<34} {r['tpinv_us']:>9.1f} {r['torch_us']:>9.1f} {r['tpinv_us'] / r['torch_us']:>6.1f}")
+    if opts.json:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
+        with open(opts.json, "w") as f:
+            json.dump({"device": label, "calls": opts.calls, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

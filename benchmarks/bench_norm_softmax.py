@@ -1,0 +1,101 @@
+"""Achieved memory bandwidth of the Triton RMSNorm and softmax-family kernels.
+
+Bandwidth = bytes read + written once (input, output, weight) / median time
+(``triton.testing.do_bench``), against a measured device-to-device copy and against the
+plain torch ops (the HF RMSNorm formula, ``F.log_softmax``, ``torch.logsumexp``).  The
+softmax rows time the fused one-launch kernel (``log_softmax_forward_cuda``,
+``logsumexp_forward_cuda``: the row read once, plus the ``[T]`` result).  Prints a
+Markdown table and writes JSON (``--json PATH``).
+
+    python benchmarks/bench_norm_softmax.py --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from tpinv.core.contract import DEFAULT_LEAVES
+from tpinv.kernels.triton_norm import rms_norm_backward_cuda, rms_norm_forward_cuda
+from tpinv.kernels.triton_softmax import log_softmax_forward_cuda, logsumexp_forward_cuda
+from tpinv.models.vanilla import plain_rms_norm
+
+
+def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * n_bytes / ms / 1e6
+
+
+def gbps(n_bytes: int, fn) -> tuple[float, float]:
+    ms = do_bench(fn, return_mode="median")
+    return ms, n_bytes / ms / 1e6
+
+
+def run(copy_gbps: float) -> list[dict]:
+    rows = []
+    for tokens in (4096, 16384):
+        for hidden in (4096, 8192):
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+            w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+            n_bytes = 2 * x.numel() * 2 + hidden * 2
+            ms, bw = gbps(n_bytes, lambda: rms_norm_forward_cuda(x, w, 1e-6))
+            tms, tbw = gbps(n_bytes, lambda: plain_rms_norm(x, w, 1e-6))
+            g = torch.randn_like(x)
+            # dx, the fp32 [T, H] dweight contributions (written, then read by the token sum)
+            b_bytes = 3 * x.numel() * 2 + 2 * x.numel() * 4
+            bms, bbw = gbps(b_bytes, lambda: rms_norm_backward_cuda(g, x, w, 1e-6))
+            rows.append(dict(op="rms_norm", dtype="bf16", T=tokens, H=hidden, ms=ms, gbps=bw,
+                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
+                             bwd_ms=bms, bwd_gbps=bbw, bwd_frac_copy=bbw / copy_gbps))
+            del x, g
+    vocab = 151936
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        for tokens in (1024, 4096):
+            x = torch.randn(tokens, vocab, device="cuda", dtype=dtype)
+            n_bytes = 2 * x.numel() * x.element_size()
+            ms, bw = gbps(n_bytes, lambda: log_softmax_forward_cuda(x, DEFAULT_LEAVES))
+            tms, tbw = gbps(n_bytes, lambda: F.log_softmax(x, -1))
+            rows.append(dict(op="log_softmax", dtype=name, T=tokens, V=vocab, ms=ms, gbps=bw,
+                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw))
+            lse_bytes = x.numel() * x.element_size() + tokens * x.element_size()
+            ms, bw = gbps(lse_bytes, lambda: logsumexp_forward_cuda(x, DEFAULT_LEAVES))
+            tms, tbw = gbps(lse_bytes, lambda: torch.logsumexp(x, -1))
+            rows.append(dict(op="logsumexp", dtype=name, T=tokens, V=vocab, ms=ms, gbps=bw,
+                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw))
+            del x
+            torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict], copy_gbps: float) -> str:
+    lines = [f"copy bandwidth (d2d, 2 GiB): {copy_gbps:.0f} GB/s", "",
+             "| op | dtype | shape | tpinv ms | tpinv GB/s | % of copy | torch ms | torch GB/s | bwd GB/s (% copy) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        shape = f"T={r['T']} H={r['H']}" if r["op"] == "rms_norm" else f"T={r['T']} V={r['V']}"
+        bwd = f"{r['bwd_gbps']:.0f} ({100 * r['bwd_frac_copy']:.0f}%)" if "bwd_gbps" in r else "-"
+        lines.append(f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {r['gbps']:.0f} | "
+                     f"{100 * r['frac_copy']:.0f}% | {r['torch_ms']:.3f} | {r['torch_gbps']:.0f} | {bwd} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, help="write the records to this path")
+    args = parser.parse_args()
+    copy_gbps = copy_bandwidth()
+    rows = run(copy_gbps)
+    print(table(rows, copy_gbps))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           copy_gbps=copy_gbps, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

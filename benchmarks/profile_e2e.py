@@ -1,0 +1,83 @@
+"""Where the time goes: torch.profiler over one training step and one decode step.
+
+Builds the model of :mod:`tools.bench_e2e` (random weights), warms up, then profiles a
+training step (``loss.backward``) and a greedy decode step against a KV cache, for the
+invariant path or the vanilla path.  Prints the top device kernels by self device time and
+the top operators by host time; ``--trace DIR`` also writes Chrome traces.
+
+    python benchmarks/profile_e2e.py --model qwen3-0.6b --path invariant
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tpinv.models.vanilla import vanilla_forward, vanilla_loss
+
+try:
+    from bench_e2e import build
+except ImportError:  # run from elsewhere: tools/ is not on the path
+    from tools.bench_e2e import build
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--path", default="invariant", choices=["invariant", "vanilla"])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--decode-batch", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--trace", default=None)
+    opts = p.parse_args()
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    name, _, layers = opts.model.partition(":")
+    model = build(name, int(layers) if layers else None, torch.bfloat16, device)
+    vocab = model.args.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, vocab, (opts.batch, opts.seq), generator=gen).to(device)
+    targets = torch.randint(0, vocab, (opts.batch, opts.seq), generator=gen).to(device)
+    prompt = torch.randint(0, vocab, (opts.decode_batch, opts.prompt), generator=gen).to(device)
+    invariant = opts.path == "invariant"
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(tokens, targets) if invariant else vanilla_loss(model, tokens, targets)
+        loss.mean().backward()
+
+    def forward(t, cache):
+        return model(t, cache=cache) if invariant else vanilla_forward(model, t, cache=cache)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort_device = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    for label in ("train", "decode"):
+        with torch.no_grad() if label == "decode" else torch.enable_grad():
+            if label == "decode":
+                cache = model.new_cache(opts.decode_batch, opts.prompt + 8, device=device)
+                token = forward(prompt, cache)[:, -1].argmax(-1, keepdim=True)
+                step = lambda: forward(token, cache)  # noqa: E731
+            else:
+                step = train_step
+            step()  # warm-up (compiles kernels); a decode step advances the cache by one
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            with profile(activities=activities) as prof:
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+        print(f"==== {opts.path} {label}: top kernels by self device time")
+        print(prof.key_averages().table(sort_by=sort_device, row_limit=opts.rows, max_name_column_width=60))
+        print(f"==== {opts.path} {label}: top operators by host time")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+        if opts.trace:
+            os.makedirs(opts.trace, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(opts.trace, f"{opts.path}-{label}.json"))
+
+
+if __name__ == "__main__":
+    main()

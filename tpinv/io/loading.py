@@ -1,0 +1,82 @@
+"""Load this rank's :class:`~tpinv.models.Transformer` from a named config, a tpinv checkpoint or a HF directory.
+
+Loading only moves bytes: every source gives rank ``r`` of a TP group of size ``C`` exactly
+the slice ``r`` of the full tensors (random init included: the full tensors are drawn on
+CPU from ``init_seed`` and sliced), so the model holds the same weights at every TP size.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from tpinv.io.checkpoint import META_FILE, load_shard, param_meta_from_module, read_info, shard_index
+from tpinv.core.contract import DEFAULT_LEAVES
+from tpinv.models.configs import CONFIGS, get_config
+from tpinv.io.hf_keys import args_from_dict
+from tpinv.models.transformer import Transformer
+from tpinv.io.tokenizer import HF_FILE, SENTENCEPIECE_FILE, load_tokenizer
+
+__all__ = ["load_model", "source_kind"]
+
+
+def source_kind(source: str) -> str:
+    """``"config"`` (a named config), ``"tpinv"`` (a checkpoint directory) or ``"hf"`` (a HF directory)."""
+    if os.path.isdir(source):
+        if os.path.isfile(os.path.join(source, META_FILE)):
+            return "tpinv"
+        if os.path.isfile(os.path.join(source, "config.json")):
+            return "hf"
+        raise FileNotFoundError(f"{source} holds neither {META_FILE} (tpinv checkpoint) nor config.json (HF model)")
+    try:
+        get_config(source)
+    except KeyError:
+        raise ValueError(f"model source {source!r} is neither a directory nor a named config; named configs: "
+                         f"{', '.join(sorted(CONFIGS))}") from None
+    return "config"
+
+
+def _rank(tp_group) -> tuple[int, int]:
+    if tp_group is None:
+        return 1, 0
+    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+
+def _tokenizer_in(directory: str):
+    if any(os.path.isfile(os.path.join(directory, f)) for f in (HF_FILE, SENTENCEPIECE_FILE)):
+        return load_tokenizer(directory)
+    return None
+
+
+def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = None, row_strategy: str = "tree",
+               leaves: Optional[int] = None, init_seed: int = 0):
+    """``(model, tokenizer or None)`` for ``source`` at the TP size of ``tp_group`` (eval mode).
+
+    ``leaves`` defaults to the checkpoint's (tpinv) or :data:`~tpinv.core.contract.DEFAULT_LEAVES`.
+    """
+    tp, rank = _rank(tp_group)
+    kind = source_kind(source)
+    if kind == "config":
+        args = get_config(source, **({"dtype": dtype} if dtype is not None else {}))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(init_seed)
+            model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
+        return model.eval(), None
+    if kind == "tpinv":
+        info = read_info(source)
+        args = args_from_dict(info.model_args)
+        args = args.replace(dtype=dtype) if dtype is not None else args
+        model = Transformer(args, tp_group=tp_group, leaves=leaves or info.leaves, row_strategy=row_strategy)
+        state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype)
+        model.load_state_dict(state, strict=True)
+        return model.eval(), _tokenizer_in(source)
+    from tpinv.io.hf_convert import HFWeights, plan_import, read_hf_config
+    _, args = read_hf_config(source)
+    args = args.replace(dtype=dtype) if dtype is not None else args
+    model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
+    sources = plan_import(HFWeights(source), args, args.dtype, row_strategy)
+    state = {s.name: s.read(shard_index(s.shape, s.partition_dim, tp, rank, s.name)).to(s.dtype) for s in sources}
+    model.load_state_dict(state, strict=True)
+    return model.eval(), _tokenizer_in(source)

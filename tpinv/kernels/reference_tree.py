@@ -1,0 +1,45 @@
+"""Fixed-order CPU reductions: the contract's leaf chain, exact on any shape.
+
+``leaf_tree_sum(x, leaves)`` reduces the last dimension of an fp32 tensor: each of
+the ``leaves`` contiguous leaves is zero-padded to a power of two and reduced by
+contiguous halving (``v[:h] + v[h:]`` until one element is left); the leaf results
+are then combined by :func:`tpinv.core.contract.tree_combine`.  Every step is an exact
+elementwise add, so each output element's bits depend only on the values of its own
+row and the leaf length -- never on the other rows, the batch size, strides, chunking
+or the number of threads.  Zero padding on the right is an exact identity, so a row
+padded to a longer length gives the same value (up to the sign of an all-zero sum).
+"""
+from __future__ import annotations
+
+import torch
+
+from tpinv.core.contract import check_divisible, check_leaves, tree_combine
+
+
+def _next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def halving_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum the last dim (any length) by contiguous halving over a zero-padded power of two."""
+    n = x.shape[-1]
+    p = _next_pow2(n)
+    if p != n:
+        x = torch.nn.functional.pad(x, (0, p - n))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x.squeeze(-1)
+
+
+def leaf_partials(x: torch.Tensor, leaves: int) -> torch.Tensor:
+    """Per-leaf chains of the last dim: ``[..., n] -> [..., leaves]`` (fp32)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"leaf reductions run in fp32, got {x.dtype}")
+    n = check_divisible("reduced dimension", x.shape[-1], check_leaves(leaves))
+    return halving_sum(x.reshape(*x.shape[:-1], leaves, n))
+
+
+def leaf_tree_sum(x: torch.Tensor, leaves: int) -> torch.Tensor:
+    """The contract's full reduction of the last dim: leaf chains, then the leaf tree."""
+    return tree_combine(leaf_partials(x, leaves))

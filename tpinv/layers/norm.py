@@ -1,0 +1,74 @@
+"""RMSNorm layers: the plain one over the hidden size, and Qwen3's per-head q/k norm.
+
+Invariant: the forward and the input gradient are row-wise (a row's bits do not depend on the
+other rows).  The weight gradient of :class:`HeadRMSNorm`, a weight shared by all heads while
+TP splits the heads, gathers the per-head token sums exactly across the TP group and adds them
+over *all* heads in a fixed order on every rank, so every TP size gets the same bits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tpinv.distributed.reduce import all_gather
+from tpinv.kernels.reference_norm import check_rms_norm_inputs
+from tpinv.kernels.reference_tree import halving_sum
+from tpinv.ops import rms_norm
+from tpinv.ops.norm import rms_norm_backward_heads_op, rms_norm_op
+
+__all__ = ["RMSNorm", "HeadRMSNorm", "head_rms_norm"]
+
+
+class RMSNorm(torch.nn.Module):
+    """``weight * x / rms(x)`` over the last dim (tpinv's fixed-order ``rms_norm``)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class _HeadRMSNorm(torch.autograd.Function):
+    """RMSNorm of every head of ``x [..., heads, D]`` with one shared ``weight [D]``.
+
+    Forward and ``dx`` are one call each (rows are independent, so a head's bits are those
+    of a call on that head alone).  The weight gradient is each head's own token sum
+    (:func:`tpinv.ops.norm.rms_norm_backward_heads_op`), gathered exactly across the TP
+    group (rank order = head order) and summed over *all* heads by a fixed halving, so
+    every rank and every TP size gets the same bits.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, group):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.group = eps, group
+        return rms_norm_op(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x, per_head = rms_norm_backward_heads_op(grad.contiguous(), x, weight, ctx.eps)
+        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+            per_head = all_gather(per_head.contiguous(), ctx.group, dim=0)
+        return grad_x, halving_sum(per_head.float().t()).to(weight.dtype), None, None
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group) -> torch.Tensor:
+    """RMSNorm over the last dim of every head of ``x [..., heads, D]`` (one shared weight),
+    with a weight gradient that is the same at every TP size (``group``: the TP group)."""
+    check_rms_norm_inputs(x, weight, eps)
+    return _HeadRMSNorm.apply(x.contiguous(), weight, float(eps), group)
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over head_dim applied to each head of ``x [B, S, heads, D]`` (Qwen3 q/k norm)."""
+
+    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype, group):
+        super().__init__(head_dim, eps, dtype)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return head_rms_norm(x, self.weight, self.eps, self.group)
