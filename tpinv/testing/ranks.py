@@ -1,17 +1,10 @@
-"""Test helpers: spawned multi-rank groups, dispatched-op recording, exact bit digests.
-
-:func:`run_ranks` starts one fresh process per rank, joins them into a process group,
-runs a module-level function in each and returns the results in rank order; it never
-hangs (every wait has a deadline) and a failing rank's full traceback is raised in the
-caller.  :func:`record_ops` records which ops ran, so a test can assert that the
-invariant path was taken rather than a silent fallback.  :func:`bits` digests a
-tensor's exact bytes (dtype, shape and data), for printing and comparing results.
-"""
+"""Spawned multi-rank groups for tests: :func:`run_ranks` starts one fresh process per rank,
+joins them into a process group, runs a module-level function in each and returns the results
+in rank order; it never hangs (every wait has a deadline) and a failing rank's full traceback
+is raised in the caller."""
 from __future__ import annotations
 
-import contextlib
 import datetime
-import hashlib
 import multiprocessing as mp
 import os
 import pickle
@@ -19,14 +12,12 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RankFailedError", "RankTimeoutError", "run_ranks", "record_ops", "OpLog", "bits",
-           "free_port", "num_threads", "sharpened_model"]
+__all__ = ["RankFailedError", "RankTimeoutError", "free_port", "run_ranks"]
 
 # Seconds a dead rank's last message may still take to arrive through the result pipe.
 _DRAIN_SECONDS = 1.0
@@ -158,91 +149,3 @@ def _dead_note(dead: dict[int, int | None]) -> str:
         return ""
     return "; " + ", ".join(f"rank {r} exited with code {c} without a result"
                             for r, c in sorted(dead.items()))
-
-
-class OpLog:
-    """Names of dispatched ops in order: ``"ns::op"`` plus the overload form ``"ns::op.overload"``.
-
-    ``"aten::add" in log`` and ``"aten::add.Tensor" in log`` both hold after an add.
-    """
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.overloads: list[str] = []
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.names or name in self.overloads
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def count(self, name: str) -> int:
-        return self.names.count(name) + self.overloads.count(name)
-
-    def __repr__(self) -> str:
-        return f"OpLog({sorted(set(self.names))})"
-
-
-class _RecordingMode(TorchDispatchMode):
-    def __init__(self, log: OpLog) -> None:
-        super().__init__()
-        self.log = log
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        self.log.names.append(name)
-        overload = getattr(func, "_overloadname", "default")
-        self.log.overloads.append(f"{name}.{overload}")
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def record_ops() -> Iterator[OpLog]:
-    """Record the ops dispatched inside the block (this thread); nests with other modes."""
-    log = OpLog()
-    with _RecordingMode(log):
-        yield log
-
-
-def bits(t: torch.Tensor) -> str:
-    """16 hex digits digesting ``t``'s dtype, shape and exact bytes."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"bits() expects a torch.Tensor, got {type(t).__name__}")
-    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(data.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    """Run the block with ``torch.set_num_threads(n)``; the previous count is restored."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def sharpened_model(name: str, dtype: torch.dtype = torch.float32, tp_group=None):
-    """A named tiny model with decisive logits, for tests that compare generated tokens.
-
-    Seeded init (the same full weights at every TP size), norm weights drawn around 1 and
-    projections/embeddings scaled by 5, so greedy and sampled choices are not near-ties.
-    """
-    from tpinv.models import Transformer, get_config
-
-    torch.manual_seed(0)
-    model = Transformer(get_config(name, dtype=dtype), tp_group=tp_group)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif pname.endswith("proj.weight") or pname.endswith("embed_tokens.weight"):
-                p.mul_(5.0)
-    return model.eval()
