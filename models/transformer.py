@@ -20,7 +20,8 @@ import torch.distributed as dist
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_tp_size
 from tpinv.layers import (ColumnParallelLinear, HeadRMSNorm, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                           vocab_parallel_cross_entropy)
-from tpinv.layers.common import ROW_STRATEGIES, group_size_rank
+from tpinv.distributed.groups import group_size_rank
+from tpinv.layers.common import ROW_STRATEGIES
 from tpinv.distributed.mappings import gather_from_tensor_model_parallel_region
 from tpinv.models.args import ModelArgs
 from tpinv.models.kv_cache import KVCache

@@ -18,12 +18,9 @@ import torch.nn.functional as F
 
 from tpinv.kernels.reference_attention import block_visibility
 from tpinv.core.capture import capturing
+from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.models.kv_cache import KVCache
 from tpinv.ops import rope_cos_sin
-
-
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -35,7 +32,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        if _size(ctx.group) > 1:
+        if group_size(ctx.group) > 1:
             dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -44,7 +41,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
-        if _size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(x, group=group)
         return x
 
@@ -57,13 +54,13 @@ class _GatherLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group, ctx.n = group, x.shape[-1]
-        parts = [torch.empty_like(x) for _ in range(_size(group))]
+        parts = [torch.empty_like(x) for _ in range(group_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
-        rank = dist.get_rank(ctx.group)
+        rank = group_size_rank(ctx.group)[1]
         return grad.narrow(-1, rank * ctx.n, ctx.n).contiguous(), None
 
 
@@ -74,7 +71,7 @@ class _VanillaCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, vocab_start):
         x = logits.float()
         m = x.max(dim=-1).values
-        if _size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         e = torch.exp(x - m.unsqueeze(-1))
         s = e.sum(dim=-1)
@@ -82,7 +79,7 @@ class _VanillaCrossEntropy(torch.autograd.Function):
         outside = (local < 0) | (local >= x.shape[-1])
         local = local.masked_fill(outside, 0)
         picked = (x.gather(-1, local.unsqueeze(-1)).squeeze(-1) - m).masked_fill(outside, 0.0)
-        if _size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(s, group=group)
             dist.all_reduce(picked, group=group)
         ctx.save_for_backward(e / s.unsqueeze(-1), local, outside)
@@ -184,7 +181,7 @@ def vanilla_forward(model, tokens: torch.Tensor, positions: Optional[torch.Tenso
     logits = F.linear(_CopyToTP.apply(h, group), weight)
     if cache is not None:
         cache.advance(positions, num_valid, check=False)
-    if gather_logits and _size(group) > 1:
+    if gather_logits and group_size(group) > 1:
         logits = _GatherLastDim.apply(logits, group)
     return logits
 

@@ -29,7 +29,7 @@ def _chunk(t, rank, world, dim):
 
 def _run(region, x, grad, **kwargs):
     x = x.clone().requires_grad_(True)
-    y = region(x, None, **kwargs)
+    y = region(x, dist.group.WORLD, **kwargs)
     y.backward(grad)
     return y.detach(), x.grad
 
@@ -65,11 +65,11 @@ def _regions_rank(rank, world, data):
                          ("gather_sp", gather_from_sequence_parallel_region),
                          ("reduce_scatter_sp", reduce_scatter_to_sequence_parallel_region)):
         try:
-            region(bf16, None)
+            region(bf16, dist.group.WORLD)
         except TypeError as exc:
             errors[name] = str(exc)
     try:
-        scatter_to_tensor_model_parallel_region(torch.ones(3, 5), None)
+        scatter_to_tensor_model_parallel_region(torch.ones(3, 5), dist.group.WORLD)
     except ValueError as exc:
         errors["indivisible"] = str(exc)
     out["errors"] = errors

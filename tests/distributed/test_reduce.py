@@ -33,28 +33,28 @@ def _correctness_rank(rank, world, cases, gathers, x):
         mine = parts[rank].clone()
         for algorithm, check in [(a, True) for a in algorithms_for(world) + ("auto",)] + [("auto", False)]:
             out["reduce"][i, algorithm, check] = tree_all_reduce(
-                mine, None, algorithm=algorithm, check=check)
+                mine, dist.group.WORLD, algorithm=algorithm, check=check)
         assert torch.equal(mine, parts[rank]), "the input partial was modified"
         for dim in range(mine.dim()):
             if mine.shape[dim] % world == 0:
                 for algorithm in algorithms_for(world) + ("auto",):
                     out["scatter"][i, dim, algorithm] = tree_reduce_scatter(
-                        mine, None, dim=dim, algorithm=algorithm)
+                        mine, dist.group.WORLD, dim=dim, algorithm=algorithm)
     for i, tensors in enumerate(gathers):
         for dim in (0, -1):
-            out["gather"][i, dim] = all_gather(tensors[rank], None, dim=dim)
+            out["gather"][i, dim] = all_gather(tensors[rank], dist.group.WORLD, dim=dim)
     strided = cases[-1][rank].t()  # a non-contiguous partial
-    out["strided"] = tree_all_reduce(strided, None, algorithm="halving")
+    out["strided"] = tree_all_reduce(strided, dist.group.WORLD, algorithm="halving")
     for algorithm in algorithms_for(world):
         with record_ops() as seen:
-            tree_all_reduce(mine, None, algorithm=algorithm)
+            tree_all_reduce(mine, dist.group.WORLD, algorithm=algorithm)
         out["ops"][algorithm] = set(seen.names)
     # TP invariance: leaf sub-trees through the tree reducer; vanilla slice sums + all_reduce.
     my_leaves = rank_leaves(rank, world, LEAVES)
     per = x.shape[-1] // LEAVES
     my_slice = x[:, my_leaves.start * per: my_leaves.stop * per]
     subtree = tree_combine(leaf_partials(my_slice, len(my_leaves)))
-    out["tree_tp"] = tree_all_reduce(subtree, None)
+    out["tree_tp"] = tree_all_reduce(subtree, dist.group.WORLD)
     vanilla = my_slice.sum(-1)
     dist.all_reduce(vanilla)
     out["vanilla_tp"] = vanilla
@@ -65,7 +65,7 @@ def _correctness_rank(rank, world, cases, gathers, x):
         out["errors"] = _errors(rank)
     if world == 4:  # explicit sub-groups: consecutive pairs, strided pairs, and three ranks
         out["pair_sum_refused"] = _caught(
-            lambda: tree_all_reduce(torch.ones(4), None, algorithm="pair_sum"))
+            lambda: tree_all_reduce(torch.ones(4), dist.group.WORLD, algorithm="pair_sum"))
         three = dist.new_group([0, 1, 2])
         if rank < 3:
             out["three"] = _caught(lambda: tree_all_reduce(torch.ones(4), three))
@@ -210,15 +210,17 @@ def _errors(rank):
     dtype = torch.float32 if rank == 0 else torch.float16
     bf16 = torch.ones(5, dtype=torch.bfloat16)
     return {
-        "bf16": _caught(lambda: tree_all_reduce(bf16, None)),
-        "bf16_unchecked": _caught(lambda: tree_all_reduce(bf16, None, check=False)),
-        "shapes": _caught(lambda: tree_all_reduce(torch.ones(shape), None)),
-        "dtypes": _caught(lambda: tree_all_reduce(torch.ones(5, dtype=dtype), None)),
-        "gather_shapes": _caught(lambda: all_gather(torch.ones(shape), None)),
-        "scatter_indivisible": _caught(lambda: tree_reduce_scatter(torch.ones(5, 3), None)),
-        "algorithm": _caught(lambda: tree_all_reduce(torch.ones(5), None, algorithm="ring")),
-        "leaves": _caught(lambda: tree_all_reduce(torch.ones(5), None, leaves=1)),
-        "still_works": tree_all_reduce(torch.full((3,), float(rank + 1)), None),
+        "bf16": _caught(lambda: tree_all_reduce(bf16, dist.group.WORLD)),
+        "bf16_unchecked": _caught(lambda: tree_all_reduce(bf16, dist.group.WORLD, check=False)),
+        "shapes": _caught(lambda: tree_all_reduce(torch.ones(shape), dist.group.WORLD)),
+        "dtypes": _caught(lambda: tree_all_reduce(torch.ones(5, dtype=dtype), dist.group.WORLD)),
+        "gather_shapes": _caught(lambda: all_gather(torch.ones(shape), dist.group.WORLD)),
+        "scatter_indivisible": _caught(lambda: tree_reduce_scatter(torch.ones(5, 3), dist.group.WORLD)),
+        "algorithm": _caught(lambda: tree_all_reduce(torch.ones(5), dist.group.WORLD, algorithm="ring")),
+        "leaves": _caught(lambda: tree_all_reduce(torch.ones(5), dist.group.WORLD, leaves=1)),
+        "none_group": _caught(lambda: tree_all_reduce(torch.ones(5), None)),
+        "none_gather": _caught(lambda: all_gather(torch.ones(5), None)),
+        "still_works": tree_all_reduce(torch.full((3,), float(rank + 1)), dist.group.WORLD),
     }
 
 
@@ -236,6 +238,8 @@ def test_errors_are_clear_and_raised_on_every_rank(spawned):
         assert "multiple of 2" in r["scatter_indivisible"][1]
         assert r["algorithm"][0] == "ValueError" and "ring" in r["algorithm"][1]
         assert r["leaves"][0] == "InvarianceError"
+        for key in ("none_group", "none_gather"):  # None is a single rank; among two it raises
+            assert r[key][0] == "InvarianceError" and "group=None" in r[key][1], r[key]
         assert torch.equal(r["still_works"], torch.full((3,), 3.0)), rank
 
 
@@ -251,7 +255,7 @@ def _rank_dies_rank(rank, world, hang):
         if hang:
             time.sleep(30)
         os._exit(3)
-    return tree_all_reduce(torch.ones(1000), None, algorithm="all_to_all")
+    return tree_all_reduce(torch.ones(1000), dist.group.WORLD, algorithm="all_to_all")
 
 
 @pytest.mark.parametrize("hang", [False, True], ids=["exits", "hangs"])

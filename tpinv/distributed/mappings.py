@@ -8,14 +8,15 @@ that reduce (in either direction) take fp32 tensors only: partials must stay fp3
 after the reduction, then be rounded once.
 
 Tensor-parallel regions split or join the last dimension; sequence-parallel regions
-split or join dimension 0.  ``group=None`` means the default (world) group.
+split or join dimension 0.  ``group=None`` means a single rank and raises among several
+ranks (:mod:`tpinv.distributed.groups`).
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from tpinv.core.contract import DEFAULT_LEAVES, check_tp_size
+from tpinv.distributed.groups import group_size, group_size_rank, resolve_group
 from tpinv.distributed.reduce import all_gather, tree_all_reduce, tree_reduce_scatter
 
 __all__ = [
@@ -35,7 +36,7 @@ def _fp32_partial(region: str, x: torch.Tensor) -> None:
 
 def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """This rank's contiguous chunk of ``dim`` (equal chunks in rank order)."""
-    size = dist.get_world_size(group)
+    size, rank = group_size_rank(group, "group")
     if size == 1:
         return x
     dim = dim % x.dim()
@@ -45,7 +46,7 @@ def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         raise ValueError(f"cannot split dim {dim} of shape {tuple(x.shape)} over {size} ranks; "
                          f"expected shape {expected}")
     chunk = x.shape[dim] // size
-    return x.narrow(dim, dist.get_rank(group) * chunk, chunk).contiguous()
+    return x.narrow(dim, rank * chunk, chunk).contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -129,14 +130,14 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
 
 def _group(group):
-    return dist.group.WORLD if group is None else group
+    return resolve_group(group, "group")
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor, group, *,
                                          leaves: int = DEFAULT_LEAVES) -> torch.Tensor:
     """Forward: identity.  Backward: tree all-reduce of the fp32 partial gradients."""
     _fp32_partial("copy_to_tensor_model_parallel_region (backward)", x)
-    check_tp_size(dist.get_world_size(_group(group)), leaves)
+    check_tp_size(group_size(group, "group"), leaves)
     return _CopyToTP.apply(x, _group(group), leaves)
 
 
@@ -169,7 +170,7 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group, *,
     gradients on dim 0 (or, with ``tensor_parallel_output_grad=False``, the rank's chunk)."""
     if tensor_parallel_output_grad:
         _fp32_partial("gather_from_sequence_parallel_region (backward)", x)
-        check_tp_size(dist.get_world_size(_group(group)), leaves)
+        check_tp_size(group_size(group, "group"), leaves)
     return _GatherFromSP.apply(x, _group(group), tensor_parallel_output_grad, leaves)
 
 

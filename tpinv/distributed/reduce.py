@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size, tree_combine_list
 from tpinv.core.capture import capturing
+from tpinv.distributed.groups import group_size_rank
 
 __all__ = ["ALGORITHMS", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
            "all_gather", "algorithms_for", "choose_algorithm"]
@@ -78,14 +79,12 @@ def choose_algorithm(nbytes: int, group_size: int, backend: str = "gloo") -> str
     return "all_gather" if (group_size - 1) * nbytes <= limit else "all_to_all"
 
 
-def _group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int, int]:
-    if not dist.is_initialized():
+def _group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(group, size, rank)``; ``None`` follows :mod:`tpinv.distributed.groups` (a single rank)."""
+    if group is not None and not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group "
                            "(or tpinv.distributed.parallel.ParallelDims.build) before a tree collective")
-    group = dist.group.WORLD if group is None else group
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the process group it was given")
+    size, rank = group_size_rank(group, "group")
     return group, size, rank
 
 
@@ -226,7 +225,8 @@ def _reduce_scatter_rows(rows: torch.Tensor, group, size: int, rank: int, algori
 def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None, *,
                     algorithm: str = "auto", leaves: int = DEFAULT_LEAVES,
                     check: bool = True) -> torch.Tensor:
-    """Tree-combine the fp32 ``partial`` of every rank of ``group`` (``None``: the world).
+    """Tree-combine the fp32 ``partial`` of every rank of ``group`` (``None``: a single rank, see
+    :mod:`tpinv.distributed.groups`).
 
     Returns a contiguous tensor of ``partial``'s shape, bitwise equal to
     ``tree_combine(torch.stack(partials, -1))`` in one process.  A group of one returns

@@ -10,8 +10,8 @@ import os
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from tpinv.distributed.groups import group_size_rank
 from tpinv.io.checkpoint import META_FILE, load_shard, param_meta_from_module, read_info, shard_index
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.models.configs import CONFIGS, get_config
@@ -38,12 +38,6 @@ def source_kind(source: str) -> str:
     return "config"
 
 
-def _rank(tp_group) -> tuple[int, int]:
-    if tp_group is None:
-        return 1, 0
-    return dist.get_world_size(tp_group), dist.get_rank(tp_group)
-
-
 def _tokenizer_in(directory: str):
     if any(os.path.isfile(os.path.join(directory, f)) for f in (HF_FILE, SENTENCEPIECE_FILE)):
         return load_tokenizer(directory)
@@ -56,7 +50,7 @@ def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = Non
 
     ``leaves`` defaults to the checkpoint's (tpinv) or :data:`~tpinv.core.contract.DEFAULT_LEAVES`.
     """
-    tp, rank = _rank(tp_group)
+    tp, rank = group_size_rank(tp_group)
     kind = source_kind(source)
     if kind == "config":
         args = get_config(source, **({"dtype": dtype} if dtype is not None else {}))

@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
-from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_leaves, check_tp_size
+from tpinv.core.contract import DEFAULT_LEAVES, check_divisible, check_leaves, check_tp_size
 
 ROW_STRATEGIES = ("tree", "column_only")
 
@@ -27,17 +26,6 @@ def reject_unsupported(layer: str, **given: tuple[Any, Any]) -> None:
         raise NotImplementedError(
             f"{layer}: {name}={value!r} is not supported by tpinv (only {name}={supported!r}); "
             f"remove the keyword or use megatron-core's own layer for this module")
-
-
-def group_size_rank(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    """``(size, rank)`` of ``group``; a missing group means a single-rank run."""
-    if group is None:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            raise InvarianceError(
-                "tp_group=None while torch.distributed is initialized with several ranks: "
-                "pass the tensor-parallel group explicitly (tpinv never guesses a group)")
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def config_leaves(config: Any, leaves: Optional[int]) -> int:

@@ -15,17 +15,12 @@ import torch.distributed as dist
 
 from tpinv.core.contract import DEFAULT_LEAVES, check_divisible, check_tp_size
 from tpinv.ops import sum_exp_partial
+from tpinv.distributed.groups import group_size_rank
 from tpinv.distributed.reduce import tree_all_reduce
 
 
-def _size_rank(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def _logsumexp_and_target(logits: torch.Tensor, target: torch.Tensor, group, leaves: int):
-    tp, rank = _size_rank(group)
+    tp, rank = group_size_rank(group)
     check_tp_size(tp, leaves)
     v = logits.shape[-1]
     check_divisible("vocab shard", v * tp, leaves)

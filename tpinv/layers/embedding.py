@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.layers.common import check_layer_sizes, config_leaves, group_size_rank, init_sharded_weight, params_dtype
+from tpinv.distributed.groups import group_size, group_size_rank
+from tpinv.layers.common import check_layer_sizes, config_leaves, init_sharded_weight, params_dtype
 from tpinv.layers.common import reject_unsupported
 from tpinv.core.capture import value_range
 from tpinv.ops import embedding_backward
@@ -29,7 +30,7 @@ class _VocabParallelLookup(torch.autograd.Function):
         local = local.masked_fill(outside, 0)
         out = torch.nn.functional.embedding(local, weight)
         ctx.save_for_backward(local, outside)
-        ctx.sharded = group is not None and dist.get_world_size(group) > 1
+        ctx.sharded = group_size(group) > 1
         ctx.num_rows, ctx.dtype = n, weight.dtype
         if ctx.sharded:
             out = out.masked_fill(outside.unsqueeze(-1), 0)

@@ -14,18 +14,13 @@
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from tpinv.core.contract import tree_combine
 from tpinv.ops import matmul_partial, tree_sum
+from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.distributed.reduce import all_gather, tree_all_reduce, tree_reduce_scatter
-
-
-def _size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +50,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        tp = _size(ctx.group) if ctx.reduce_dgrad else 1
+        tp = group_size(ctx.group) if ctx.reduce_dgrad else 1
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             # With stride s (Megatron's interleaved [gate_r; up_r] shards) N is s blocks of
@@ -80,7 +75,7 @@ class RowParallelTreeMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, group, leaves):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.leaves = group, leaves
-        tp = _size(group)
+        tp = group_size(group)
         part = matmul_partial(x, weight, leaves // tp)
         if tp > 1:
             part = tree_all_reduce(part, group, leaves=leaves)
@@ -103,7 +98,7 @@ class RowParallelColumnOnlyMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, group, leaves):
-        tp = _size(group)
+        tp = group_size(group)
         x_full = all_gather(x, group, dim=-1) if tp > 1 else x
         ctx.save_for_backward(x_full, weight)
         ctx.group, ctx.leaves = group, leaves
@@ -113,9 +108,8 @@ class RowParallelColumnOnlyMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_full, weight = ctx.saved_tensors
-        tp = _size(ctx.group)
+        tp, rank = group_size_rank(ctx.group)
         n = weight.shape[0]
-        rank = 0 if tp == 1 else dist.get_rank(ctx.group)
         dy_r = dy.narrow(-1, rank * n, n)
         dx = dw = None
         if ctx.needs_input_grad[0]:

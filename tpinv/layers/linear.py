@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from tpinv.core.contract import check_divisible
+from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.common import (
-    check_layer_sizes, config_leaves, config_row_strategy, group_size_rank, init_sharded_weight,
+    check_layer_sizes, config_leaves, config_row_strategy, init_sharded_weight,
     params_dtype, reject_unsupported,
 )
 from tpinv.layers.functions import ColumnParallelMatmul, RowParallelColumnOnlyMatmul, RowParallelTreeMatmul

@@ -8,8 +8,8 @@ over *all* heads in a fixed order on every rank, so every TP size gets the same 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from tpinv.distributed.groups import group_size
 from tpinv.distributed.reduce import all_gather
 from tpinv.kernels.reference_norm import check_rms_norm_inputs
 from tpinv.kernels.reference_tree import halving_sum
@@ -51,7 +51,7 @@ class _HeadRMSNorm(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x, per_head = rms_norm_backward_heads_op(grad.contiguous(), x, weight, ctx.eps)
-        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+        if group_size(ctx.group) > 1:
             per_head = all_gather(per_head.contiguous(), ctx.group, dim=0)
         return grad_x, halving_sum(per_head.float().t()).to(weight.dtype), None, None
 

@@ -135,8 +135,9 @@ class Trainer:
         self.tp, self.dp = (parallel.tp_size, parallel.dp_size) if parallel else (1, 1)
         self.tp_rank, self.dp_rank = (parallel.tp_rank, parallel.dp_rank) if parallel else (0, 0)
         self.rank = parallel.rank if parallel else 0
-        self.tp_group = parallel.tp_group if parallel and self.tp > 1 else None
-        self.dp_group = parallel.dp_group if parallel and self.dp > 1 else None
+        # groups are passed even of size 1 (tpinv.distributed.groups: None is a single-process run)
+        self.tp_group = parallel.tp_group if parallel else None
+        self.dp_group = parallel.dp_group if parallel else None
         config.check(self.dp)
         if not config.vanilla and self.dp & (self.dp - 1):
             raise InvarianceError(f"dp={self.dp}: the tree reducer needs a power-of-two data-parallel size")
@@ -173,7 +174,7 @@ class Trainer:
         return tree_sum((per_token * mb.loss_mask).reshape(-1), 1)
 
     def _dp_sum(self, total: torch.Tensor) -> torch.Tensor:
-        if self.dp_group is None:
+        if self.dp == 1:
             return total
         if self.cfg.vanilla:
             dist.all_reduce(total, group=self.dp_group)
@@ -236,13 +237,13 @@ class Trainer:
             right = (logits.argmax(-1) == b.targets) & need
             counts += torch.stack([(right == need).all(-1).sum(), need.new_tensor(len(b), dtype=torch.int64),
                                    right.sum(), need.sum()])
-        if self.dp_group is not None:
+        if self.dp > 1:
             dist.all_reduce(counts, group=self.dp_group)  # integer sums are exact in any order
         c = counts.tolist()
         return {"heldout_exact": c[0] / c[1], "heldout_token_acc": c[2] / c[3]}
 
     def _full(self, t: torch.Tensor, dim) -> torch.Tensor:
-        return t.detach() if dim is None or self.tp_group is None else \
+        return t.detach() if dim is None or self.tp == 1 else \
             all_gather(t.detach().contiguous(), self.tp_group, dim=dim)
 
     def weights_sha256(self, which: str = "model") -> str:

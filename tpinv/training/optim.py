@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_leaves
 from tpinv.kernels.reference_tree import halving_sum, leaf_tree_sum
+from tpinv.distributed.groups import group_size
 from tpinv.distributed.reduce import tree_all_reduce
 
 __all__ = ["ParamSlot", "ParamLayout", "lr_at", "global_grad_norm", "vanilla_grad_norm", "clip_coefficient",
@@ -112,10 +113,6 @@ class ParamLayout:
         return [tuple(r) for r in ranges]
 
 
-def _group_size(group) -> int:
-    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
-
-
 def _canonical_squares(grad: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
     sq = grad * grad
     return (sq if dim is None else sq.movedim(dim, 0)).reshape(-1)
@@ -125,7 +122,7 @@ def global_grad_norm(grads: torch.Tensor, layout: ParamLayout, tp_group=None,
                      leaves: int = DEFAULT_LEAVES) -> torch.Tensor:
     """The L2 norm (fp32, 0-dim) of the full model gradient; the same bits at every TP size."""
     check_leaves(leaves)
-    tp = _group_size(tp_group)
+    tp = group_size(tp_group)
     sharded, values = [], {}
     for s in layout.slots:
         full_numel = math.prod(s.full_shape)
@@ -159,7 +156,7 @@ def vanilla_grad_norm(grads: torch.Tensor, layout: ParamLayout, tp_group=None) -
             sharded = sharded + torch.sum(g * g)
         else:
             replicated = replicated + torch.sum(g * g)
-    if _group_size(tp_group) > 1:
+    if group_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
     return torch.sqrt(sharded + replicated)
 

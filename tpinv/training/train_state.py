@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from tpinv.io.atomic_dir import atomic_directory, fsync_dir, fsync_file, write_json
 from tpinv.io.checkpoint import load_shard, param_meta_from_module, save_checkpoint, shard_index
+from tpinv.distributed.groups import group_size
 from tpinv.distributed.reduce import all_gather
 from tpinv.io.safetensors_stream import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
 
@@ -55,7 +56,7 @@ def _file_sha256(path: str) -> str:
 
 
 def _full(t: torch.Tensor, dim: Optional[int], tp_group) -> torch.Tensor:
-    if dim is None or tp_group is None or dist.get_world_size(tp_group) == 1:
+    if dim is None or group_size(tp_group) == 1:
         return t.detach().clone()
     return all_gather(t.detach().contiguous(), tp_group, dim=dim)
 
