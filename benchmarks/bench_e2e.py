@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from tpinv.core.dtypes import dtype_from_name
 from tpinv.core.capture import capture
 from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.models import Transformer, get_config
@@ -175,7 +176,7 @@ def main() -> None:
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     name, _, layers = opts.model.partition(":")
-    model = build(name, int(layers) if layers else None, getattr(torch, opts.dtype), device)
+    model = build(name, int(layers) if layers else None, dtype_from_name(opts.dtype), device)
     params = sum(t.numel() for t in model.parameters())
     modes = ["eager", "graph"] if device.type == "cuda" else ["eager"]
     for mode in modes:

@@ -21,9 +21,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-import torch
+from tpinv.core.dtypes import CLI_CHOICES, cli_dtype
 
-DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="prompts, one JSON object per line")
     p.add_argument("--output", required=True, help="results, one JSON object per line (written by rank 0)")
     p.add_argument("--tokenizer", help="tokenizer file or dir (default: the one in the model dir, if any)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep")
+    p.add_argument("--dtype", choices=CLI_CHOICES, default="keep")
     p.add_argument("--init-seed", type=int, default=0, help="weights of a named config")
     p.add_argument("--max-batch", type=int, default=8, help="KV-cache slots (requests in flight)")
     p.add_argument("--max-context", type=int, help="positions per slot (default: the model's)")
@@ -83,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed, "top_logprobs": args.top_logprobs}
     requests, errors = read_requests(args.input, defaults)
-    engine = Engine.load(args.model, tp_group=group, dtype=DTYPES[args.dtype], init_seed=args.init_seed,
+    engine = Engine.load(args.model, tp_group=group, dtype=cli_dtype(args.dtype), init_seed=args.init_seed,
                          tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer else None,
                          max_batch=args.max_batch, max_context=args.max_context, token_budget=args.token_budget,
                          eos_token_id=args.eos_token_id, vanilla=args.vanilla)

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from tpinv.core.contract import check_dtype
+from tpinv.core.dtypes import MODEL_DTYPES, dtype_from_name
 
 #: HF ``architectures`` entry -> family.
 ARCHITECTURES = {
@@ -26,8 +27,6 @@ FAMILIES = tuple(ARCHITECTURES.values())
 
 #: RoPE scaling types the decoder supports (``None`` means plain RoPE).
 ROPE_SCALING_TYPES = ("linear", "llama3")
-
-MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +169,4 @@ def _sliding_window(cfg: dict, family: str) -> Optional[int]:
 
 def _config_dtype(cfg: dict) -> torch.dtype:
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if name not in MODEL_DTYPES:
-        raise NotImplementedError(f"config dtype {name!r} is not supported; expected one of "
-                                  f"{tuple(MODEL_DTYPES)}")
-    return MODEL_DTYPES[name]
+    return dtype_from_name(name, allowed=MODEL_DTYPES, error=NotImplementedError, what="config dtype")

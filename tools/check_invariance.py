@@ -107,11 +107,12 @@ def run_config(model, forward, prompts, batch, new_tokens, seed, leaves):
 
 
 def rank_main(rank, world, a):
+    from tpinv.core.dtypes import dtype_from_name
     from tpinv.io.loading import load_model
     from tpinv.models.vanilla import vanilla_forward
 
     groups = {t: dist.new_group(list(range(t))) for t in a.tp}
-    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    dtype = dtype_from_name(a.dtype)
     forwards = {"invariant": lambda m, *x, **k: m(*x, **k), "vanilla": vanilla_forward}
     runs = {}
     for tp in a.tp:

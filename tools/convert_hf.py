@@ -13,9 +13,8 @@ import re
 import sys
 from typing import Optional, Sequence
 
-import torch
+from tpinv.core.dtypes import CLI_CHOICES, cli_dtype
 
-DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -34,14 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("hf_dir")
     a.add_argument("out_dir")
     a.add_argument("--tp", type=int, default=1, help="write one file per rank of this TP size (1: one file)")
-    a.add_argument("--dtype", choices=sorted(DTYPES), default="keep")
+    a.add_argument("--dtype", choices=CLI_CHOICES, default="keep")
     a.add_argument("--leaves", type=int, default=8, help="the run's leaf count (TP_MAX)")
     a.add_argument("--row-strategy", choices=("tree", "column_only"), default="tree")
     a.add_argument("--no-checksums", action="store_true", help="skip the per-tensor sha256 in tpinv.json")
     b = sub.add_parser("to-hf", help="tpinv checkpoint (any TP layout) -> HF model directory")
     b.add_argument("tpinv_dir")
     b.add_argument("out_dir")
-    b.add_argument("--dtype", choices=sorted(DTYPES), default="keep")
+    b.add_argument("--dtype", choices=CLI_CHOICES, default="keep")
     b.add_argument("--fuse", action="store_true", help="write fused qkv_proj / gate_up_proj tensors")
     b.add_argument("--max-shard-size", type=parse_size, default="5GB")
     for q in (a, b):
@@ -55,11 +54,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from tpinv.io.hf_convert import convert_hf_to_tpinv, convert_tpinv_to_hf
     progress = not args.no_progress and sys.stderr.isatty()
     if args.command == "to-tpinv":
-        out = convert_hf_to_tpinv(args.hf_dir, args.out_dir, tp=args.tp, dtype=DTYPES[args.dtype],
+        out = convert_hf_to_tpinv(args.hf_dir, args.out_dir, tp=args.tp, dtype=cli_dtype(args.dtype),
                                   leaves=args.leaves, row_strategy=args.row_strategy,
                                   checksums=not args.no_checksums, overwrite=args.overwrite, progress=progress)
     else:
-        out = convert_tpinv_to_hf(args.tpinv_dir, args.out_dir, dtype=DTYPES[args.dtype], fuse=args.fuse,
+        out = convert_tpinv_to_hf(args.tpinv_dir, args.out_dir, dtype=cli_dtype(args.dtype), fuse=args.fuse,
                                   max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=progress)
     print(out)
     return 0

@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 
 import torch
 
-DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from tpinv.core.dtypes import CLI_CHOICES, cli_dtype
+
 
 
 def ints(text: str) -> list[int]:
@@ -35,7 +36,7 @@ def ints(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="named config, tpinv checkpoint dir or HF model dir")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="keep")
+    p.add_argument("--dtype", choices=CLI_CHOICES, default="keep")
     p.add_argument("--init-seed", type=int, default=0, help="weights of a named config")
     p.add_argument("--weight-scale", type=float, default=1.0,
                    help="multiply a named config's random projection/embedding weights (peakier distributions)")
@@ -216,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         import torch.distributed as dist
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    spec = {"model": args.model, "dtype": DTYPES[args.dtype], "init_seed": args.init_seed,
+    spec = {"model": args.model, "dtype": cli_dtype(args.dtype), "init_seed": args.init_seed,
             "weight_scale": args.weight_scale, "seed": args.seed}
     requests = make_requests(args, vocab_size(args.model))
     modes = [False, True] if args.vanilla else [False]

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import torch
 
+from tpinv.core.dtypes import MODEL_DTYPES
+
 #: Default number of leaves (the largest TP size the run must agree with).
 TP_MAX = 8
 DEFAULT_LEAVES = TP_MAX
 
-#: Input dtypes the invariant ops accept.  Accumulation is always fp32.
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Input dtypes the invariant ops accept (tpinv.core.dtypes.MODEL_DTYPES).  Accumulation is always fp32.
+SUPPORTED_DTYPES = MODEL_DTYPES
 
 
 class InvarianceError(ValueError):

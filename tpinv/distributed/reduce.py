@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size, tree_combine_list
 from tpinv.core.capture import capturing
+from tpinv.core.dtypes import NAMES
 from tpinv.distributed.groups import group_size_rank
 
 __all__ = ["ALGORITHMS", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
@@ -53,8 +54,7 @@ ALGORITHMS = ("all_to_all", "halving", "all_gather", "pair_sum")
 AUTO_ALL_GATHER_MAX_BYTES = {"gloo": 512 * 1024, "nccl": 16 * 1024 * 1024}
 
 _OPS = ("tree_all_reduce", "tree_reduce_scatter", "all_gather")
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_DTYPES = tuple(NAMES.values())  # descriptor codes: a dtype's index in tpinv's one name table
 _DESC_DIMS = 10
 
 

@@ -35,14 +35,12 @@ import torch
 
 from tpinv.io.atomic_dir import atomic_directory, copy_file, write_json
 from tpinv.core.contract import DEFAULT_LEAVES, check_divisible, check_tp_size
+from tpinv.core.dtypes import dtype_from_name, dtype_name
 from tpinv.io.safetensors_stream import CheckpointError, SafetensorsReader, SafetensorsStreamWriter, TensorSpec
 
 FORMAT_NAME, FORMAT_VERSION = "tpinv-checkpoint", 1
 META_FILE, FULL_FILE = "tpinv.json", "model.safetensors"
 ROW_STRATEGIES = ("tree", "column_only")
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-                "bool": torch.bool}
 
 #: name -> partition dim (``None``: replicated) of every tensor.
 ParamMeta = Mapping[str, Optional[int]]
@@ -50,16 +48,6 @@ ParamMeta = Mapping[str, Optional[int]]
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointReader", "TensorSource", "atomic_directory", "load_full",
            "load_shard", "param_meta_from_module", "read_info", "save_checkpoint", "shard_file_name",
            "shard_index", "write_checkpoint", "iter_full_tensors"]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    if name not in _DTYPE_NAMES:
-        raise CheckpointError(f"dtype {name!r} is not supported; expected one of {sorted(_DTYPE_NAMES)}")
-    return _DTYPE_NAMES[name]
 
 
 def shard_file_name(tp: int, rank: int) -> str:
@@ -118,7 +106,7 @@ class CheckpointInfo:
 
     def spec(self, name: str) -> TensorSpec:
         t = self.tensors[name]
-        return TensorSpec(name, dtype_from_name(t["dtype"]), tuple(t["shape"]))
+        return TensorSpec(name, dtype_from_name(t["dtype"], error=CheckpointError), tuple(t["shape"]))
 
     def partition_dims(self) -> dict[str, Optional[int]]:
         return {name: t["partition_dim"] for name, t in self.tensors.items()}

@@ -17,7 +17,8 @@ from typing import Optional
 import torch
 
 from tpinv.io.atomic_dir import atomic_directory, copy_file, write_json
-from tpinv.io.checkpoint import (CheckpointError, CheckpointReader, TensorSource, dtype_name, read_info,
+from tpinv.core.dtypes import dtype_name
+from tpinv.io.checkpoint import (CheckpointError, CheckpointReader, TensorSource, read_info,
                               write_checkpoint)
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.models.args import ModelArgs

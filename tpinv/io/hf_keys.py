@@ -16,7 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-from tpinv.models.args import ARCHITECTURES, MODEL_DTYPES, ModelArgs
+from tpinv.core.dtypes import MODEL_DTYPES, dtype_from_name
+from tpinv.models.args import ARCHITECTURES, ModelArgs
 
 COLUMN, ROW, REPLICATED = "column", "row", None
 
@@ -195,9 +196,7 @@ def args_to_dict(args: ModelArgs) -> dict:
 
 def args_from_dict(d: dict) -> ModelArgs:
     d = dict(d)
-    if d.get("dtype") not in MODEL_DTYPES:
-        raise ValueError(f"model_args dtype {d.get('dtype')!r}: expected one of {tuple(MODEL_DTYPES)}")
-    d["dtype"] = MODEL_DTYPES[d["dtype"]]
+    d["dtype"] = dtype_from_name(d.get("dtype"), allowed=MODEL_DTYPES, what="model_args dtype")
     return ModelArgs(**d)
 
 

@@ -20,11 +20,8 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence
 import torch
 from safetensors import safe_open
 
-_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
+from tpinv.core.dtypes import SAFETENSORS_CODES as _CODES
+
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 _MAX_HEADER = 100 * 1024 * 1024
 

@@ -9,26 +9,15 @@ from __future__ import annotations
 
 import os
 
-import torch
-
+from tpinv.core.dtypes import MODEL_DTYPES, dtype_from_name
 from tpinv.io.checkpoint import read_info
 from tpinv.models import check_model_sizes, get_config
 
-__all__ = ["DTYPES", "build_model", "resolve_model_args"]
-
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "fp16": torch.float16, "float16": torch.float16}
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r}: expected one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
+__all__ = ["build_model", "resolve_model_args"]
 
 def resolve_model_args(model: str, dtype: str):
     """``(ModelArgs, kind)`` with ``kind`` one of ``"config"``, ``"hf"``, ``"tpinv"``."""
-    dt = _dtype(dtype)
+    dt = dtype_from_name(dtype, allowed=MODEL_DTYPES)
     if os.path.isdir(model):
         if os.path.isfile(os.path.join(model, "tpinv.json")):
             from tpinv.io.hf_keys import args_from_dict
