@@ -78,16 +78,8 @@ def make_requests(args, vocab_size: int):
 
 def vocab_size(source: str) -> int:
     """The vocabulary size of a model source, read from its config (no weights loaded)."""
-    from tpinv.io.checkpoint import read_info
-    from tpinv.io.loading import source_kind
-    from tpinv.models.configs import get_config
-    kind = source_kind(source)
-    if kind == "config":
-        return get_config(source).vocab_size
-    if kind == "tpinv":
-        return int(read_info(source).model_args["vocab_size"])
-    from tpinv.io.hf_convert import read_hf_config
-    return read_hf_config(source)[1].vocab_size
+    from tpinv.io.loading import source_model_args
+    return source_model_args(source)[0].vocab_size
 
 
 def build_model(spec: dict, group):

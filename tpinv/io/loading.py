@@ -19,7 +19,7 @@ from tpinv.io.hf_keys import args_from_dict
 from tpinv.models.transformer import Transformer
 from tpinv.io.tokenizer import HF_FILE, SENTENCEPIECE_FILE, load_tokenizer
 
-__all__ = ["load_model", "source_kind"]
+__all__ = ["load_model", "source_kind", "source_model_args"]
 
 
 def source_kind(source: str) -> str:
@@ -38,6 +38,22 @@ def source_kind(source: str) -> str:
     return "config"
 
 
+def source_model_args(source: str, dtype: Optional[torch.dtype] = None):
+    """``(ModelArgs, kind)`` of ``source`` (kind from :func:`source_kind`), with ``dtype`` applied if given.
+
+    The one place that decides what a model source is: the loader, the trainer and the tools call it.
+    """
+    kind = source_kind(source)
+    if kind == "config":
+        args = get_config(source)
+    elif kind == "tpinv":
+        args = args_from_dict(read_info(source).model_args)
+    else:
+        from tpinv.io.hf_convert import read_hf_config
+        args = read_hf_config(source)[1]
+    return (args.replace(dtype=dtype) if dtype is not None else args), kind
+
+
 def _tokenizer_in(directory: str):
     if any(os.path.isfile(os.path.join(directory, f)) for f in (HF_FILE, SENTENCEPIECE_FILE)):
         return load_tokenizer(directory)
@@ -51,24 +67,18 @@ def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = Non
     ``leaves`` defaults to the checkpoint's (tpinv) or :data:`~tpinv.core.contract.DEFAULT_LEAVES`.
     """
     tp, rank = group_size_rank(tp_group)
-    kind = source_kind(source)
+    args, kind = source_model_args(source, dtype)
     if kind == "config":
-        args = get_config(source, **({"dtype": dtype} if dtype is not None else {}))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(init_seed)
             model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
         return model.eval(), None
     if kind == "tpinv":
-        info = read_info(source)
-        args = args_from_dict(info.model_args)
-        args = args.replace(dtype=dtype) if dtype is not None else args
-        model = Transformer(args, tp_group=tp_group, leaves=leaves or info.leaves, row_strategy=row_strategy)
+        model = Transformer(args, tp_group=tp_group, leaves=leaves or read_info(source).leaves, row_strategy=row_strategy)
         state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype)
         model.load_state_dict(state, strict=True)
         return model.eval(), _tokenizer_in(source)
-    from tpinv.io.hf_convert import HFWeights, plan_import, read_hf_config
-    _, args = read_hf_config(source)
-    args = args.replace(dtype=dtype) if dtype is not None else args
+    from tpinv.io.hf_convert import HFWeights, plan_import
     model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
     sources = plan_import(HFWeights(source), args, args.dtype, row_strategy)
     state = {s.name: s.read(shard_index(s.shape, s.partition_dim, tp, rank, s.name)).to(s.dtype) for s in sources}

@@ -7,29 +7,16 @@ reads exactly its shard, values unchanged apart from the one cast to ``--dtype``
 """
 from __future__ import annotations
 
-import os
-
 from tpinv.core.dtypes import MODEL_DTYPES, dtype_from_name
-from tpinv.io.checkpoint import read_info
-from tpinv.models import check_model_sizes, get_config
+from tpinv.io.loading import load_model, source_model_args
+from tpinv.models import check_model_sizes
 
 __all__ = ["build_model", "resolve_model_args"]
 
+
 def resolve_model_args(model: str, dtype: str):
-    """``(ModelArgs, kind)`` with ``kind`` one of ``"config"``, ``"hf"``, ``"tpinv"``."""
-    dt = dtype_from_name(dtype, allowed=MODEL_DTYPES)
-    if os.path.isdir(model):
-        if os.path.isfile(os.path.join(model, "tpinv.json")):
-            from tpinv.io.hf_keys import args_from_dict
-            return args_from_dict(read_info(model).model_args).replace(dtype=dt), "tpinv"
-        if os.path.isfile(os.path.join(model, "config.json")):
-            from tpinv.io.hf_convert import read_hf_config
-            return read_hf_config(model)[1].replace(dtype=dt), "hf"
-        raise FileNotFoundError(f"model directory {model} has neither config.json (HF) nor tpinv.json (tpinv)")
-    try:
-        return get_config(model, dtype=dt), "config"
-    except KeyError as e:
-        raise ValueError(f"{e.args[0]}; or pass a HF model directory or a tpinv checkpoint") from None
+    """``(ModelArgs, kind)`` of the ``--model`` source at the ``--dtype`` name (see :func:`source_model_args`)."""
+    return source_model_args(model, dtype_from_name(dtype, allowed=MODEL_DTYPES))
 
 
 def build_model(config, tp_group, tp: int, tp_rank: int):
@@ -39,7 +26,6 @@ def build_model(config, tp_group, tp: int, tp_rank: int):
     anything is built); :func:`tpinv.io.loading.load_model` -- the loader the inference
     engine uses -- then builds the model and reads exactly this rank's slice of the weights.
     """
-    from tpinv.io.loading import load_model
     args, _ = resolve_model_args(config.model, config.dtype)
     check_model_sizes(args, tp, config.leaves)  # TP dividing heads, sizes splitting into leaves
     if config.seq_len > args.max_position_embeddings:
