@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tpinv.kernels.reference_attention import block_visibility
 from tpinv.core.capture import capturing
 from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.models.kv_cache import KVCache
 from tpinv.ops import rope_cos_sin
+from tpinv.ops.attention import block_visibility
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -17,11 +17,13 @@ from typing import Optional
 
 import torch
 
-from tpinv.kernels.reference_attention import attention_forward, check_attention_inputs
+from tpinv.kernels.reference_attention import attention_forward, block_visibility, check_attention_inputs
 from tpinv.kernels.reference_attention_bwd import attention_backward
 from tpinv.ops.registry import define_op
 
-__all__ = ["attention", "attention_op", "attention_backward_op"]
+#: which keys a query sees (causal, window, mask): the rule every attention kernel applies,
+#: re-exported for code above the ops (the vanilla control) that builds its own mask.
+__all__ = ["attention", "attention_op", "attention_backward_op", "block_visibility"]
 
 
 @define_op("attention")
