@@ -6,16 +6,17 @@ B=1, 16, 64.  Times are medians of ``triton.testing.do_bench`` (L2 flushed befor
 run).  ``ratio = sdpa_time / ours`` (above 1: ours is faster).  ``--check`` first runs
 the bitwise invariance checks on the device and prints PASS/FAIL for each.
 
-    python benchmarks/bench_attention.py [--check] [--json PATH] [--quick]
+    python -m benchmarks.bench_attention [--check] [--json PATH] [--quick]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 
 import torch
+
+from benchmarks.common import write_json
 import torch.nn.functional as F
 
 HQ, HKV, D = 32, 8, 128
@@ -177,8 +178,7 @@ def main(argv=None) -> int:
               f"{r['ours_kv_GBps']:>11.0f}{r['sdpa_kv_GBps']:>11.0f}")
     if args.json:
         meta = dict(device=torch.cuda.get_device_name(), sdpa_backend=name, torch=torch.__version__)
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, records=records), f, indent=1)
+        write_json(args.json, dict(meta=meta, records=records))
     return status
 
 

@@ -9,13 +9,12 @@ bytes per rank, in the ring model (all-reduce ``2(C-1)/C * n``, all-gather ``(C-
 reduce-scatter and all-to-all ``(C-1)/C * n_in``).  ``bits`` digests the logits and the loss
 (:func:`tpinv.testing.bits`): the invariant plan prints the same digest at every ``--tp``.
 
-    python benchmarks/bench_dtensor.py --tp 2 --json dtensor.json          # spawns gloo ranks on CPU
-    python benchmarks/bench_dtensor.py --tp 4 --family qwen3 --seq 128 --dtype bf16
+    python -m benchmarks.bench_dtensor --tp 2 --json dtensor.json          # spawns gloo ranks on CPU
+    python -m benchmarks.bench_dtensor --tp 4 --family qwen3 --seq 128 --dtype bf16
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import write_json
 from tpinv.dtensor import PLANS, cross_entropy, parallelize
 from tpinv.core.dtypes import dtype_from_name
 from tpinv.testing import bits
@@ -179,9 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     from tpinv.testing import run_ranks
     records = run_ranks(_rank_main, args.tp, args, timeout=3600.0, pg_timeout=600.0, threads=args.threads)[0]
     print(format_table(records, args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": vars(args), "records": records}, f, indent=1)
+    write_json(args.json, {"settings": vars(args), "records": records})
 
 
 if __name__ == "__main__":

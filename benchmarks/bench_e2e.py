@@ -21,17 +21,16 @@ invariant prefill of the same tokens (the last position's logits, bitwise) and t
 if they differ.
 Prints a table; ``--json`` writes the records.  Runs on CPU too (a check of the script).
 
-    python benchmarks/bench_e2e.py --model qwen3-0.6b --json out.json
+    python -m benchmarks.bench_e2e --model qwen3-0.6b --json out.json
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
 
+from benchmarks.common import write_json
 from tpinv.core.dtypes import dtype_from_name
 from tpinv.core.capture import capture
 from tpinv.engine.decode_graph import DecodeGraph
@@ -203,10 +202,8 @@ def main() -> None:
               f"{decode[f'vanilla_{mode}_tokens_per_s']:>12.1f} {decode[f'ratio_rate_{mode}']:>7.2f} "
               f"{'>= 0.75':>8}")
     if opts.json:
-        os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
-        with open(opts.json, "w") as f:
-            json.dump({"device": dev, "model": opts.model, "params": params, "dtype": opts.dtype,
-                       "train": train, "decode": decode}, f, indent=2)
+        write_json(opts.json, {"device": dev, "model": opts.model, "params": params, "dtype": opts.dtype,
+                               "train": train, "decode": decode}, indent=2)
 
 
 if __name__ == "__main__":

@@ -10,17 +10,17 @@ vanilla bf16 formulas (``F.silu(g) * up`` and its autograd backward; the HF rota
 bf16 tables).  ``bits_equal_torch_path`` is the fraction of output elements with the same
 bits as that torch code on CUDA.  Prints a Markdown table and writes JSON (``--json PATH``).
 
-    python benchmarks/bench_elementwise.py --json out.json [--sweep]
+    python -m benchmarks.bench_elementwise --json out.json [--sweep]
 """
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
+from benchmarks.common import copy_gbps, write_json
 from tpinv.kernels import reference_activation, reference_rope
 from tpinv.kernels import triton_elementwise as te
 
@@ -28,13 +28,6 @@ INTERMEDIATE, HEADS, HEAD_DIM = 12288, 32, 128
 TOKENS = (4096, 16384)
 SILU_SWEEP = ((1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8))
 ROPE_SWEEP = ((4, 8, 64, 4), (2, 8, 64, 4), (4, 4, 64, 4), (4, 16, 64, 8), (8, 8, 64, 8), (1, 16, 64, 4))
-
-
-def copy_gbps(n_bytes: int = 1 << 30) -> float:
-    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * n_bytes / ms / 1e6
 
 
 def timed(fn, graph: bool = False) -> float | None:
@@ -157,10 +150,8 @@ def main() -> None:
     rows, configs = run(copy, args.sweep)
     print(table(rows, configs, copy))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbps=copy,
-                           silu_configs=SILU_SWEEP, rope_configs=ROPE_SWEEP, rows=rows, configs=configs),
-                      f, indent=1)
+        write_json(args.json, dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_gbps=copy,
+                           silu_configs=SILU_SWEEP, rope_configs=ROPE_SWEEP, rows=rows, configs=configs))
 
 
 if __name__ == "__main__":

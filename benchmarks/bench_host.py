@@ -8,18 +8,17 @@ compilation and queueing are excluded).  Prints a table and writes ``--json``.  
 without CUDA it runs the CPU kernels (a check of the script; the numbers then include the
 CPU work).
 
-    python benchmarks/bench_host.py [--calls 500] [--json out.json]
+    python -m benchmarks.bench_host [--calls 500] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import write_json
 from tpinv import ops
 from tpinv.models.vanilla import plain_rms_norm, plain_rope
 
@@ -86,9 +85,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['op']:<34} {r['tpinv_us']:>9.1f} {r['torch_us']:>9.1f} {r['tpinv_us'] / r['torch_us']:>6.1f}")
     if opts.json:
-        os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
-        with open(opts.json, "w") as f:
-            json.dump({"device": label, "calls": opts.calls, "rows": rows}, f, indent=1)
+        write_json(opts.json, {"device": label, "calls": opts.calls, "rows": rows})
 
 
 if __name__ == "__main__":

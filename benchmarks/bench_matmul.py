@@ -12,18 +12,18 @@ the JSON), and the calls rotate over enough input sets to be twice the L2 size, 
 weights are not read from cache.  ``--sweep`` also times every candidate launch config
 and reports the best.  Relative errors against an fp64 product are reported per M.
 
-    python benchmarks/bench_matmul.py [--sweep] [--json out.json] [--ms 32,256,4096]
+    python -m benchmarks.bench_matmul [--sweep] [--json out.json] [--ms 32,256,4096]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 
 import torch
 import triton
 from triton.testing import do_bench
 
+from benchmarks.common import copy_gbps, write_json
 from tpinv.kernels import tiles
 from tpinv.kernels.triton_matmul import _contract_mm_kernel, _launch, gluon_kernel_for, matmul_cuda
 
@@ -43,10 +43,7 @@ def target(leaves: int, m: int) -> float | None:
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes read plus written per second by a large device-to-device copy."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * nbytes / (ms * 1e-3)
+    return copy_gbps(nbytes, warmup=25, rep=200) * 1e9
 
 
 def rel_err(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
@@ -180,8 +177,7 @@ def kernel_resources() -> list[dict]:
 
 def _write(path, payload):
     if path:
-        with open(path, "w") as f:
-            json.dump(payload, f, indent=1)
+        write_json(path, payload, quiet=True)
 
 
 def main(argv=None) -> None:

@@ -7,28 +7,21 @@ softmax rows time the fused one-launch kernel (``log_softmax_forward_cuda``,
 ``logsumexp_forward_cuda``: the row read once, plus the ``[T]`` result).  Prints a
 Markdown table and writes JSON (``--json PATH``).
 
-    python benchmarks/bench_norm_softmax.py --json out.json
+    python -m benchmarks.bench_norm_softmax --json out.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from benchmarks.common import copy_gbps as copy_bandwidth_gbps, write_json
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.kernels.triton_norm import rms_norm_backward_cuda, rms_norm_forward_cuda
 from tpinv.kernels.triton_softmax import log_softmax_forward_cuda, logsumexp_forward_cuda
 from tpinv.models.vanilla import plain_rms_norm
-
-
-def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
-    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * n_bytes / ms / 1e6
 
 
 def gbps(n_bytes: int, fn) -> tuple[float, float]:
@@ -88,13 +81,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this path")
     args = parser.parse_args()
-    copy_gbps = copy_bandwidth()
+    copy_gbps = copy_bandwidth_gbps(2 << 30)
     rows = run(copy_gbps)
     print(table(rows, copy_gbps))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           copy_gbps=copy_gbps, rows=rows), f, indent=1)
+        write_json(args.json, dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                   copy_gbps=copy_gbps, rows=rows))
 
 
 if __name__ == "__main__":

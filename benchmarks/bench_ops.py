@@ -9,31 +9,18 @@ prints that factor for model-sized shapes and writes JSON.  With a CUDA device i
 shapes at M = 32, 256, 4096 and for 8192^3, leaves 1 and 8; arguments after ``--gpu-args``
 go to it).
 
-    python benchmarks/bench_ops.py [--cpu] [--threads 2] [--json runs/bench_ops.json] [--quick]
+    python -m benchmarks.bench_ops [--cpu] [--threads 2] [--json runs/bench_ops.json] [--quick]
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import host_median_s, write_json
 from tpinv import ops
 from tpinv.models.vanilla import plain_rms_norm, plain_rope
-
-
-def timeit(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def fwd_bwd(fn, *inputs):
@@ -87,10 +74,7 @@ def main(argv=None):
                    help="arguments for benchmarks/bench_matmul.py (GPU run)")
     a = p.parse_args(argv)
     if torch.cuda.is_available() and not a.cpu:
-        try:
-            from bench_matmul import main as bench_matmul
-        except ImportError:  # run from elsewhere: tools/ is not on the path
-            from tools.bench_matmul import main as bench_matmul
+        from benchmarks.bench_matmul import main as bench_matmul
         bench_matmul(a.gpu_args)
         return
     torch.set_num_threads(a.threads)
@@ -99,17 +83,14 @@ def main(argv=None):
     print(f"{'op':40s} {'torch ms':>9s} {'tpinv ms':>9s} {'x':>6s} {'torch f+b':>10s} {'tpinv f+b':>10s} {'x':>6s}")
     for name, mine, ref, inputs in cases(a.quick):
         with torch.no_grad():
-            t_ref, t_mine = timeit(lambda: ref(*inputs), a.repeat), timeit(lambda: mine(*inputs), a.repeat)
-        b_ref, b_mine = timeit(fwd_bwd(ref, *inputs), a.repeat), timeit(fwd_bwd(mine, *inputs), a.repeat)
+            t_ref, t_mine = host_median_s(lambda: ref(*inputs), a.repeat), host_median_s(lambda: mine(*inputs), a.repeat)
+        b_ref, b_mine = host_median_s(fwd_bwd(ref, *inputs), a.repeat), host_median_s(fwd_bwd(mine, *inputs), a.repeat)
         rows.append(dict(op=name, torch_ms=t_ref * 1e3, tpinv_ms=t_mine * 1e3, fwd_ratio=t_mine / t_ref,
                          torch_fwd_bwd_ms=b_ref * 1e3, tpinv_fwd_bwd_ms=b_mine * 1e3, fwd_bwd_ratio=b_mine / b_ref))
         r = rows[-1]
         print(f"{name:40s} {r['torch_ms']:9.2f} {r['tpinv_ms']:9.2f} {r['fwd_ratio']:6.1f} "
               f"{r['torch_fwd_bwd_ms']:10.2f} {r['tpinv_fwd_bwd_ms']:10.2f} {r['fwd_bwd_ratio']:6.1f}")
-    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump({"threads": a.threads, "rows": rows}, f, indent=1)
-    print(f"wrote {a.json}")
+    write_json(a.json, {"threads": a.threads, "rows": rows})
 
 
 if __name__ == "__main__":

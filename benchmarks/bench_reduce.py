@@ -8,14 +8,13 @@ single-process tree over all ranks' partials.  Bus bandwidth is ``2(C-1)/C * byt
 run with ``check=False`` unless ``--check``; the ``+check`` row times ``"auto"`` with the
 cross-rank shape check on (one more small collective and a host sync).
 
-    python benchmarks/bench_reduce.py --world 4                    # spawns gloo ranks on CPU
-    torchrun --nproc-per-node 2 benchmarks/bench_reduce.py --backend nccl --json out.json
+    python -m benchmarks.bench_reduce --world 4                    # spawns gloo ranks on CPU
+    torchrun --nproc-per-node 2 -m benchmarks.bench_reduce --backend nccl --json out.json
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import time
@@ -23,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import write_json
 from tpinv.core.contract import tree_combine_list
 from tpinv.distributed.reduce import ALGORITHMS, algorithms_for, choose_algorithm, tree_all_reduce
 
@@ -147,9 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         is_main = True
     if is_main:
         print(format_table(records))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(records, f, indent=1)
+        write_json(args.json, records)
 
 
 if __name__ == "__main__":

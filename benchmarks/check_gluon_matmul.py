@@ -14,7 +14,7 @@ Every case runs in its own try/except and prints a line before it starts (a per-
 dumps the stack and exits if one hangs); ``--budget`` seconds after the start no new case
 begins, and the JSON is rewritten after every case.
 
-    python benchmarks/check_gluon_matmul.py [--json out.json] [--sweep] [--budget 250]
+    python -m benchmarks.check_gluon_matmul [--json out.json] [--sweep] [--budget 250]
 """
 from __future__ import annotations
 
@@ -23,21 +23,18 @@ import dataclasses
 import datetime
 import faulthandler
 import json
-import os
-import sys
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_matmul as bm  # noqa: E402  (timing helpers and shapes)
-import triton  # noqa: E402
+import triton
 
-from tpinv.kernels import tiles  # noqa: E402
-from tpinv.kernels.gluon_matmul import gluon_matmul_cuda  # noqa: E402
-from tpinv.kernels.tiles import GluonConfig, gluon_launch_config as launch_config  # noqa: E402
-from tpinv.kernels.triton_matmul import matmul_cuda, matmul_partial_cuda  # noqa: E402
+from benchmarks import bench_matmul as bm  # timing helpers and shapes
+from tpinv.kernels import tiles
+from tpinv.kernels.gluon_matmul import gluon_matmul_cuda
+from tpinv.kernels.tiles import GluonConfig, gluon_launch_config as launch_config
+from tpinv.kernels.triton_matmul import matmul_cuda, matmul_partial_cuda
 
 
 def triton_mm(x, w, leaves, out_dtype=None):

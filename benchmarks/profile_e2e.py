@@ -5,7 +5,7 @@ training step (``loss.backward``) and a greedy decode step against a KV cache, f
 invariant path or the vanilla path.  Prints the top device kernels by self device time and
 the top operators by host time; ``--trace DIR`` also writes Chrome traces.
 
-    python benchmarks/profile_e2e.py --model qwen3-0.6b --path invariant
+    python -m benchmarks.profile_e2e --model qwen3-0.6b --path invariant
 """
 from __future__ import annotations
 
@@ -17,10 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
 
-try:
-    from bench_e2e import build
-except ImportError:  # run from elsewhere: tools/ is not on the path
-    from tools.bench_e2e import build
+from benchmarks.bench_e2e import build
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -ge 2 ] && want reduce; then
   echo "== tree reducer vs NCCL all_reduce, $NGPU GPUs"
-  timeout 240 torchrun --nproc-per-node "$NGPU" benchmarks/bench_reduce.py --backend nccl \
+  timeout 240 torchrun --nproc-per-node "$NGPU" -m benchmarks.bench_reduce --backend nccl \
     --sizes 4K,64K,1M,4M,16M,64M,256M --iters 20 --json "$OUT/bench_reduce_nccl.json" 2>&1 | grep -v "^W1" | tail -40
 fi
 if [ "$NGPU" -ge 2 ] && want model; then
@@ -28,7 +28,7 @@ if [ "$NGPU" -ge 2 ] && want model; then
 fi
 if want e2e; then
   echo "== end to end: training step and decode, invariant vs vanilla"
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_e2e.py --model qwen3-0.6b --json "$OUT/bench_e2e.json" 2>&1 | tail -6
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_e2e --model qwen3-0.6b --json "$OUT/bench_e2e.json" 2>&1 | tail -6
 fi
 if want tests; then
   echo "== GPU tests"
@@ -37,25 +37,25 @@ if want tests; then
 fi
 if want attention; then
   echo "== attention vs SDPA"
-  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/bench_attention.py --check --json "$OUT/bench_attention.json" 2>&1 | tail -25
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m benchmarks.bench_attention --check --json "$OUT/bench_attention.json" 2>&1 | tail -25
 fi
 if want elementwise; then
   echo "== SiLU-and-mul and RoPE bandwidth"
-  CUDA_VISIBLE_DEVICES=0 timeout 180 python3 benchmarks/bench_elementwise.py --json "$OUT/bench_elementwise.json" 2>&1 | tail -20
+  CUDA_VISIBLE_DEVICES=0 timeout 180 python3 -m benchmarks.bench_elementwise --json "$OUT/bench_elementwise.json" 2>&1 | tail -20
 fi
 if want softmax; then
   echo "== RMSNorm and softmax bandwidth"
-  CUDA_VISIBLE_DEVICES=0 timeout 180 python3 benchmarks/bench_norm_softmax.py --json "$OUT/bench_norm_softmax.json" 2>&1 | tail -20
+  CUDA_VISIBLE_DEVICES=0 timeout 180 python3 -m benchmarks.bench_norm_softmax --json "$OUT/bench_norm_softmax.json" 2>&1 | tail -20
 fi
 if want gluon; then
   echo "== Gluon matmul: bits vs the Triton kernel, speed vs cuBLAS"
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/check_gluon_matmul.py --json "$OUT/check_gluon_matmul.json" 2>&1 | tail -30
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.check_gluon_matmul --json "$OUT/check_gluon_matmul.json" 2>&1 | tail -30
 fi
 if want matmul; then
   echo "== contract matmul vs cuBLAS"
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_ops.py --gpu-args --json "$OUT/bench_matmul.json" 2>&1 | tail -20
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_ops --gpu-args --json "$OUT/bench_matmul.json" 2>&1 | tail -20
 fi
 if want host; then
   echo "== host time per eager call, tpinv ops vs torch"
-  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/bench_host.py --json "$OUT/bench_host.json" 2>&1 | tail -12
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m benchmarks.bench_host --json "$OUT/bench_host.json" 2>&1 | tail -12
 fi

@@ -1,6 +1,7 @@
 """HF <-> tpinv conversion: bitwise round trips, resharding, key maps, bad input, streaming, megatron names."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -290,11 +291,9 @@ def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
 # ---- CLI ------------------------------------------------------------------------------------------
 
 def test_cli(hf_dirs, tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import convert_hf
-    finally:
-        sys.path.pop(0)
+    spec = importlib.util.spec_from_file_location("convert_hf_cli", os.path.join(ROOT, "tools", "convert_hf.py"))
+    convert_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert_hf)
     src = hf_dirs[0]["mistral", True]
     assert convert_hf.main(["to-tpinv", src, str(tmp_path / "ck"), "--tp", "2", "--dtype", "bf16"]) == 0
     assert convert_hf.main(["to-hf", str(tmp_path / "ck"), str(tmp_path / "hf"), "--max-shard-size", "20KB"]) == 0

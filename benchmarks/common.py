@@ -1,0 +1,73 @@
+"""What every timing script shares: the timers, the copy-bandwidth yardstick, JSON and tables.
+
+Numbers are medians (host timers: ``time.perf_counter`` over repeats after one warm-up call;
+device timers: ``triton.testing.do_bench``, which clears L2 before each replay), so one slow
+outlier does not move a result.  Triton is imported only by the device timers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["host_median_s", "device_median_ms", "copy_gbps", "write_json", "format_table"]
+
+
+def host_median_s(fn: Callable[[], Any], repeat: int, *, sync: Optional[Callable[[], None]] = None) -> float:
+    """Median wall seconds of ``fn()`` over ``repeat`` calls after one warm-up call.
+
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs after each call, inside the timed span.
+    """
+    fn()
+    if sync:
+        sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def device_median_ms(fn: Callable[[], Any], **kwargs) -> float:
+    """Median milliseconds of ``fn`` on the GPU (``triton.testing.do_bench``; kwargs pass through)."""
+    from triton.testing import do_bench
+    return do_bench(fn, return_mode="median", **kwargs)
+
+
+def copy_gbps(n_bytes: int = 1 << 30, **kwargs) -> float:
+    """GB/s (bytes read plus written, 1e9) of a device-to-device copy of ``n_bytes``: the
+    bandwidth yardstick memory-bound kernels are compared with."""
+    import torch
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = device_median_ms(lambda: dst.copy_(src), **kwargs)
+    return 2 * n_bytes / ms / 1e6
+
+
+def write_json(path: Optional[str], payload: Any, *, indent: int = 1, quiet: bool = False) -> None:
+    """Write ``payload`` to ``path`` (its directory created); nothing when ``path`` is empty."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=indent)
+    if not quiet:
+        print(f"wrote {path}")
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]], *, floatfmt: str = ".3g") -> str:
+    """A plain-text table: ``columns`` are ``(key, header)`` pairs; a missing value prints as ``-``."""
+    def cell(v):
+        if v is None:
+            return "-"
+        return format(v, floatfmt) if isinstance(v, float) else str(v)
+    cells = [[h for _, h in columns]] + [[cell(r.get(k)) for k, _ in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
