@@ -1,7 +1,7 @@
 """Every ``tpinv::`` op on CUDA: a row's bits do not depend on its batch, padding or split.
 
-The CUDA slots run the ops' fixed-order torch code (:mod:`tpinv.ops.cuda_torch`; the
-matmul runs the Triton contract kernel).  Invariance is asserted bitwise; beside each
+The CUDA slots run the kernels each op's definition names (Triton kernels, or the ops'
+fixed-order torch code; the matmul runs the Triton contract kernel).  Invariance is asserted bitwise; beside each
 check a negative control shows torch's own CUDA path (``torch.sum``, a plain vocab-split
 softmax, ``F.silu``, SDPA, cuBLAS, ``index_add_``) differs on the same kind of inputs.
 Parity with the CPU kernels is ``allclose`` with the stated tolerance (transcendental

@@ -47,14 +47,14 @@ def assert_rows_invariant(fn, x):
 
 
 def test_registered_in_the_cuda_slots():
-    from tpinv.ops.cuda_torch import TRITON_CUDA_KERNELS
-    from tpinv.ops.registry import cuda_kernel
-    from tpinv.ops.norm import rms_norm_backward_heads_op, rms_norm_backward_op, rms_norm_op
-    from tpinv.ops.softmax import log_softmax_op, logsumexp_op, softmax_op, sum_exp_partial_op
-    ops = {op for op, _ in TRITON_CUDA_KERNELS}
-    assert {softmax_op, log_softmax_op, logsumexp_op, sum_exp_partial_op, rms_norm_op,
-            rms_norm_backward_op, rms_norm_backward_heads_op} <= ops
-    assert all(cuda_kernel(op) is kernel for op, kernel in TRITON_CUDA_KERNELS)
+    from tpinv.ops.registry import OPS, cuda_kernel
+    names = {"softmax": "triton_softmax.softmax_forward_cuda", "log_softmax": "triton_softmax.log_softmax_forward_cuda",
+             "logsumexp": "triton_softmax.logsumexp_forward_cuda", "sum_exp_partial": "triton_softmax.sum_exp_partial_cuda",
+             "rms_norm": "triton_norm.rms_norm_forward_cuda", "rms_norm_backward": "triton_norm.rms_norm_backward_cuda",
+             "rms_norm_backward_heads": "triton_norm.rms_norm_backward_heads_cuda"}
+    for name, kernel in names.items():
+        d = OPS[f"tpinv::{name}"]
+        assert d.cuda == kernel and cuda_kernel(d.op).__name__ == kernel, name
 
 
 # ------------------------------------------------------------------ RMSNorm

@@ -1,38 +1,51 @@
 """Every tpinv op has a CUDA kernel that keeps the contract's order -- never a cuBLAS/aten fallback.
 
-The matmul ops hold the Triton contract kernel, the ops of ``cuda_torch.TRITON_CUDA_KERNELS``
-their Triton kernels, the others their own fixed-order torch code (``tpinv.ops.cuda_torch``);
-a slot nobody filled raises instead of computing.
+Each op's definition (``tpinv.ops.registry.OPS``) names its CUDA kernel: a Triton function of
+``tpinv.kernels`` resolved on first use, the reference kernel's own fixed-order torch code
+(``REFERENCE``), or (matmul) a small adapter in the op's module; a slot nobody filled raises.
 """
 import importlib
 
 import pytest
 import torch
 
-import tpinv.ops  # noqa: F401  (registers every op and its CUDA slot)
-from tpinv.ops import cuda_torch
-from tpinv.ops.linear import matmul_op, matmul_partial_op
-from tpinv.ops.registry import cuda_kernel, define_op, has_cuda_kernel, missing_cuda_kernel
+import tpinv.ops  # noqa: F401  (imports every op module, which defines its ops)
+from tpinv.ops.linear import _matmul_cuda, matmul_op
+from tpinv.ops.registry import (OPS, REFERENCE, cuda_kernel, define_op, has_cuda_kernel, missing_cuda_kernel,
+                                register_fake)
+
+EXPECTED = {  # every op of the library, so a new op must be listed (and its slot decided) here
+    "attention", "attention_backward", "embedding", "embedding_backward", "log_softmax", "log_softmax_backward",
+    "logsumexp", "logsumexp_backward", "matmul", "matmul_partial", "rms_norm", "rms_norm_backward",
+    "rms_norm_backward_heads", "silu_mul", "silu_mul_backward", "apply_rope", "apply_rope_backward", "softmax",
+    "softmax_backward", "sum_exp_partial", "tree_sum",
+}
+LIBRARY = {q: d for q, d in OPS.items() if q.removeprefix("tpinv::") in EXPECTED}
 
 
-def test_matmul_slots_hold_the_triton_kernel():
-    from tpinv.ops.linear import _matmul_cuda, _matmul_partial_cuda
-
-    assert cuda_kernel(matmul_op) is _matmul_cuda and cuda_kernel(matmul_partial_op) is _matmul_partial_cuda
-
-
-@pytest.mark.parametrize("op", cuda_torch.TORCH_CUDA_OPS, ids=lambda op: op._qualname)
-def test_other_slots_hold_the_ops_own_fixed_order_code(op):
-    assert has_cuda_kernel(op)
-    assert cuda_kernel(op) is op._init_fn  # the very function the CPU slot runs
+def test_every_op_is_defined_once_with_a_check():
+    assert set(q.removeprefix("tpinv::") for q in LIBRARY) == EXPECTED
+    assert all(d.check is not None for d in LIBRARY.values())
 
 
-@pytest.mark.parametrize("op,kernel", cuda_torch.TRITON_CUDA_KERNELS, ids=lambda o: getattr(o, "_qualname", ""))
-def test_triton_slots_hold_their_kernel(op, kernel):
-    """The slot holds the table's lazy kernel, and the Triton function it names exists
-    (tests/gpu runs them)."""
-    assert has_cuda_kernel(op) and cuda_kernel(op) is kernel
-    assert callable(getattr(importlib.import_module(kernel.triton_module), kernel.triton_name))
+@pytest.mark.parametrize("qualname", sorted(LIBRARY))
+def test_every_slot_holds_its_named_kernel(qualname):
+    d = LIBRARY[qualname]
+    assert has_cuda_kernel(d.op)
+    kernel = cuda_kernel(d.op)
+    if d.cuda == REFERENCE:
+        assert kernel is d.reference is d.op._init_fn  # the very function the CPU slot runs
+    elif isinstance(d.cuda, str):  # a Triton function, imported on first use (tests/gpu runs them)
+        assert kernel.__name__ == d.cuda
+        assert callable(getattr(importlib.import_module(kernel.triton_module), kernel.triton_name))
+    else:
+        assert qualname == "tpinv::matmul" and kernel is _matmul_cuda
+
+
+def test_matmul_adapter_names_the_triton_contract_kernel():
+    from tpinv.ops.linear import _matmul_kernel
+    assert cuda_kernel(matmul_op) is _matmul_cuda and _matmul_kernel.__name__ == "triton_matmul.matmul_cuda"
+    assert callable(getattr(importlib.import_module(_matmul_kernel.triton_module), _matmul_kernel.triton_name))
 
 
 def test_an_unfilled_slot_raises_instead_of_falling_back():
@@ -40,10 +53,40 @@ def test_an_unfilled_slot_raises_instead_of_falling_back():
     with pytest.raises(NotImplementedError, match="tpinv::example has no CUDA kernel yet"):
         placeholder(torch.zeros(1))
 
-    @define_op("cuda_slot_probe")
+    @define_op("cuda_slot_probe", cuda=None)
     def probe(x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
     assert not has_cuda_kernel(probe)
     with pytest.raises(NotImplementedError, match="tpinv::cuda_slot_probe has no CUDA kernel yet"):
         cuda_kernel(probe)(torch.zeros(1))
+    with pytest.raises(ValueError, match="defined twice"):
+        define_op("cuda_slot_probe", cuda=None)(lambda x: x)
+
+
+def test_the_check_runs_once_per_call():
+    """Checks are counted: the public wrapper adds none; the fake runs the op's check once."""
+    calls = []
+
+    def check(x: torch.Tensor) -> None:
+        calls.append(1)
+        if x.dim() != 1:
+            raise ValueError("probe wants a vector")
+
+    @define_op("check_count_probe", cuda=None, check=check)
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        check(x)  # a reference kernel checks at its entry
+        return x * 2
+
+    @register_fake(probe)
+    def _fake(x):
+        return torch.empty_like(x)
+
+    probe(torch.ones(3))
+    assert len(calls) == 1
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        probe(mode.from_tensor(torch.ones(3)))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="probe wants a vector"):
+        probe(torch.ones(2, 2))

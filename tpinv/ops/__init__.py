@@ -1,4 +1,7 @@
-"""Public invariant ops (``tpinv::*`` custom ops and their Python wrappers)."""
+"""Public invariant ops (``tpinv::*`` custom ops and their Python wrappers).
+
+Each ``ops/<family>.py`` defines its ops completely with :func:`tpinv.ops.registry.define_op`
+(reference kernel, CUDA kernel, input check); :data:`tpinv.ops.registry.OPS` lists them."""
 from tpinv.ops.activation import silu_mul
 from tpinv.ops.attention import attention
 from tpinv.ops.embedding import embedding, embedding_backward
@@ -30,6 +33,3 @@ __all__ = [
     "sum_exp_partial",
     "tree_sum",
 ]
-
-# Fills every CUDA slot still holding the placeholder with the op's fixed-order torch code.
-import tpinv.ops.cuda_torch  # noqa: E402,F401

@@ -3,8 +3,8 @@
 Each output element depends only on its own ``gate`` and ``up`` values (see
 :mod:`tpinv.kernels.reference_activation`: no ``torch.sigmoid``/``F.silu``, whose results depend
 on an element's position), so the result is the same bits at any batch size, layout,
-chunking or thread count.  The CPU kernel is registered here; on CUDA the same
-fixed-order code runs (:mod:`tpinv.ops.cuda_torch`).  No double backward.
+chunking or thread count.  On CUDA the Triton kernels of
+:mod:`tpinv.kernels.triton_elementwise` run (named in the op definitions below).  No double backward.
 """
 from __future__ import annotations
 
@@ -12,30 +12,37 @@ import torch
 from torch import Tensor
 
 from tpinv.kernels import reference_activation
-from tpinv.ops.registry import define_op
+from tpinv.ops.registry import define_op, register_fake
 
 __all__ = ["silu_mul", "silu_mul_op", "silu_mul_backward_op"]
 
 
-@define_op("silu_mul")
+def _check_silu_mul(gate, up) -> None:
+    reference_activation.check_silu_mul_inputs(gate, up)
+
+
+def _check_silu_mul_backward(grad, gate, up) -> None:
+    reference_activation.check_silu_mul_inputs(gate, up)
+
+
+@define_op("silu_mul", cuda="triton_elementwise.silu_mul_forward_cuda", check=_check_silu_mul)
 def silu_mul_op(gate: Tensor, up: Tensor) -> Tensor:
     return reference_activation.silu_mul_forward(gate, up)
 
 
-@define_op("silu_mul_backward")
+@define_op("silu_mul_backward", cuda="triton_elementwise.silu_mul_backward_cuda",
+           check=_check_silu_mul_backward)
 def silu_mul_backward_op(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     return reference_activation.silu_mul_backward(grad, gate, up)
 
 
-@silu_mul_op.register_fake
+@register_fake(silu_mul_op)
 def _silu_mul_fake(gate, up):
-    reference_activation.check_silu_mul_inputs(gate, up)
     return torch.empty_like(gate)
 
 
-@silu_mul_backward_op.register_fake
+@register_fake(silu_mul_backward_op)
 def _silu_mul_backward_fake(grad, gate, up):
-    reference_activation.check_silu_mul_inputs(gate, up)
     return torch.empty_like(gate), torch.empty_like(up)
 
 
@@ -53,5 +60,4 @@ silu_mul_op.register_autograd(_backward, setup_context=_setup_context)
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """Invariant ``silu(gate) * up`` (same shape and dtype), fp32 inside, rounded once."""
-    reference_activation.check_silu_mul_inputs(gate, up)
     return silu_mul_op(gate, up)

@@ -4,7 +4,7 @@ The CPU kernels (:mod:`tpinv.kernels.reference_attention`, :mod:`tpinv.kernels.r
 fix every reduction order, so a query's output, log-sum-exp and gradients are the same
 bits in prefill, chunked prefill and decode, at any batch size and padding.  On CUDA the
 slots hold the Triton kernels of :mod:`tpinv.kernels.triton_attention` and
-:mod:`tpinv.kernels.triton_attention_bwd` (registered by :mod:`tpinv.ops.cuda_torch`), which
+:mod:`tpinv.kernels.triton_attention_bwd` (named in the op definitions below), which
 fix their own orders: a CUDA tensor never reaches SDPA.
 
 ``tpinv::attention_backward`` is an op of its own so the backward traces under
@@ -19,14 +19,23 @@ import torch
 
 from tpinv.kernels.reference_attention import attention_forward, block_visibility, check_attention_inputs
 from tpinv.kernels.reference_attention_bwd import attention_backward
-from tpinv.ops.registry import define_op
+from tpinv.ops.registry import define_op, register_fake
 
 #: which keys a query sees (causal, window, mask): the rule every attention kernel applies,
 #: re-exported for code above the ops (the vanilla control) that builds its own mask.
 __all__ = ["attention", "attention_op", "attention_backward_op", "block_visibility"]
 
 
-@define_op("attention")
+def _check_attention(q, k, v, q_pos, mask, causal, window, scale) -> None:
+    check_attention_inputs(q, k, v, q_pos, mask, causal, window)
+
+
+def _check_attention_backward(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask, causal, window,
+                              scale) -> None:
+    check_attention_inputs(q, k, v, q_pos, mask, causal, window)
+
+
+@define_op("attention", cuda="triton_attention.attention_forward_cuda", check=_check_attention)
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                  mask: Optional[torch.Tensor], causal: bool, window: Optional[int],
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +43,8 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
     return attention_forward(q, k, v, q_pos, mask, causal, window, scale)
 
 
-@define_op("attention_backward")
+@define_op("attention_backward", cuda="triton_attention_bwd.attention_backward_cuda",
+           check=_check_attention_backward)
 def attention_backward_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
                           q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, q_pos: torch.Tensor, mask: Optional[torch.Tensor],
@@ -45,17 +55,15 @@ def attention_backward_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tenso
                               window, scale)
 
 
-@attention_op.register_fake
+@register_fake(attention_op)
 def _attention_fake(q, k, v, q_pos, mask, causal, window, scale):
-    check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     B, Hq, S, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, Hq, S), dtype=torch.float32)
 
 
-@attention_backward_op.register_fake
+@register_fake(attention_backward_op)
 def _attention_backward_fake(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask, causal, window,
                              scale):
-    check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -95,8 +103,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     log-sum-exp ``[B, Hq, S]`` when ``return_lse``.  Differentiable in q, k, v (and
     through ``lse``).
     """
-    check_attention_inputs(q, k, v, q_pos, mask, causal, window)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if scale is None:  # the op checks the inputs; a shape-less q reaches that check with scale 1
+        dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else 1
+        scale = 1.0 / math.sqrt(dim) if dim else 1.0
+    scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
     out, lse = attention_op(q, k, v, q_pos, mask, bool(causal), window, scale)

@@ -2,41 +2,48 @@
 
 The lookup is exact.  The gradient of each table row is the fp32 chain of its tokens'
 gradients in flattened token order, rounded once (:mod:`tpinv.kernels.reference_embedding`),
-so a row's gradient bits depend only on its own tokens and their order.  The CUDA
-slots raise until an invariant GPU kernel is registered (:mod:`tpinv.ops.registry`);
-nothing falls back to an atomic-add scatter.
+so a row's gradient bits depend only on its own tokens and their order.  On CUDA the lookup
+runs the same torch code and the gradient the Triton token-order chain of
+:mod:`tpinv.kernels.triton_embedding`; nothing falls back to an atomic-add scatter.
 """
 from __future__ import annotations
 
 from torch import Tensor
 
 from tpinv.kernels import reference_embedding
-from tpinv.ops.registry import define_op
+from tpinv.ops.registry import REFERENCE, define_op, register_fake
 
 __all__ = ["embedding", "embedding_backward", "embedding_op", "embedding_backward_op"]
 
 
-@define_op("embedding")
+def _check_embedding(ids, weight) -> None:
+    reference_embedding.check_weight(weight)
+
+
+def _check_embedding_backward(grad, ids, num_rows) -> None:
+    if grad.dim() != ids.dim() + 1:
+        raise ValueError(f"grad has shape {list(grad.shape)} but ids has shape {list(ids.shape)}: "
+                         f"expected grad [*ids.shape, dim]")
+
+
+@define_op("embedding", cuda=REFERENCE, check=_check_embedding)
 def embedding_op(ids: Tensor, weight: Tensor) -> Tensor:
     return reference_embedding.embedding_forward(ids, weight)
 
 
-@embedding_op.register_fake
+@register_fake(embedding_op)
 def _embedding_fake(ids, weight):
-    _, dim = reference_embedding.check_weight(weight)
-    return weight.new_empty(*ids.shape, dim)
+    return weight.new_empty(*ids.shape, weight.shape[-1])
 
 
-@define_op("embedding_backward")
+@define_op("embedding_backward", cuda="triton_embedding.embedding_backward_cuda",
+           check=_check_embedding_backward)
 def embedding_backward_op(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
     return reference_embedding.embedding_backward(grad, ids, num_rows)
 
 
-@embedding_backward_op.register_fake
+@register_fake(embedding_backward_op)
 def _embedding_backward_fake(grad, ids, num_rows):
-    if grad.dim() != ids.dim() + 1:
-        raise ValueError(f"grad has shape {list(grad.shape)} but ids has shape {list(ids.shape)}: "
-                         f"expected grad [*ids.shape, dim]")
     return grad.new_empty(num_rows, grad.shape[-1])
 
 
@@ -59,8 +66,6 @@ def embedding(ids: Tensor, weight: Tensor) -> Tensor:
 
     ``ids`` integer, every value in ``[0, num_rows)`` (else :class:`IndexError` naming the id).
     """
-    num_rows, _ = reference_embedding.check_weight(weight)
-    reference_embedding.check_ids(ids, num_rows)
     return embedding_op(ids, weight)
 
 
@@ -68,5 +73,4 @@ def embedding_backward(grad: Tensor, ids: Tensor, num_rows: int) -> Tensor:
     """``[num_rows, dim]`` in ``grad.dtype``: row ``r`` is ``((0 + g_t1) + g_t2) + ...`` over the
     tokens ``t1 < t2 < ...`` (flattened order) with ``ids[t] == r``, summed in fp32, rounded once.
     """
-    reference_embedding.check_backward_inputs(grad, ids, num_rows)
     return embedding_backward_op(grad, ids, num_rows)

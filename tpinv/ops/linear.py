@@ -18,33 +18,46 @@ from torch import Tensor
 from tpinv.core.contract import DEFAULT_LEAVES, SUPPORTED_DTYPES, check_divisible, check_leaves
 from tpinv.kernels import reference_matmul
 from tpinv.kernels.reference_tree import leaf_tree_sum
-from tpinv.ops.registry import define_op, register_cuda_kernel
+from tpinv.ops.registry import REFERENCE, define_op, lazy_kernel, register_fake
 
 __all__ = ["matmul", "matmul_partial", "tree_sum", "matmul_op", "matmul_partial_op", "tree_sum_op"]
 
 
-@define_op("matmul_partial")
+def _check_matmul(x, w, leaves, grad_leaves) -> None:
+    reference_matmul.check_matmul_inputs(x, w, leaves)
+    _check_grad_leaves(grad_leaves)
+
+
+def _matmul_cuda(x: Tensor, w: Tensor, leaves: int, grad_leaves: int) -> Tensor:
+    """The CUDA slot of ``tpinv::matmul``: the Triton contract kernel rounded once (its entry checks
+    x, w and leaves; ``grad_leaves`` is checked here, as the CPU kernel does)."""
+    _check_grad_leaves(grad_leaves)
+    return _matmul_kernel(x, w, leaves)
+
+
+_matmul_kernel = lazy_kernel("triton_matmul.matmul_cuda")
+
+
+@define_op("matmul_partial", cuda="triton_matmul.matmul_partial_cuda",
+           check=reference_matmul.check_matmul_inputs)
 def matmul_partial_op(x: Tensor, w: Tensor, leaves: int) -> Tensor:
     return reference_matmul.matmul_partial(x, w, leaves)
 
 
-@matmul_partial_op.register_fake
+@register_fake(matmul_partial_op)
 def _matmul_partial_fake(x, w, leaves):
-    n, _ = reference_matmul.check_matmul_inputs(x, w, leaves)
-    return x.new_empty(*x.shape[:-1], n, dtype=torch.float32)
+    return x.new_empty(*x.shape[:-1], w.shape[0], dtype=torch.float32)
 
 
-@define_op("matmul")
+@define_op("matmul", cuda=_matmul_cuda, check=_check_matmul)
 def matmul_op(x: Tensor, w: Tensor, leaves: int, grad_leaves: int) -> Tensor:
     _check_grad_leaves(grad_leaves)
     return reference_matmul.matmul_partial(x, w, leaves).to(x.dtype)
 
 
-@matmul_op.register_fake
+@register_fake(matmul_op)
 def _matmul_fake(x, w, leaves, grad_leaves):
-    n, _ = reference_matmul.check_matmul_inputs(x, w, leaves)
-    _check_grad_leaves(grad_leaves)
-    return x.new_empty(*x.shape[:-1], n)
+    return x.new_empty(*x.shape[:-1], w.shape[0])
 
 
 def _check_grad_leaves(grad_leaves: int) -> None:
@@ -90,7 +103,7 @@ def _check_tree_sum_input(x: Tensor, leaves: int) -> None:
     check_divisible("the reduced (last) dimension", x.shape[-1], leaves)
 
 
-@define_op("tree_sum")
+@define_op("tree_sum", cuda=REFERENCE, check=_check_tree_sum_input)
 def tree_sum_op(x: Tensor, leaves: int) -> Tensor:
     _check_tree_sum_input(x, leaves)
     out = leaf_tree_sum(x.float(), leaves)
@@ -99,9 +112,8 @@ def tree_sum_op(x: Tensor, leaves: int) -> Tensor:
     return out
 
 
-@tree_sum_op.register_fake
+@register_fake(tree_sum_op)
 def _tree_sum_fake(x, leaves):
-    _check_tree_sum_input(x, leaves)
     return x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
@@ -126,7 +138,6 @@ def matmul_partial(x: Tensor, w: Tensor, leaves: int = DEFAULT_LEAVES) -> Tensor
     :func:`tpinv.core.contract.tree_combine`.  Same dtype for ``x`` and ``w`` (fp32, bf16, fp16).
     No autograd: a building block for layers that route partials themselves.
     """
-    reference_matmul.check_matmul_inputs(x, w, leaves)
     return matmul_partial_op(x, w, leaves)
 
 
@@ -138,8 +149,6 @@ def matmul(x: Tensor, w: Tensor, leaves: int = DEFAULT_LEAVES,
     (``N`` must divide by it when ``x`` needs a gradient), ``dW`` a fixed chain over the
     flattened tokens; both rounded once.
     """
-    reference_matmul.check_matmul_inputs(x, w, leaves)
-    _check_grad_leaves(grad_leaves)
     return matmul_op(x, w, leaves, grad_leaves)
 
 
@@ -149,20 +158,5 @@ def tree_sum(x: Tensor, leaves: int = DEFAULT_LEAVES) -> Tensor:
     ``leaves=1`` is the fixed chain for dimensions no parallelism splits (e.g. tokens in
     a bias gradient); its zero padding makes it independent of trailing zero padding.
     """
-    _check_tree_sum_input(x, leaves)
     return tree_sum_op(x, leaves)
 
-
-def _matmul_partial_cuda(x: Tensor, w: Tensor, leaves: int) -> Tensor:
-    # Imported on first CUDA use, so CPU-only installs never import Triton.
-    from tpinv.kernels.triton_matmul import matmul_partial_cuda
-    return matmul_partial_cuda(x, w, leaves)
-
-
-def _matmul_cuda(x: Tensor, w: Tensor, leaves: int, grad_leaves: int) -> Tensor:
-    from tpinv.kernels.triton_matmul import matmul_cuda
-    return matmul_cuda(x, w, leaves)
-
-
-register_cuda_kernel(matmul_partial_op, _matmul_partial_cuda)
-register_cuda_kernel(matmul_op, _matmul_cuda)

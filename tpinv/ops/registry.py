@@ -1,14 +1,18 @@
-"""Defining ``tpinv::`` custom ops: a CPU kernel now, a CUDA slot that never falls back.
+"""Defining ``tpinv::`` custom ops: one :func:`define_op` names an op's reference kernel, its
+CUDA kernel and its input check.
 
-Every op of the library is a :func:`torch.library.custom_op` in the ``tpinv``
-namespace whose CPU kernel keeps the contract's fixed reduction order.  Its CUDA
-slot holds a placeholder that raises :class:`NotImplementedError` naming the op
-until an invariant GPU kernel is registered with :func:`register_cuda_kernel`, so
-a CUDA tensor can never silently reach cuBLAS (or any order-changing fallback).
+Every op of the library is a :func:`torch.library.custom_op` in the ``tpinv`` namespace
+whose CPU kernel keeps the contract's fixed reduction order.  Its CUDA slot holds the
+kernel the definition names -- a Triton kernel imported on first use, or the reference
+kernel's own fixed-order torch code -- or a placeholder that raises
+:class:`NotImplementedError` naming the op, so a CUDA tensor can never silently reach
+cuBLAS (or any order-changing fallback).  Nothing is registered by a side-effect import:
+importing an op's module defines it completely (:data:`OPS` lists every definition).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import importlib
+from typing import Callable, Iterable, NamedTuple, Optional, Union
 
 import torch
 try:
@@ -39,30 +43,101 @@ def missing_cuda_kernel(qualname: str) -> Callable:
 
     def no_cuda_kernel(*args, **kwargs):
         raise NotImplementedError(
-            f"{qualname} has no CUDA kernel yet; register an invariant one with "
-            f"tpinv.ops.registry.register_cuda_kernel (no cuBLAS fallback is used)")
+            f"{qualname} has no CUDA kernel yet; name an invariant one in its define_op(cuda=...) "
+            f"(no cuBLAS fallback is used)")
 
     no_cuda_kernel.__qualname__ = no_cuda_kernel.__name__ = f"no_cuda_kernel[{qualname}]"
     no_cuda_kernel.is_placeholder = True
     return no_cuda_kernel
 
 
-def define_op(name: str, *, mutates_args: Iterable[str] = ()) -> Callable[[Callable], CustomOpDef]:
-    """Decorator: define ``tpinv::<name>`` with the decorated function as its CPU kernel.
+#: ``cuda=REFERENCE``: the op's reference kernel -- fixed-order torch code -- runs on CUDA too.
+REFERENCE = "reference"
 
-    The schema comes from the function's type annotations.  The CUDA slot is filled
-    with :func:`missing_cuda_kernel`; register a fake (``op.register_fake``) and, where
-    the op is differentiable, autograd (``op.register_autograd``) on the result.
+#: Every op's definition, by qualified name: ``OpDef(op, reference, cuda, check)``.
+OPS: dict[str, "OpDef"] = {}
+
+
+class OpDef(NamedTuple):
+    """One op in one place: the op, its reference (CPU) kernel, its CUDA kernel and its input check."""
+    op: CustomOpDef
+    reference: Callable
+    cuda: Union[str, Callable, None]
+    check: Optional[Callable]
+
+
+def lazy_kernel(path: str) -> Callable:
+    """The CUDA kernel ``tpinv.kernels.<module>.<function>`` named by ``path`` (``"module.function"``),
+    imported on its first call, so a CPU-only process never imports Triton."""
+    module, _, name = path.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"CUDA kernel {path!r}: expected '<module in tpinv.kernels>.<function>'")
+    resolved: list[Callable] = []
+
+    def kernel(*args, **kwargs):
+        if not resolved:
+            resolved.append(getattr(importlib.import_module(f"tpinv.kernels.{module}"), name))
+        return resolved[0](*args, **kwargs)
+
+    kernel.__qualname__ = kernel.__name__ = path
+    kernel.triton_module, kernel.triton_name = f"tpinv.kernels.{module}", name
+    return kernel
+
+
+def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Callable] = None,
+              mutates_args: Iterable[str] = ()) -> Callable[[Callable], CustomOpDef]:
+    """Decorator: define ``tpinv::<name>`` -- the one place that names all of the op's parts.
+
+    * the decorated function is the **reference kernel** (the CPU slot); its type annotations
+      give the schema;
+    * ``cuda`` is the **CUDA kernel**: ``"<module>.<function>"`` of :mod:`tpinv.kernels`
+      (resolved on first use, :func:`lazy_kernel`), :data:`REFERENCE` (the reference kernel's
+      fixed-order torch code runs on CUDA too), an adapter function defined beside the op (when
+      the Triton entry's arguments differ from the op's), or ``None`` (the slot raises, never a
+      fallback);
+    * ``check`` is the op's **input check**, called with the op's arguments.  It runs once per
+      call: in the fake (:func:`register_fake`), and at the entry of the kernel that runs --
+      the reference and Triton kernels are public entry points (tests and benchmarks call them
+      directly), so each validates its own inputs with this same function and the op and the
+      public wrapper add no second check.
+
+    Register autograd (``op.register_autograd``) on the result where the op is differentiable.
     """
     qualname = qualified_name(name)
 
-    def wrap(cpu_kernel: Callable) -> CustomOpDef:
+    def wrap(reference: Callable) -> CustomOpDef:
+        if qualname in OPS:
+            raise ValueError(f"{qualname} is defined twice")
         op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args),
-                                     device_types="cpu")(cpu_kernel)
-        placeholder = missing_cuda_kernel(qualname)
-        op.register_kernel("cuda", placeholder)
-        _CUDA_KERNELS[qualname] = placeholder
+                                     device_types="cpu")(reference)
+        if cuda is None:
+            kernel = missing_cuda_kernel(qualname)
+        elif cuda == REFERENCE:
+            kernel = reference
+        elif callable(cuda):
+            kernel = cuda
+        else:
+            kernel = lazy_kernel(cuda)
+        op.register_kernel("cuda", kernel)
+        _CUDA_KERNELS[qualname] = kernel
+        OPS[qualname] = OpDef(op, reference, cuda, check)
         return op
+
+    return wrap
+
+
+def register_fake(op: CustomOpDef) -> Callable[[Callable], Callable]:
+    """Decorator: the fake (shape-only) kernel of ``op``, run after the op's check."""
+    check = OPS[_qualname_of(op)].check
+
+    def wrap(fake: Callable) -> Callable:
+        def checked_fake(*args, **kwargs):
+            if check is not None:
+                check(*args, **kwargs)
+            return fake(*args, **kwargs)
+
+        op.register_fake(checked_fake)
+        return fake
 
     return wrap
 

@@ -4,9 +4,9 @@ torch.library custom ops over :mod:`tpinv.kernels.reference_softmax`: the row ma
 the one sum over the last dim (which may be a tensor-parallel vocabulary) follows the
 contract with ``leaves`` leaves, forward and backward.  The split pieces
 (``sum_exp_partial`` and the ``*_from_parts`` functions) compose over ``C`` ranks to the
-same bits as the unsplit ops; the recipe is in the kernel module's docstring.  CPU kernels
-are registered here; on CUDA the same fixed-order code runs
-(:mod:`tpinv.ops.cuda_torch`).
+same bits as the unsplit ops; the recipe is in the kernel module's docstring.  On CUDA the
+forwards run the Triton kernels of :mod:`tpinv.kernels.triton_softmax`, the backwards the same
+fixed-order torch code as on the CPU (named in the op definitions below).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.kernels import reference_softmax as kern
-from tpinv.ops.registry import define_op
+from tpinv.ops.registry import REFERENCE, define_op, register_fake
 
 __all__ = ["softmax", "log_softmax", "logsumexp", "sum_exp_partial",
            "logsumexp_from_parts", "log_softmax_from_parts", "softmax_from_parts",
@@ -23,37 +23,49 @@ __all__ = ["softmax", "log_softmax", "logsumexp", "sum_exp_partial",
            "softmax_backward_op", "log_softmax_backward_op", "logsumexp_backward_op"]
 
 
-@define_op("softmax")
+def _row_check(name: str):
+    def check(x, leaves) -> None:
+        kern.check_softmax_inputs(x, leaves, name)
+    return check
+
+
+def _row_backward_check(name: str):
+    def check(grad, x, leaves) -> None:
+        kern.check_softmax_inputs(x, leaves, name)
+    return check
+
+
+@define_op("softmax", cuda="triton_softmax.softmax_forward_cuda", check=_row_check("softmax"))
 def softmax_op(x: Tensor, leaves: int) -> Tensor:
     return kern.softmax_forward(x, leaves)
 
 
-@define_op("log_softmax")
+@define_op("log_softmax", cuda="triton_softmax.log_softmax_forward_cuda", check=_row_check("log_softmax"))
 def log_softmax_op(x: Tensor, leaves: int) -> Tensor:
     return kern.log_softmax_forward(x, leaves)
 
 
-@define_op("logsumexp")
+@define_op("logsumexp", cuda="triton_softmax.logsumexp_forward_cuda", check=_row_check("logsumexp"))
 def logsumexp_op(x: Tensor, leaves: int) -> Tensor:
     return kern.logsumexp_forward(x, leaves)
 
 
-@define_op("softmax_backward")
+@define_op("softmax_backward", cuda=REFERENCE, check=_row_backward_check("softmax"))
 def softmax_backward_op(grad: Tensor, x: Tensor, leaves: int) -> Tensor:
     return kern.softmax_backward(grad, x, leaves)
 
 
-@define_op("log_softmax_backward")
+@define_op("log_softmax_backward", cuda=REFERENCE, check=_row_backward_check("log_softmax"))
 def log_softmax_backward_op(grad: Tensor, x: Tensor, leaves: int) -> Tensor:
     return kern.log_softmax_backward(grad, x, leaves)
 
 
-@define_op("logsumexp_backward")
+@define_op("logsumexp_backward", cuda=REFERENCE, check=_row_backward_check("logsumexp"))
 def logsumexp_backward_op(grad: Tensor, x: Tensor, leaves: int) -> Tensor:
     return kern.logsumexp_backward(grad, x, leaves)
 
 
-@define_op("sum_exp_partial")
+@define_op("sum_exp_partial", cuda="triton_softmax.sum_exp_partial_cuda", check=kern.check_partial_inputs)
 def sum_exp_partial_op(x: Tensor, max: Tensor, leaves: int) -> Tensor:
     return kern.sum_exp_partial(x, max, leaves)
 
@@ -67,11 +79,9 @@ _ROW_OPS = {
 
 def _register(name: str, op, backward_op, reduces: bool) -> None:
     def fake(x, leaves):
-        kern.check_softmax_inputs(x, leaves, name)
         return x.new_empty(x.shape[:-1] if reduces else x.shape)
 
     def backward_fake(grad, x, leaves):
-        kern.check_softmax_inputs(x, leaves, name)
         return torch.empty_like(x)
 
     def setup_context(ctx, inputs, output):
@@ -83,8 +93,8 @@ def _register(name: str, op, backward_op, reduces: bool) -> None:
         (x,) = ctx.saved_tensors
         return backward_op(grad, x, ctx.leaves), None
 
-    op.register_fake(fake)
-    backward_op.register_fake(backward_fake)
+    register_fake(op)(fake)
+    register_fake(backward_op)(backward_fake)
     op.register_autograd(backward, setup_context=setup_context)
 
 
@@ -92,9 +102,8 @@ for _name, (_op, _backward_op, _reduces) in _ROW_OPS.items():
     _register(_name, _op, _backward_op, _reduces)
 
 
-@sum_exp_partial_op.register_fake
+@register_fake(sum_exp_partial_op)
 def _sum_exp_partial_fake(x, max, leaves):
-    kern.check_partial_inputs(x, max, leaves)
     return x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
@@ -115,19 +124,16 @@ sum_exp_partial_op.register_autograd(_partial_backward, setup_context=_partial_s
 
 def softmax(x: Tensor, leaves: int = DEFAULT_LEAVES) -> Tensor:
     """Invariant softmax over the last dim (``x.shape[-1]`` divisible by ``leaves``)."""
-    kern.check_softmax_inputs(x, leaves, "softmax")
     return softmax_op(x, leaves)
 
 
 def log_softmax(x: Tensor, leaves: int = DEFAULT_LEAVES) -> Tensor:
     """Invariant log-softmax over the last dim (``x.shape[-1]`` divisible by ``leaves``)."""
-    kern.check_softmax_inputs(x, leaves, "log_softmax")
     return log_softmax_op(x, leaves)
 
 
 def logsumexp(x: Tensor, leaves: int = DEFAULT_LEAVES) -> Tensor:
     """Invariant logsumexp over the last dim: shape ``x.shape[:-1]``, dtype ``x.dtype``."""
-    kern.check_softmax_inputs(x, leaves, "logsumexp")
     return logsumexp_op(x, leaves)
 
 
@@ -138,7 +144,6 @@ def sum_exp_partial(x: Tensor, max: Tensor, leaves: int) -> Tensor:
     leaves this rank owns (``L // C``).  ``max`` is treated as a constant: it gets no
     gradient (the exact gradient of ``logsumexp`` through it is zero).
     """
-    kern.check_partial_inputs(x, max, leaves)
     return sum_exp_partial_op(x, max, leaves)
 
 
