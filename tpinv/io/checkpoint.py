@@ -163,16 +163,22 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(memoryview(data.numpy())).hexdigest()
 
 
+def read_json_file(path: str, missing: str) -> Any:
+    """The JSON document at ``path``; a :class:`CheckpointError` naming the file when it is
+    missing (``missing`` says what was expected) or not valid JSON."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} not found: {missing}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
 def read_info(ckpt_dir: str) -> CheckpointInfo:
     """Parse and validate ``tpinv.json``; every rank file it lists must exist."""
     path = os.path.join(ckpt_dir, META_FILE)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} not found: {ckpt_dir} is not a tpinv checkpoint")
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    meta = read_json_file(path, f"{ckpt_dir} is not a tpinv checkpoint")
     if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('format_version')!r}, "
                               f"expected {FORMAT_NAME!r} version {FORMAT_VERSION}")

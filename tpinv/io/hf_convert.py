@@ -18,7 +18,7 @@ import torch
 
 from tpinv.io.atomic_dir import atomic_directory, copy_file, write_json
 from tpinv.core.dtypes import dtype_name
-from tpinv.io.checkpoint import (CheckpointError, CheckpointReader, TensorSource, read_info,
+from tpinv.io.checkpoint import (CheckpointError, CheckpointReader, TensorSource, read_info, read_json_file,
                               write_checkpoint)
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.models.args import ModelArgs
@@ -133,11 +133,8 @@ def plan_import(weights: HFWeights, args: ModelArgs, dtype: Optional[torch.dtype
 def read_hf_config(hf_dir: str) -> tuple[dict, ModelArgs]:
     """``config.json`` and the :class:`ModelArgs` it describes; errors name the file."""
     path = os.path.join(hf_dir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} not found: expected a HF model directory")
+    cfg = read_json_file(path, "expected a HF model directory")
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
         return cfg, ModelArgs.from_hf_config(cfg)
     except NotImplementedError as e:
         raise NotImplementedError(f"{path}: {e}") from e
