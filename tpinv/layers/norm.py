@@ -11,7 +11,6 @@ import torch
 
 from tpinv.distributed.groups import group_size
 from tpinv.distributed.reduce import all_gather
-from tpinv.kernels.reference_norm import check_rms_norm_inputs
 from tpinv.kernels.reference_tree import halving_sum
 from tpinv.ops import rms_norm
 from tpinv.ops.norm import rms_norm_backward_heads_op, rms_norm_op
@@ -59,8 +58,9 @@ class _HeadRMSNorm(torch.autograd.Function):
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group) -> torch.Tensor:
     """RMSNorm over the last dim of every head of ``x [..., heads, D]`` (one shared weight),
     with a weight gradient that is the same at every TP size (``group``: the TP group)."""
-    check_rms_norm_inputs(x, weight, eps)
-    return _HeadRMSNorm.apply(x.contiguous(), weight, float(eps), group)
+    if isinstance(x, torch.Tensor):  # the op checks the inputs (once, at its kernel's entry)
+        x = x.contiguous()
+    return _HeadRMSNorm.apply(x, weight, float(eps) if isinstance(eps, (int, float)) else eps, group)
 
 
 class HeadRMSNorm(RMSNorm):
