@@ -95,9 +95,9 @@ def build_model(spec: dict, group):
 
 def engine_rollouts(group, spec: dict, batches: Sequence[int], modes: Sequence[bool], requests) -> dict:
     """``{(vanilla, batch): [(prompt_ids, token_ids, logprobs, top-5 probs)]}`` at the TP size of ``group``."""
-    import torch.distributed as dist
+    from tpinv.distributed.groups import group_size
     from tpinv.engine import Engine
-    tp = 1 if group is None else dist.get_world_size(group)
+    tp = group_size(group)
     model, tokenizer = build_model(spec, group)
     out = {}
     for vanilla in modes:
