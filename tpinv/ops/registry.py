@@ -22,9 +22,6 @@ except ImportError:                      # older torch keeps it private
 
 NAMESPACE = "tpinv"
 
-#: CUDA kernel currently registered for each op, by qualified name.
-_CUDA_KERNELS: dict[str, Callable] = {}
-
 
 def qualified_name(name: str) -> str:
     """``"matmul"`` -> ``"tpinv::matmul"`` (a qualified name is returned unchanged)."""
@@ -54,7 +51,7 @@ def missing_cuda_kernel(qualname: str) -> Callable:
 #: ``cuda=REFERENCE``: the op's reference kernel -- fixed-order torch code -- runs on CUDA too.
 REFERENCE = "reference"
 
-#: Every op's definition, by qualified name: ``OpDef(op, reference, cuda, check)``.
+#: Every op's definition, by qualified name.
 OPS: dict[str, "OpDef"] = {}
 
 
@@ -64,6 +61,7 @@ class OpDef(NamedTuple):
     reference: Callable
     cuda: Union[str, Callable, None]
     check: Optional[Callable]
+    cuda_kernel: Callable  #: what the CUDA slot holds (resolved from ``cuda``)
 
 
 def lazy_kernel(path: str) -> Callable:
@@ -119,8 +117,7 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
         else:
             kernel = lazy_kernel(cuda)
         op.register_kernel("cuda", kernel)
-        _CUDA_KERNELS[qualname] = kernel
-        OPS[qualname] = OpDef(op, reference, cuda, check)
+        OPS[qualname] = OpDef(op, reference, cuda, check, kernel)
         return op
 
     return wrap
@@ -146,21 +143,14 @@ def _qualname_of(op: CustomOpDef) -> str:
     if not isinstance(op, CustomOpDef):
         raise TypeError(f"expected a tpinv custom op (CustomOpDef), got {type(op).__name__}")
     qualname = op._qualname
-    if qualname not in _CUDA_KERNELS:
+    if qualname not in OPS:
         raise ValueError(f"{qualname} was not defined through tpinv.ops.registry.define_op")
     return qualname
 
 
-def register_cuda_kernel(op: CustomOpDef, kernel: Callable) -> None:
-    """Fill the CUDA slot of ``op`` with ``kernel`` (same signature as the CPU kernel)."""
-    qualname = _qualname_of(op)
-    op.register_kernel("cuda", kernel)
-    _CUDA_KERNELS[qualname] = kernel
-
-
 def cuda_kernel(op: CustomOpDef) -> Callable:
-    """The function currently in the CUDA slot of ``op`` (the placeholder until filled)."""
-    return _CUDA_KERNELS[_qualname_of(op)]
+    """The function in the CUDA slot of ``op`` (the placeholder where its definition names none)."""
+    return OPS[_qualname_of(op)].cuda_kernel
 
 
 def has_cuda_kernel(op: CustomOpDef) -> bool:
