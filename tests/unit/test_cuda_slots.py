@@ -90,3 +90,27 @@ def test_the_check_runs_once_per_call():
     assert len(calls) == 2
     with pytest.raises(ValueError, match="probe wants a vector"):
         probe(torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("family,check,call", [
+    ("reference_norm", "check_rms_norm_inputs",
+     lambda ops: ops.rms_norm(torch.randn(3, 16), torch.ones(16))),
+    ("reference_softmax", "check_softmax_inputs", lambda ops: ops.log_softmax(torch.randn(3, 16), 8)),
+    ("reference_activation", "check_silu_mul_inputs",
+     lambda ops: ops.silu_mul(torch.randn(3, 16), torch.randn(3, 16))),
+    ("reference_matmul", "check_matmul_inputs", lambda ops: ops.matmul_partial(torch.randn(3, 16), torch.randn(4, 16))),
+    ("reference_rope", "check_rope_inputs",
+     lambda ops: ops.apply_rope(torch.randn(1, 2, 3, 8), torch.ones(3, 8), torch.zeros(3, 8))),
+])
+def test_a_library_op_checks_its_inputs_once_per_call(monkeypatch, family, check, call):
+    """The public wrapper, the op and the reference kernel share one check, run once."""
+    module = importlib.import_module(f"tpinv.kernels.{family}")
+    real, calls = getattr(module, check), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, check, counted)
+    call(tpinv.ops)
+    assert len(calls) == 1, (family, len(calls))
