@@ -11,6 +11,10 @@ through :func:`resolve_group` / :func:`group_size_rank`.  The one rule for ``Non
   invariance, so the group is always passed explicitly (Megatron's convention in its
   ``tensor_parallel/mappings.py``).
 
+To compute on this rank alone inside a multi-rank run (a row already gathered, a replicated
+tensor, a TP=1 reference beside a TP=2 model), pass :data:`LOCAL`: an explicit group of one that
+no collective ever touches.
+
 An integration that has its own notion of a default group (megatron-core's
 ``parallel_state``) maps it to an explicit group before calling tpinv.
 """
@@ -22,7 +26,18 @@ import torch.distributed as dist
 
 from tpinv.core.contract import InvarianceError
 
-__all__ = ["resolve_group", "group_size_rank", "group_size"]
+__all__ = ["LOCAL", "resolve_group", "group_size_rank", "group_size"]
+
+
+class _Local:
+    """The group of this rank alone (see :data:`LOCAL`)."""
+
+    def __repr__(self) -> str:
+        return "tpinv.distributed.groups.LOCAL"
+
+
+#: An explicit single-rank group: size 1, rank 0, whatever torch.distributed runs.
+LOCAL = _Local()
 
 
 def _multi_rank_world() -> bool:
@@ -44,7 +59,7 @@ def resolve_group(group: Optional[dist.ProcessGroup], name: str = "tp_group") ->
 def group_size_rank(group: Optional[dist.ProcessGroup], name: str = "tp_group") -> tuple[int, int]:
     """``(size, rank)`` of ``group``; ``(1, 0)`` for ``None`` in a single-rank run (see the module rule)."""
     group = resolve_group(group, name)
-    if group is None:
+    if group is None or group is LOCAL:
         return 1, 0
     rank = dist.get_rank(group)
     if rank < 0:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size, tree_combine_list
 from tpinv.core.capture import capturing
 from tpinv.core.dtypes import NAMES
-from tpinv.distributed.groups import group_size_rank
+from tpinv.distributed.groups import LOCAL, group_size_rank
 
 __all__ = ["ALGORITHMS", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
            "all_gather", "algorithms_for", "choose_algorithm"]
@@ -81,7 +81,7 @@ def choose_algorithm(nbytes: int, group_size: int, backend: str = "gloo") -> str
 
 def _group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
     """``(group, size, rank)``; ``None`` follows :mod:`tpinv.distributed.groups` (a single rank)."""
-    if group is not None and not dist.is_initialized():
+    if group is not None and group is not LOCAL and not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group "
                            "(or tpinv.distributed.parallel.ParallelDims.build) before a tree collective")
     size, rank = group_size_rank(group, "group")

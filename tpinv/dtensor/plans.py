@@ -36,7 +36,6 @@ from fnmatch import fnmatch
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -44,6 +43,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
                                                parallelize_module)
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_leaves
+from tpinv.distributed.groups import LOCAL
 from tpinv.dtensor.hf_modules import TpinvAttention, TpinvHeadRMSNorm, TpinvMLP, TpinvRMSNorm, TpinvRotary
 from tpinv.dtensor.styles import (InvariantColumnOnlyParallel, InvariantColwiseParallel,
                                   InvariantVocabEmbedding, ShardedHeads, TpinvModelGroup)
@@ -236,7 +236,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
     exact, the sum of exponentials a tree reduction across ranks), a ``Replicate`` DTensor
     or a plain ``[..., V]`` tensor; all give the same bits.
     """
-    group: Optional[dist.ProcessGroup] = None
+    group = LOCAL  # a plain or Replicate tensor: the whole vocabulary is here
     if isinstance(logits, DTensor):
         placement = logits.placements[0] if len(logits.placements) == 1 else None
         if placement is not None and placement.is_shard() and placement.dim % logits.ndim == logits.ndim - 1:

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from tpinv.distributed.groups import LOCAL
 from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.engine.sampling import sample_row, vocab_log_probs
 from tpinv.engine.scheduler import Request, Result, Scheduler, SequenceState, error_result, validate_request
@@ -198,7 +199,7 @@ class Engine:
         target = torch.tensor([token], dtype=torch.int64, device=row.device)
         if self.vanilla:
             return float(torch.log_softmax(row.float(), dim=-1)[token])
-        return float(vocab_parallel_log_probs(row[None], target, tp_group=None, leaves=self.model.leaves)[0])
+        return float(vocab_parallel_log_probs(row[None], target, tp_group=LOCAL, leaves=self.model.leaves)[0])
 
     def _draw(self, state: SequenceState, row: torch.Tensor) -> None:
         req = state.request
