@@ -100,7 +100,8 @@ def validate(model: nn.Module, tp_size: int, plan: str = "invariant",
                             f"only; a tpinv.models.Transformer takes plan='invariant'")
         if model.tp_size != 1:
             raise InvarianceError(f"the Transformer was built with a TP group of {model.tp_size} ranks; "
-                                  f"build it with tp_group=None and let the plan shard it")
+                                  f"build it with a one-rank group (tpinv.distributed.groups.LOCAL, or "
+                                  f"None in one process) and let the plan shard it")
         if model.leaves != leaves:
             raise InvarianceError(f"the Transformer was built with leaves={model.leaves}, the plan "
                                   f"asks for leaves={leaves}; use the same leaf count")
