@@ -263,7 +263,8 @@ class Trainer:
                  "config": dataclasses.asdict(cfg)}
         path = save_train_state(cfg.save, step=self.step, model=self.model, optimizer=self.optimizer,
                                 layout=self.layout, model_args=self.model_args, state=state,
-                                tp_group=self.tp_group, is_writer=self.rank == 0)
+                                tp_group=self.tp_group, is_writer=self.rank == 0,
+                                world_group=dist.group.WORLD if self.par else None)
         self.logger.event("checkpoint", {"step": self.step, "path": path}, f"saved checkpoint {path}")
         return path
 

@@ -122,7 +122,8 @@ def save_train_state(root: str, *, step: int, model, optimizer, layout, model_ar
     ``state`` holds the JSON-able run state (data position, schedule, config, ``leaves``,
     ``row_strategy``); model args, optimizer state and RNG are added here.  Raises
     :class:`CheckpointError` on every rank if the writer fails (e.g. disk full); the previous
-    checkpoint stays complete and ``latest`` keeps naming it.
+    checkpoint stays complete and ``latest`` keeps naming it.  ``world_group`` holds every rank
+    that saves (the writer's error is broadcast over it); ``None`` only in a single-process run.
     """
     meta = param_meta_from_module(model)
     full = {}
@@ -145,7 +146,7 @@ def save_train_state(root: str, *, step: int, model, optimizer, layout, model_ar
                 error = f"disk full while saving the checkpoint of step {step} to {root} ({e}){keep}"
             else:
                 error = f"saving the checkpoint of step {step} to {root} failed: {type(e).__name__}: {e}{keep}"
-    if dist.is_initialized() and dist.get_world_size(world_group) > 1:
+    if group_size(world_group, "world_group") > 1:
         box = [error]
         dist.broadcast_object_list(box, src=0, group=world_group)
         error = box[0]
