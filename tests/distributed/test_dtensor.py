@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 import dtensor_cases as cases  # noqa: E402
 from tpinv.core.contract import InvarianceError  # noqa: E402
 from tpinv.dtensor import validate  # noqa: E402
-from tpinv.testing import assert_bits_differ, assert_same_bits, run_ranks  # noqa: E402
+from tpinv.testing import assert_bits_differ, assert_same_bits, run_ranks, same_bits
 
 TPS = (1, 2, 4)
 FAMILIES = cases.FAMILIES
@@ -38,15 +38,15 @@ def runs():
 
 
 def _same(a, b, where):
-    assert torch.equal(a["logits"], b["logits"]), f"{where}: logits"
-    assert torch.equal(a["loss"], b["loss"]), f"{where}: loss"
+    assert_same_bits(a["logits"], b["logits"], f"{where}: logits")
+    assert_same_bits(a["loss"], b["loss"], f"{where}: loss")
     assert a["grads"].keys() == b["grads"].keys(), where
     for name, g in b["grads"].items():
-        assert torch.equal(a["grads"][name], g), f"{where}: grad of {name}"
+        assert_same_bits(a["grads"][name], g, f"{where}: grad of {name}")
 
 
 def _differs(a, b) -> list[str]:
-    return [n for n in b["grads"] if not torch.equal(a["grads"][n], b["grads"][n])]
+    return [n for n in b["grads"] if not same_bits(a["grads"][n], b["grads"][n])]
 
 
 @pytest.mark.parametrize("dtype", ("fp32", "bf16"))
@@ -79,7 +79,7 @@ def test_default_plan_logits_differ(runs, family):
     out, _ = runs
     ref = out[1][0][(family, "default", "fp32")]["logits"]
     for tp in (2, 4):
-        assert not torch.equal(out[tp][0][(family, "default", "fp32")]["logits"], ref), f"TP={tp}"
+        assert_bits_differ(out[tp][0][(family, "default", "fp32")]["logits"], ref, f"TP={tp}")
 
 
 @pytest.mark.parametrize("dtype", ("fp32", "bf16"))
@@ -89,7 +89,7 @@ def test_invariant_plan_equals_tpinv_model(runs, family, dtype):
     ours = cases.tpinv_reference(family, dtype, inputs)
     _same(cases.strip_model_prefix(out[1][0][(family, "invariant", dtype)]), ours, "HF invariant vs tpinv")
     # Negative control: the unparallelized HF model (plain torch ops) differs from tpinv's.
-    assert not torch.equal(out[1][0][(family, "hf-plain", dtype)]["logits"], ours["logits"])
+    assert_bits_differ(out[1][0][(family, "hf-plain", dtype)]["logits"], ours["logits"], "out[1][0][family, 'hf-plain', dtype]['logits']")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -103,7 +103,8 @@ def test_tpinv_model_under_invariant_plan(runs, family):
             assert res[(family, "tpinv-heads")] == (8 // tp, 4 // tp)
     # Negative control: the same weights under the vanilla plan change with TP.
     default = [out[tp][0][(family, "default", "fp32")]["logits"] for tp in TPS]
-    assert not torch.equal(default[0], default[1]) and not torch.equal(default[0], default[2])
+    assert_bits_differ(default[0], default[1], 'default[0]')
+    assert_bits_differ(default[0], default[2], 'default[0]')
 
 
 def test_invariant_path_ran(runs):
@@ -123,9 +124,9 @@ def test_kv_cache_decode_matches_full_forward(runs):
     for family in FAMILIES:
         for tp in TPS:
             res = out[tp][0][(family, "decode")]
-            assert torch.equal(res["decoded"], res["full"]), f"{family} TP={tp}"
+            assert_same_bits(res["decoded"], res["full"], f"{family} TP={tp}")
         plain = out[1][0][(family, "hf-plain-decode")]  # negative control: HF's eager path
-        assert not torch.equal(plain["decoded"], plain["full"]), family
+        assert_bits_differ(plain["decoded"], plain["full"], str(family))
 
 
 def test_vocab_parallel_loss_same_bits_at_every_tp(runs):
@@ -135,8 +136,8 @@ def test_vocab_parallel_loss_same_bits_at_every_tp(runs):
     ref = out[1][0]
     for tp in (2, 4):
         for rank, res in enumerate(out[tp]):
-            assert torch.equal(res["tpinv-loss-parallel"], ref["tpinv-loss-parallel"]), f"TP={tp} rank {rank}"
-        assert not torch.equal(out[tp][0]["torch-loss-parallel"], ref["torch-loss-parallel"]), f"TP={tp}"
+            assert_same_bits(res["tpinv-loss-parallel"], ref["tpinv-loss-parallel"], f"TP={tp} rank {rank}")
+        assert_bits_differ(out[tp][0]["torch-loss-parallel"], ref["torch-loss-parallel"], f"TP={tp}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

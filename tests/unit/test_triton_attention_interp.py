@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from triton_interp import checks_of, interpreted_test, main  # noqa: E402
+from tpinv.testing import assert_same_bits
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 FP16, FP32 = torch.float16, torch.float32
@@ -72,7 +73,7 @@ def check_forward_parity():
             got = fwd(q, k, v, pos, mask, causal, window, None)
             ref = attention_forward(q, k, v, pos, mask, causal, window)
             _close(got[0], ref[0], TOL[dtype], f"out {dtype} {mode}")
-            assert torch.equal(torch.isinf(got[1]), torch.isinf(ref[1])), mode
+            assert_same_bits(torch.isinf(got[1]), torch.isinf(ref[1]), str(mode))
             _close(got[1].nan_to_num(neginf=0), ref[1].nan_to_num(neginf=0), (1e-5, 1e-5), mode)
 
 
@@ -99,10 +100,12 @@ def check_paths_and_strides():
     ones = torch.ones(B, S, S, dtype=torch.bool)
     for mask, window in ((ones, None), (None, 10 ** 6), (ones, 10 ** 6)):
         got = fwd(q, k, v, pos, mask, True, window, None)
-        assert all(torch.equal(a, b) for a, b in zip(got, ref)), (mask is None, window)
+        for a, b in zip(got, ref):
+            assert_same_bits(a, b, str((mask is None, window)))
     strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
     got = fwd(*strided, pos, None, True, None, None)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref)), "strided inputs"
+    for a, b in zip(got, ref):
+        assert_same_bits(a, b, "strided inputs")
     dout = cases.randn(*q.shape, dtype=FP16)
     g_ref = bwd(dout, None, q, k, v, *ref, pos, None, True, None, None)
     g_zero = bwd(dout, torch.zeros_like(ref[1]), q, k, v, *ref, pos, None, True, None, None)
@@ -110,7 +113,8 @@ def check_paths_and_strides():
     g_str = bwd(dout.transpose(1, 2).contiguous().transpose(1, 2), None, *strided, *ref, pos,
                 None, True, None, None)
     for other in (g_zero, g_mask, g_str):
-        assert all(torch.equal(a, b) for a, b in zip(other, g_ref))
+        for a, b in zip(other, g_ref):
+            assert_same_bits(a, b, 'a')
 
 
 def check_edge_cases():
