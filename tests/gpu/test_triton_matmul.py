@@ -2,8 +2,8 @@
 
 Every invariance check is bitwise (``assert_same_bits``: shape, dtype and raw bytes) and has a negative control beside it:
 the vanilla path (cuBLAS ``torch.matmul``, a sum of K-split partials, a different leaf
-tree) shows a difference on the same kind of inputs.  GPU tests skip without CUDA; the
-tile-table and input-check tests run anywhere.
+tree) shows a difference on the same kind of inputs.  Every test here needs CUDA; the
+tile-table tests that run anywhere are in tests/unit/test_tiles.py.
 """
 from __future__ import annotations
 
@@ -34,41 +34,20 @@ def _rel_err(out, x, w):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-# ---------------------------------------------------------------- tile table (any machine)
+# ---------------------------------------------------------------- input checks on the GPU
+# (the tile-table tests and the CPU-tensor refusal run on any machine: tests/unit/test_tiles.py)
 
-def test_block_k_depends_on_dtype_and_leaf_length_only():
-    assert tiles.block_k(torch.bfloat16, 512) == 64
-    assert tiles.block_k(torch.float16, 96) == 32
-    assert tiles.block_k(torch.float32, 512) == 32
-    assert tiles.block_k(torch.bfloat16, 125) == 16   # zero-padded last tile
-    assert tiles.block_k(torch.bfloat16, 3) == 16     # a leaf shorter than 16 pads to 16
-    with pytest.raises(InvarianceError):
-        tiles.block_k(torch.int8, 64)
-
-
-def test_table_configs_are_candidates_and_unknown_configs_refused():
-    for m in (1, 64, 65, 256, 1000, 5000):
-        for leaves in (1, 2, 8):
-            assert tiles.launch_config(m, leaves) in tiles.CANDIDATE_CONFIGS
-    with pytest.raises(InvarianceError, match="CANDIDATE_CONFIGS"):
-        tiles.check_config(tiles.MatmulConfig(32, 32, 4, 2))
-    assert tiles.MatmulConfig(64, 64, 4, 5, split=8).effective_split(2) == 2
-    assert tiles.MatmulConfig(64, 64, 4, 5).effective_split(32) == 4
-
-
+@cuda
 def test_input_errors_name_the_expected_shape():
-    x, w = torch.zeros(3, 64), torch.zeros(5, 64)
-    with pytest.raises(ValueError, match="CUDA"):
-        matmul_cuda(x, w, 8)
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"x \[\.\.\., K\] and w \[N, K\]"):
-            matmul_cuda(x.cuda(), torch.zeros(5, 32, device=DEV), 8)
-        with pytest.raises(InvarianceError, match="not divisible"):
-            matmul_cuda(torch.zeros(3, 60, device=DEV), torch.zeros(5, 60, device=DEV), 8)
-        with pytest.raises(InvarianceError, match="power of two"):
-            matmul_cuda(x.cuda(), w.cuda(), 3)
-        with pytest.raises(TypeError, match="must equal x dtype"):
-            matmul_cuda(x.cuda(), w.cuda().half(), 8)
+    x, w = torch.zeros(3, 64, device=DEV), torch.zeros(5, 64, device=DEV)
+    with pytest.raises(ValueError, match=r"x \[\.\.\., K\] and w \[N, K\]"):
+        matmul_cuda(x, torch.zeros(5, 32, device=DEV), 8)
+    with pytest.raises(InvarianceError, match="not divisible"):
+        matmul_cuda(torch.zeros(3, 60, device=DEV), torch.zeros(5, 60, device=DEV), 8)
+    with pytest.raises(InvarianceError, match="power of two"):
+        matmul_cuda(x, w, 3)
+    with pytest.raises(TypeError, match="must equal x dtype"):
+        matmul_cuda(x, w.half(), 8)
 
 
 # ---------------------------------------------------------------- batch invariance
