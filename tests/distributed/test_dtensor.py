@@ -89,7 +89,8 @@ def test_invariant_plan_equals_tpinv_model(runs, family, dtype):
     ours = cases.tpinv_reference(family, dtype, inputs)
     _same(cases.strip_model_prefix(out[1][0][(family, "invariant", dtype)]), ours, "HF invariant vs tpinv")
     # Negative control: the unparallelized HF model (plain torch ops) differs from tpinv's.
-    assert_bits_differ(out[1][0][(family, "hf-plain", dtype)]["logits"], ours["logits"], "out[1][0][family, 'hf-plain', dtype]['logits']")
+    assert_bits_differ(out[1][0][(family, "hf-plain", dtype)]["logits"], ours["logits"],
+                       "out[1][0][family, 'hf-plain', dtype]['logits']")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

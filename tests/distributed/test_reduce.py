@@ -163,8 +163,10 @@ def test_tree_is_tp_invariant_and_plain_all_reduce_is_not(spawned):
     assert_bits_differ(vanilla[1], single, 'vanilla[1]')
     # ... and even the tree's own sub-trees, summed by all_reduce at 4 ranks, lose the tree order;
     # at 2 ranks the tree is one add, which the plain all_reduce computes too ("pair_sum").
-    assert_bits_differ(results[4][0]["plain_all_reduce_of_subtrees"], single, "results[4][0]['plain_all_reduce_of_subtrees']")
-    assert_same_bits(results[2][0]["plain_all_reduce_of_subtrees"], single, "results[2][0]['plain_all_reduce_of_subtrees']")
+    assert_bits_differ(results[4][0]["plain_all_reduce_of_subtrees"], single,
+                       "results[4][0]['plain_all_reduce_of_subtrees']")
+    assert_same_bits(results[2][0]["plain_all_reduce_of_subtrees"], single,
+                     "results[2][0]['plain_all_reduce_of_subtrees']")
 
 
 def test_pair_sum_is_refused_beyond_two_ranks(spawned):
@@ -184,7 +186,8 @@ def test_tree_over_leaves_equals_tree_over_rank_subtrees(rows, leaf_len, log_lea
     leaf = leaf_partials(x, leaves)
     subtrees = [tree_combine(leaf[:, rank_leaves(r, size, leaves)]) for r in range(size)]
     assert_same_bits(tree_combine_list(subtrees), tree_combine(leaf), 'tree_combine_list(subtrees)')
-    assert_same_bits(tree_combine(torch.stack(subtrees, -1)), leaf_tree_sum(x, leaves), 'tree_combine(torch.stack(subtrees, -1))')
+    assert_same_bits(tree_combine(torch.stack(subtrees, -1)), leaf_tree_sum(x, leaves),
+                     'tree_combine(torch.stack(subtrees, -1))')
 
 
 def test_auto_choice_depends_on_the_bytes_each_rank_receives():

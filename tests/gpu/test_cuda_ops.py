@@ -88,7 +88,8 @@ def test_tree_sum_is_the_cpu_bits_and_ignores_zero_padding():
     x = rand(33, 999, seed=5)
     one = tree_sum(x, 1)
     assert_same_bits(one.cpu(), tree_sum(x.cpu(), 1), 'one.cpu()')          # exact adds: the CPU bits
-    assert_same_bits(tree_sum(F.pad(x, (0, 25)), 1), one, 'tree_sum(F.pad(x, (0, 25)), 1)')       # pads to 1024 either way
+    assert_same_bits(tree_sum(F.pad(x, (0, 25)), 1), one,
+                     'tree_sum(F.pad(x, (0, 25)), 1)')       # pads to 1024 either way
     assert_same_bits(tree_sum(x[:, :992], 8).cpu(), tree_sum(x[:, :992].cpu(), 8), 'tree_sum(x[:, :992], 8).cpu()')
 
 
@@ -168,7 +169,8 @@ def test_rope_tables_and_rotation_are_position_invariant():
     torch.testing.assert_close(cos.cpu(), c_cpu, rtol=rtol, atol=atol)
     x = rand(3, 4, 300, 128, dtype=torch.bfloat16, seed=4)
     out = apply_rope(x, cos, sin)
-    assert_same_bits(apply_rope(x[1:2, :, 211:212], cos[1:2, 211:212], sin[1:2, 211:212]), out[1:2, :, 211:212], 'apply_rope(x[1:2, :, 211:212], cos[1:2, 211:212...')
+    assert_same_bits(apply_rope(x[1:2, :, 211:212], cos[1:2, 211:212], sin[1:2, 211:212]), out[1:2, :, 211:212],
+                     'apply_rope(x[1:2, :, 211:212], cos[1:2, 211:212...')
     assert_cpu_parity(apply_rope, x, cos, sin, dtype=torch.bfloat16)
     c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     vanilla = x * c + torch.cat((-x[..., 64:], x[..., :64]), -1) * s
@@ -184,7 +186,8 @@ def test_embedding_forward_and_backward_are_the_cpu_bits():
     dw = embedding_backward(grad, ids, 500)
     assert_same_bits(dw.cpu(), embedding_backward(grad.cpu(), ids.cpu(), 500), 'dw.cpu()')
     # the first k tokens: a prefix of the token-order chain, computed alone
-    assert_same_bits(embedding_backward(grad[:1], ids[:1], 500)[:3].cpu(), embedding_backward(grad[:1].cpu(), ids[:1].cpu(), 500)[:3], 'embedding_backward(grad[:1], ids[:1], 500)[:3]....')
+    assert_same_bits(embedding_backward(grad[:1], ids[:1], 500)[:3].cpu(), embedding_backward(grad[:1].cpu(), ids[:1].cpu(), 500)[:3],
+                     'embedding_backward(grad[:1], ids[:1], 500)[:3]....')
     atomic = [torch.zeros(500, 64, device=DEV).index_add_(0, ids.reshape(-1), grad.reshape(-1, 64))
               for _ in range(3)]
     assert any(not same_bits(a, dw) for a in atomic)   # control: atomics add in another order

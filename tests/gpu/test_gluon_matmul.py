@@ -46,8 +46,10 @@ def triton_only(x, w, leaves, out_dtype=None):
 @pytest.mark.parametrize("m,n,k", [(4096, 1024, 2048), (1000, 200, 1024), (300, 3072, 1024), (70, 64, 512)])
 def test_gluon_equals_the_triton_kernel(m, n, k, leaves):
     x, w = make(m, n, k)
-    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves), 'gm().gluon_matmul_cuda(x, w, leaves)')
-    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), triton_only(x, w, leaves, torch.float32), 'gm().gluon_matmul_cuda(x, w, leaves, torch.floa...')
+    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves),
+                     'gm().gluon_matmul_cuda(x, w, leaves)')
+    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), triton_only(x, w, leaves, torch.float32),
+                     'gm().gluon_matmul_cuda(x, w, leaves, torch.floa...')
 
 
 @pytest.mark.parametrize("x_t,w_kn", [(True, False), (False, True), (True, True)])
@@ -56,14 +58,16 @@ def test_transposed_operands_give_the_same_bits(x_t, w_kn, leaves):
     x, w = make(1024, 768, 2048, x_t=x_t, w_kn=w_kn)
     assert gm().supported(x, w, leaves)
     ref = triton_only(x.contiguous(), w.contiguous(), leaves, torch.float32)
-    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), ref, 'gm().gluon_matmul_cuda(x, w, leaves, torch.floa...')
+    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), ref,
+                     'gm().gluon_matmul_cuda(x, w, leaves, torch.floa...')
     assert_same_bits(tm().matmul_partial_cuda(x, w, leaves), ref, 'tm().matmul_partial_cuda(x, w, leaves)')
 
 
 def test_fp16():
     x, w = make(512, 512, 1024, dtype=torch.float16)
     for leaves in (1, 8):
-        assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves), 'gm().gluon_matmul_cuda(x, w, leaves)')
+        assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves),
+                         'gm().gluon_matmul_cuda(x, w, leaves)')
 
 
 def test_dispatch_uses_gluon_from_the_row_threshold(monkeypatch):

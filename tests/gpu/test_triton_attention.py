@@ -100,7 +100,8 @@ def test_forward_parity_with_fp64(dtype, mode):
     seen = torch.isfinite(ref_l)
     assert_same_bits(torch.isfinite(lse), seen, 'torch.isfinite(lse)')
     assert (lse[seen].double() - ref_l[seen]).abs().max().item() < 1e-4
-    assert_same_bits(out[~seen[..., None].expand_as(out)].float().abs().sum().cpu(), torch.tensor(0.0), 'out[~seen[..., None].expand_as(out)].float().ab...')
+    assert_same_bits(out[~seen[..., None].expand_as(out)].float().abs().sum().cpu(), torch.tensor(0.0),
+                     'out[~seen[..., None].expand_as(out)].float().ab...')
 
 
 # ------------------------------------------------------------------ forward invariance

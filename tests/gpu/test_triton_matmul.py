@@ -187,7 +187,8 @@ def test_shape_property_rows_and_k_split(m, n, log2_leaves, leaf_len, dtype):
     x, w = _rand(m, k, dtype=dtype), _rand(n, k, dtype=dtype)
     full = matmul_partial_cuda(x, w, leaves)
     r = int(torch.randint(m, ()))
-    assert_same_bits(matmul_partial_cuda(x[r:r + 1], w, leaves), full[r:r + 1], 'matmul_partial_cuda(x[r:r + 1], w, leaves)')
+    assert_same_bits(matmul_partial_cuda(x[r:r + 1], w, leaves), full[r:r + 1],
+                     'matmul_partial_cuda(x[r:r + 1], w, leaves)')
     half = k // 2
     if leaves >= 2:
         parts = [matmul_partial_cuda(x[:, :half], w[:, :half], leaves // 2),

@@ -88,7 +88,8 @@ def test_rms_norm_backward_rows_and_dweight_padding():
     w = (torch.rand(hidden, device=DEV) + 0.5).to(torch.bfloat16)
     dx, dw = tn().rms_norm_backward_cuda(g, x, w, 1e-6)
     for m in (1, 3, 64):
-        assert_same_bits(tn().rms_norm_backward_cuda(g[:m], x[:m], w, 1e-6)[0], dx[:m], 'tn().rms_norm_backward_cuda(g[:m], x[:m], w, 1e...')
+        assert_same_bits(tn().rms_norm_backward_cuda(g[:m], x[:m], w, 1e-6)[0], dx[:m],
+                         'tn().rms_norm_backward_cuda(g[:m], x[:m], w, 1e...')
     for pad in (1, 212, 2000):   # zero-grad padding tokens, to and past the next power of two
         xp = torch.cat([x, rand(pad, hidden, dtype=x.dtype, seed=pad)])
         gp = torch.cat([g, torch.zeros(pad, hidden, dtype=g.dtype, device=DEV)])
@@ -150,7 +151,8 @@ def test_sum_exp_partial_rows_invariant():
     max_all = x.amax(-1)
     full = ts().sum_exp_partial_cuda(x, max_all, DEFAULT_LEAVES)
     for m in ROWS:
-        assert_same_bits(ts().sum_exp_partial_cuda(x[-m:], max_all[-m:], DEFAULT_LEAVES), full[-m:], 'ts().sum_exp_partial_cuda(x[-m:], max_all[-m:],...')
+        assert_same_bits(ts().sum_exp_partial_cuda(x[-m:], max_all[-m:], DEFAULT_LEAVES), full[-m:],
+                         'ts().sum_exp_partial_cuda(x[-m:], max_all[-m:],...')
 
 
 @pytest.mark.parametrize("dtype", TOL)
@@ -205,7 +207,8 @@ def test_fused_rows_invariant_at_vocab_width(dtype):
     big = rand(1100, 151936, dtype=dtype, seed=22)
     full = ts().log_softmax_forward_cuda(big, DEFAULT_LEAVES)
     for lo, hi in ((0, 1), (517, 518), (1099, 1100), (3, 300)):
-        assert_same_bits(ts().log_softmax_forward_cuda(big[lo:hi], DEFAULT_LEAVES), full[lo:hi], 'ts().log_softmax_forward_cuda(big[lo:hi], DEFAU...')
+        assert_same_bits(ts().log_softmax_forward_cuda(big[lo:hi], DEFAULT_LEAVES), full[lo:hi],
+                         'ts().log_softmax_forward_cuda(big[lo:hi], DEFAU...')
 
 
 def test_fused_config_knobs_do_not_move_bits():

@@ -103,7 +103,8 @@ def test_rows_chunks_and_elements_vanilla_differs():
 def test_row_alone_property(batch, hidden, seed):
     gate, up = randn(batch, hidden, seed=seed), randn(batch, hidden, seed=seed + 1)
     row = seed % batch
-    assert_same_bits(silu_mul(gate, up)[row:row + 1], silu_mul(gate[row:row + 1], up[row:row + 1]), 'silu_mul(gate, up)[row:row + 1]')
+    assert_same_bits(silu_mul(gate, up)[row:row + 1], silu_mul(gate[row:row + 1], up[row:row + 1]),
+                     'silu_mul(gate, up)[row:row + 1]')
 
 
 # --- padding ------------------------------------------------------------------------

@@ -65,7 +65,8 @@ def test_cummax_is_the_running_maximum():
         running.append(torch.maximum(running[-1], x[:, i]))
     expected = torch.stack(running, 1)
     assert_same_bits(torch.cummax(x, dim=1).values, expected, 'torch.cummax(x, dim=1).values')
-    assert_same_bits(torch.cummax(x.t().contiguous(), dim=0).values.t(), expected, 'torch.cummax(x.t().contiguous(), dim=0).values.t()')
+    assert_same_bits(torch.cummax(x.t().contiguous(), dim=0).values.t(), expected,
+                     'torch.cummax(x.t().contiguous(), dim=0).values.t()')
 
 
 def test_position_check_catches_sigmoid():

@@ -52,11 +52,13 @@ def test_stream_writer_matches_safetensors_bit_for_bit(tmp_path):
         assert back[n].dtype == t.dtype, n
         assert_same_bits(back[n], t, str(n))
     r = SafetensorsReader(str(tmp_path / "x.safetensors"))
-    assert_same_bits(r.get("a", (slice(1, 3), slice(2, 5))), tensors["a"][1:3, 2:5], "r.get('a', (slice(1, 3), slice(2, 5)))")
+    assert_same_bits(r.get("a", (slice(1, 3), slice(2, 5))), tensors["a"][1:3, 2:5],
+                     "r.get('a', (slice(1, 3), slice(2, 5)))")
     assert r.metadata() == {"format": "pt"}
     # the reader also accepts files written by safetensors itself
     save_file({"a": tensors["a"]}, str(tmp_path / "y.safetensors"))
-    assert_same_bits(SafetensorsReader(str(tmp_path / "y.safetensors")).get("a"), tensors["a"], "SafetensorsReader(str(tmp_path / 'y.safetensors...")
+    assert_same_bits(SafetensorsReader(str(tmp_path / "y.safetensors")).get("a"), tensors["a"],
+                     "SafetensorsReader(str(tmp_path / 'y.safetensors...")
 
 
 def test_stream_writer_checks_order_shape_and_completeness(tmp_path):
@@ -131,7 +133,8 @@ def test_reshard_tp4_files_at_tp2_and_across_row_strategies(tmp_path):
         assert_same_bits(got["proj.weight"], sd["proj.weight"][12 * rank:12 * (rank + 1)], "got['proj.weight']")
         assert_same_bits(got["embed.weight"], sd["embed.weight"][20 * rank:20 * (rank + 1)], "got['embed.weight']")
         # the files' own split (tree: dim 1) is a different piece
-        assert_same_bits(load_shard(out, 2, rank)["proj.weight"], sd["proj.weight"][:, 28 * rank:28 * (rank + 1)], "load_shard(out, 2, rank)['proj.weight']")
+        assert_same_bits(load_shard(out, 2, rank)["proj.weight"], sd["proj.weight"][:, 28 * rank:28 * (rank + 1)],
+                         "load_shard(out, 2, rank)['proj.weight']")
     with pytest.raises(ValueError, match="pass param_meta"):
         load_shard(out, 2, 0, "column_only")
 
@@ -174,8 +177,10 @@ def test_sha256_detects_a_flipped_byte(tmp_path):
     with pytest.raises(CheckpointError, match="sha256 mismatch.*the file is corrupt") as e:
         load_shard(out, 2, 1, verify=True)
     assert "model-tp2-rank01.safetensors" in str(e.value)
-    assert_bits_differ(load_shard(out, 2, 1)["proj.weight"], sd["proj.weight"][:, 28:], "load_shard(out, 2, 1)['proj.weight']")  # the flip is real
-    assert_same_bits(load_shard(out, 2, 0, verify=True)["proj.weight"], sd["proj.weight"][:, :28], "load_shard(out, 2, 0, verify=True)['proj.weight']")
+    assert_bits_differ(load_shard(out, 2, 1)["proj.weight"], sd["proj.weight"][:, 28:],
+                       "load_shard(out, 2, 1)['proj.weight']")  # the flip is real
+    assert_same_bits(load_shard(out, 2, 0, verify=True)["proj.weight"], sd["proj.weight"][:, :28],
+                     "load_shard(out, 2, 0, verify=True)['proj.weight']")
 
 
 def test_missing_rank_file_and_bad_meta(tmp_path):

@@ -87,7 +87,8 @@ def test_tree_combine_is_the_adjacent_pair_tree():
     expected = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
     assert_same_bits(tree_combine(parts), expected, 'tree_combine(parts)')
     assert_same_bits(tree_combine_list(list(l)), expected, 'tree_combine_list(list(l))')
-    assert_same_bits(tree_combine(parts.t().contiguous(), dim=0), expected, 'tree_combine(parts.t().contiguous(), dim=0)')
+    assert_same_bits(tree_combine(parts.t().contiguous(), dim=0), expected,
+                     'tree_combine(parts.t().contiguous(), dim=0)')
     # Negative control: the left-to-right chain over the same partials rounds differently.
     chain = l[0]
     for x in l[1:]:
@@ -160,9 +161,12 @@ def test_add_is_position_independent():
     """The only arithmetic primitive of the tree: an fp32 add gives a value's bits anywhere."""
     a, b = _wide(1003), _wide(1003)
     full = a + b
-    assert_same_bits(torch.cat([x + y for x, y in zip(a.split(7), b.split(7))]), full, 'torch.cat([x + y for x, y in zip(a.split(7), b....')
-    assert_same_bits(torch.stack([a[i] + b[i] for i in range(0, 1003, 97)]), full[::97], 'torch.stack([a[i] + b[i] for i in range(0, 1003...')
-    assert_same_bits(torch.stack([a, b], -1)[:, 0] + torch.stack([b, a], -1)[:, 0], full, 'torch.stack([a, b], -1)[:, 0] + torch.stack([b,...')
+    assert_same_bits(torch.cat([x + y for x, y in zip(a.split(7), b.split(7))]), full,
+                     'torch.cat([x + y for x, y in zip(a.split(7), b....')
+    assert_same_bits(torch.stack([a[i] + b[i] for i in range(0, 1003, 97)]), full[::97],
+                     'torch.stack([a[i] + b[i] for i in range(0, 1003...')
+    assert_same_bits(torch.stack([a, b], -1)[:, 0] + torch.stack([b, a], -1)[:, 0], full,
+                     'torch.stack([a, b], -1)[:, 0] + torch.stack([b,...')
 
 
 @settings(max_examples=30, deadline=None)
@@ -176,4 +180,5 @@ def test_leaf_tree_sum_shape_properties(rows, leaf_len, log_leaves, pad):
     assert_same_bits(leaf_tree_sum(x[-1:], leaves), whole[-1:], 'leaf_tree_sum(x[-1:], leaves)')
     # One leaf's chain is padding-invariant: zero-padding a row never changes its sum.
     row = x[:, :leaf_len]
-    assert_same_bits(leaf_tree_sum(torch.nn.functional.pad(row, (0, pad)), 1), leaf_tree_sum(row, 1), 'leaf_tree_sum(torch.nn.functional.pad(row, (0, ...')
+    assert_same_bits(leaf_tree_sum(torch.nn.functional.pad(row, (0, pad)), 1), leaf_tree_sum(row, 1),
+                     'leaf_tree_sum(torch.nn.functional.pad(row, (0, ...')

@@ -89,15 +89,20 @@ def test_binary_position_independent(name, dtype):
     a = signed(SIZE, gen).to(dtype)
     b = (positive if name == "div" else signed)(SIZE, gen).to(dtype)
     full = fn(a, b)
-    assert_same_bits(torch.cat([fn(x, y) for x, y in zip(a.split(7), b.split(7))]), full, 'torch.cat([fn(x, y) for x, y in zip(a.split(7),...')
-    assert_same_bits(torch.stack([fn(a[i:i + 1], b[i:i + 1])[0] for i in range(SIZE)]), full, 'torch.stack([fn(a[i:i + 1], b[i:i + 1])[0] for ...')
+    assert_same_bits(torch.cat([fn(x, y) for x, y in zip(a.split(7), b.split(7))]), full,
+                     'torch.cat([fn(x, y) for x, y in zip(a.split(7),...')
+    assert_same_bits(torch.stack([fn(a[i:i + 1], b[i:i + 1])[0] for i in range(SIZE)]), full,
+                     'torch.stack([fn(a[i:i + 1], b[i:i + 1])[0] for ...')
     assert_same_bits(fn(strided(a), strided(b)), full, 'fn(strided(a), strided(b))')
-    assert_same_bits(fn(a[:1030].reshape(10, 103), b[:1030].reshape(10, 103)).reshape(-1), full[:1030], 'fn(a[:1030].reshape(10, 103), b[:1030].reshape(...')
+    assert_same_bits(fn(a[:1030].reshape(10, 103), b[:1030].reshape(10, 103)).reshape(-1), full[:1030],
+                     'fn(a[:1030].reshape(10, 103), b[:1030].reshape(...')
     # A broadcast (stride-0) operand gives the bits of the materialised one.
     col = a[:103].reshape(103, 1)
     rows = b[:1030].reshape(10, 103)
-    assert_same_bits(fn(col.t().expand(10, 103), rows), fn(col.t().expand(10, 103).contiguous(), rows), 'fn(col.t().expand(10, 103), rows)')
-    assert_same_bits(fn(col.expand(103, 10), rows.t()), fn(col.expand(103, 10).contiguous(), rows.t()), 'fn(col.expand(103, 10), rows.t())')
+    assert_same_bits(fn(col.t().expand(10, 103), rows), fn(col.t().expand(10, 103).contiguous(), rows),
+                     'fn(col.t().expand(10, 103), rows)')
+    assert_same_bits(fn(col.expand(103, 10), rows.t()), fn(col.expand(103, 10).contiguous(), rows.t()),
+                     'fn(col.expand(103, 10), rows.t())')
     # A python scalar operand equals a tensor full of it.
     s = 0.0 if name != "div" else 3.0
     assert_same_bits(fn(a, torch.full_like(a, s)), fn(a, torch.tensor(s, dtype=dtype)), 'fn(a, torch.full_like(a, s))')

@@ -103,7 +103,8 @@ def test_rows_do_not_depend_on_batch_composition():
         assert_same_bits(batch[:20], alone[:20], 'batch[:20]')
         assert_same_bits(batch[20:], embedding_backward(b_g, b_ids, 40)[20:], 'batch[20:]')
     # Control: the same tokens in another order (reversed) give other bits.
-    assert_bits_differ(reversed_chain(mixed_g, mixed_ids, 40)[:20], alone[:20], 'reversed_chain(mixed_g, mixed_ids, 40)[:20]')
+    assert_bits_differ(reversed_chain(mixed_g, mixed_ids, 40)[:20], alone[:20],
+                       'reversed_chain(mixed_g, mixed_ids, 40)[:20]')
 
 
 def test_threads_do_not_change_bits():

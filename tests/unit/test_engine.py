@@ -120,7 +120,8 @@ def test_raw_and_top_log_probs_agree_with_plain_torch(model):
     assert_same_bits(greedy.top_logprobs[:, 0], greedy.logprobs, 'greedy.top_logprobs[:, 0]')
     assert not greedy.sampled_logprobs.any()
     plain_t1 = Engine(model).generate([Request("t1", [3, 4, 5], max_tokens=4, sampling=SamplingParams(1.0, seed=9))])[0]
-    assert_same_bits(plain_t1.sampled_logprobs, plain_t1.logprobs, 'plain_t1.sampled_logprobs')   # temperature 1, no filter: q = p
+    assert_same_bits(plain_t1.sampled_logprobs, plain_t1.logprobs,
+                     'plain_t1.sampled_logprobs')   # temperature 1, no filter: q = p
 
 
 # ---- bad input ---------------------------------------------------------------------------------------

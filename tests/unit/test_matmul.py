@@ -51,7 +51,8 @@ def test_equals_definition(dtype, m, n, k, leaves):
     want = leaf_tree_sum(x.float()[..., None, :] * w.float()[None, :, :], leaves)
     assert_same_bits(matmul_partial(x, w, leaves), want, 'matmul_partial(x, w, leaves)')
     for chunk in (1, 7, 300):       # chunk edges, zero padding of M and N, both layouts
-        assert_same_bits(reference_matmul.matmul_partial(x, w, leaves, chunk_elements=chunk), want, 'reference_matmul.matmul_partial(x, w, leaves, c...')
+        assert_same_bits(reference_matmul.matmul_partial(x, w, leaves, chunk_elements=chunk), want,
+                         'reference_matmul.matmul_partial(x, w, leaves, c...')
 
 
 @pytest.mark.parametrize("rows", [1, reference_matmul.K_OUTER_MIN_ROWS + 1])   # both layouts
@@ -77,7 +78,8 @@ def test_shapes_property(m, n, k8, leaves, dtype, seed):
     full = matmul_partial(x, w, leaves)
     assert_same_bits(full, reference_matmul.matmul_partial_reference(x, w, leaves), 'full')
     row = seed % m
-    assert_same_bits(matmul_partial(x[row:row + 1], w, leaves), full[row:row + 1], 'matmul_partial(x[row:row + 1], w, leaves)')
+    assert_same_bits(matmul_partial(x[row:row + 1], w, leaves), full[row:row + 1],
+                     'matmul_partial(x[row:row + 1], w, leaves)')
 
 
 # ---- batch composition ----------------------------------------------------------------

@@ -100,12 +100,19 @@ def test_megatron_tp_shards():
             assert sorted(sd) == sorted(whole)
             qkv = sd["decoder.layers.0.self_attention.linear_qkv.weight"].view(g // tp, per + 2 * hd, -1)
             groups = slice(r * g // tp, (r + 1) * g // tp)
-            assert_same_bits(qkv[:, :per], full["layers.0.self_attn.q_proj.weight"].view(g, per, -1)[groups], 'qkv[:, :per]')
-            assert_same_bits(qkv[:, per:per + hd], full["layers.0.self_attn.k_proj.weight"].view(g, hd, -1)[groups], 'qkv[:, per:per + hd]')
-            assert_same_bits(qkv[:, per + hd:], full["layers.0.self_attn.v_proj.weight"].view(g, hd, -1)[groups], 'qkv[:, per + hd:]')
+            assert_same_bits(qkv[:, :per], full["layers.0.self_attn.q_proj.weight"].view(g, per, -1)[groups],
+                             'qkv[:, :per]')
+            assert_same_bits(qkv[:, per:per + hd], full["layers.0.self_attn.k_proj.weight"].view(g, hd, -1)[groups],
+                             'qkv[:, per:per + hd]')
+            assert_same_bits(qkv[:, per + hd:], full["layers.0.self_attn.v_proj.weight"].view(g, hd, -1)[groups],
+                             'qkv[:, per + hd:]')
             gate, up = (full[f"layers.0.mlp.{p}_proj.weight"].chunk(tp)[r] for p in ("gate", "up"))
-            assert_same_bits(sd["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate, up]), "sd['decoder.layers.0.mlp.linear_fc1.weight']")
-            assert_same_bits(sd["decoder.layers.0.mlp.linear_fc2.weight"], full["layers.0.mlp.down_proj.weight"].chunk(tp, 1)[r], "sd['decoder.layers.0.mlp.linear_fc2.weight']")
-            assert_same_bits(sd["decoder.layers.0.self_attention.linear_proj.bias"], full["layers.0.self_attn.o_proj.bias"], "sd['decoder.layers.0.self_attention.linear_proj...")  # replicated
+            assert_same_bits(sd["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate, up]),
+                             "sd['decoder.layers.0.mlp.linear_fc1.weight']")
+            assert_same_bits(sd["decoder.layers.0.mlp.linear_fc2.weight"], full["layers.0.mlp.down_proj.weight"].chunk(tp, 1)[r],
+                             "sd['decoder.layers.0.mlp.linear_fc2.weight']")
+            assert_same_bits(sd["decoder.layers.0.self_attention.linear_proj.bias"], full["layers.0.self_attn.o_proj.bias"],
+                             "sd['decoder.layers.0.self_attention.linear_proj...")  # replicated
         # concatenating the shards of the qkv rows gives back the whole interleaved tensor
-        assert_same_bits(torch.cat([sd["decoder.layers.1.self_attention.linear_qkv.bias"] for sd in shards]), whole["decoder.layers.1.self_attention.linear_qkv.bias"], "torch.cat([sd['decoder.layers.1.self_attention....")
+        assert_same_bits(torch.cat([sd["decoder.layers.1.self_attention.linear_qkv.bias"] for sd in shards]), whole["decoder.layers.1.self_attention.linear_qkv.bias"],
+                         "torch.cat([sd['decoder.layers.1.self_attention....")

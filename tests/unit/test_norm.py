@@ -118,7 +118,8 @@ def test_padding_vanilla_differs():
     _, _, dw = hf_fwd_bwd(x[:7], weight, grad[:7])
     _, _, dw_pad = hf_fwd_bwd(x, weight, grad)
     assert_bits_differ(dw, dw_pad, 'dw')
-    assert_same_bits(tpinv_fwd_bwd(x[:7], weight, grad[:7])[2], tpinv_fwd_bwd(x, weight, grad)[2], 'tpinv_fwd_bwd(x[:7], weight, grad[:7])[2]')
+    assert_same_bits(tpinv_fwd_bwd(x[:7], weight, grad[:7])[2], tpinv_fwd_bwd(x, weight, grad)[2],
+                     'tpinv_fwd_bwd(x[:7], weight, grad[:7])[2]')
 
 
 def test_dweight_order_differs_from_torch_sum():

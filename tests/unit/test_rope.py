@@ -220,7 +220,8 @@ def test_strided_equals_contiguous(dtype):
 def test_strided_vanilla_differs():
     x = randn(2, 3, 37, 40, seed=7)
     transposed = x.transpose(1, 2).contiguous().transpose(1, 2)
-    assert_bits_differ(complex_rope(x, torch.arange(37)), complex_rope(transposed, torch.arange(37)), 'complex_rope(x, torch.arange(37))')
+    assert_bits_differ(complex_rope(x, torch.arange(37)), complex_rope(transposed, torch.arange(37)),
+                       'complex_rope(x, torch.arange(37))')
 
 
 # --- parity with HF's rotation --------------------------------------------------------------

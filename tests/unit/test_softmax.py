@@ -112,7 +112,8 @@ def split_pieces(x, ranks, leaves=DEFAULT_LEAVES):
 def test_vocab_split_equals_unsplit(dtype, ranks, vocab):
     x = randn(6, vocab, dtype=dtype, seed=vocab + ranks)
     slices, max_, total = split_pieces(x, ranks)
-    assert_same_bits(logsumexp_from_parts(max_, total).to(dtype), logsumexp(x), 'logsumexp_from_parts(max_, total).to(dtype)')
+    assert_same_bits(logsumexp_from_parts(max_, total).to(dtype), logsumexp(x),
+                     'logsumexp_from_parts(max_, total).to(dtype)')
     log_sm = torch.cat([log_softmax_from_parts(s, max_, total).to(dtype) for s in slices], -1)
     assert_same_bits(log_sm, log_softmax(x), 'log_sm')
     sm = torch.cat([softmax_from_parts(s, max_, total).to(dtype) for s in slices], -1)
@@ -145,7 +146,8 @@ def test_vocab_split_property(leaf_len, ranks, seed):
     x = randn(3, 8 * leaf_len, seed=seed)
     slices, max_, total = split_pieces(x, ranks)
     assert_same_bits(total, leaf_tree_sum(torch.exp(x - max_.unsqueeze(-1)), DEFAULT_LEAVES), 'total')
-    assert_same_bits(torch.cat([log_softmax_from_parts(s, max_, total) for s in slices], -1), log_softmax(x), 'torch.cat([log_softmax_from_parts(s, max_, tota...')
+    assert_same_bits(torch.cat([log_softmax_from_parts(s, max_, total) for s in slices], -1), log_softmax(x),
+                     'torch.cat([log_softmax_from_parts(s, max_, tota...')
 
 
 def test_sum_exp_partial_gradient():

@@ -21,7 +21,8 @@ def test_arithmetic_rows_mask_and_order():
     task = ArithmeticTask(9, seed=3, digits=2)
     b = task.batch(100, 12)
     assert_same_bits(b.tokens, task.batch(100, 12).tokens, 'b.tokens')  # a function of (seed, index) only
-    assert_same_bits(torch.cat([task.batch(100, 5).tokens, task.batch(105, 7).tokens]), b.tokens, 'torch.cat([task.batch(100, 5).tokens, task.batc...')
+    assert_same_bits(torch.cat([task.batch(100, 5).tokens, task.batch(105, 7).tokens]), b.tokens,
+                     'torch.cat([task.batch(100, 5).tokens, task.batc...')
     for r in range(len(b)):
         text = bytes(b.tokens[r].tolist() + [b.targets[r, -1].item()]).decode().rstrip("\0")
         a, rest = text.split("+")

@@ -53,14 +53,16 @@ def test_elementwise_primitive_is_position_independent(name):
     whole = f(x)
     assert_same_bits(torch.cat([f(c) for c in x.split(7)]), whole, 'torch.cat([f(c) for c in x.split(7)])')
     assert_same_bits(f(x[::3]), whole[::3], 'f(x[::3])')
-    assert_same_bits(torch.cat([f(x[i:i + 1]) for i in range(0, 60)]), whole[:60], 'torch.cat([f(x[i:i + 1]) for i in range(0, 60)])')
+    assert_same_bits(torch.cat([f(x[i:i + 1]) for i in range(0, 60)]), whole[:60],
+                     'torch.cat([f(x[i:i + 1]) for i in range(0, 60)])')
 
 
 def test_sigmoid_is_not_position_independent():
     """Negative control of the check above: the known-bad primitive fails it."""
     x = torch.randn(4099)
     whole = torch.sigmoid(x)
-    assert_bits_differ(torch.cat([torch.sigmoid(x[i:i + 1]) for i in range(x.numel())]), whole, 'torch.cat([torch.sigmoid(x[i:i + 1]) for i in r...')
+    assert_bits_differ(torch.cat([torch.sigmoid(x[i:i + 1]) for i in range(x.numel())]), whole,
+                       'torch.cat([torch.sigmoid(x[i:i + 1]) for i in r...')
 
 
 def _invariant_adamw(p, g, n_steps=3):
@@ -82,11 +84,14 @@ def _torch_adamw(p, g, n_steps=3, fused=True):
 def test_adamw_update_same_bits_whole_and_sharded():
     p0, g = torch.randn(1001), torch.randn(1001) * 1e-2
     whole = _invariant_adamw(p0.clone(), g)
-    assert_same_bits(torch.cat([_invariant_adamw(a.clone(), b) for a, b in zip(p0.split(7), g.split(7))]), whole, 'torch.cat([_invariant_adamw(a.clone(), b) for a...')
-    assert_same_bits(torch.cat([_invariant_adamw(p0[i:i + 1].clone(), g[i:i + 1]) for i in range(40)]), whole[:40], 'torch.cat([_invariant_adamw(p0[i:i + 1].clone()...')
+    assert_same_bits(torch.cat([_invariant_adamw(a.clone(), b) for a, b in zip(p0.split(7), g.split(7))]), whole,
+                     'torch.cat([_invariant_adamw(a.clone(), b) for a...')
+    assert_same_bits(torch.cat([_invariant_adamw(p0[i:i + 1].clone(), g[i:i + 1]) for i in range(40)]), whole[:40],
+                     'torch.cat([_invariant_adamw(p0[i:i + 1].clone()...')
     # negative control: torch's fused AdamW on the same inputs gives other bits for 7-element shards
     fused = _torch_adamw(p0, g)
-    assert_bits_differ(torch.cat([_torch_adamw(a, b) for a, b in zip(p0.split(7), g.split(7))]), fused, 'torch.cat([_torch_adamw(a, b) for a, b in zip(p...')
+    assert_bits_differ(torch.cat([_torch_adamw(a, b) for a, b in zip(p0.split(7), g.split(7))]), fused,
+                       'torch.cat([_torch_adamw(a, b) for a, b in zip(p...')
 
 
 def test_adamw_update_parity_with_torch():

@@ -122,8 +122,10 @@ def check_rope_cpu_bits():
         for dim in (2, 6, 16, 64):
             x, cos, sin = _rope_inputs(dtype, dim=dim, seed=dim)
             for c, s in ((cos, sin), (cos[1], sin[1])):
-                assert_same_bits(te.apply_rope_forward_cuda(x, c, s), reference_rope.apply_rope_forward(x, c, s), 'te.apply_rope_forward_cuda(x, c, s)')
-                assert_same_bits(te.apply_rope_backward_cuda(x, c, s), reference_rope.apply_rope_backward(x, c, s), 'te.apply_rope_backward_cuda(x, c, s)')
+                assert_same_bits(te.apply_rope_forward_cuda(x, c, s), reference_rope.apply_rope_forward(x, c, s),
+                                 'te.apply_rope_forward_cuda(x, c, s)')
+                assert_same_bits(te.apply_rope_backward_cuda(x, c, s), reference_rope.apply_rope_backward(x, c, s),
+                                 'te.apply_rope_backward_cuda(x, c, s)')
 
 
 def check_rope_position_invariant():
@@ -149,7 +151,8 @@ def check_rope_position_invariant():
             # one table for every batch row: 2-D, or expanded with stride 0
             x1 = x[1:].expand(3, -1, -1, -1)
             out2d = fn(x1, cos[1], sin[1])
-            assert_same_bits(fn(x1, cos[1].expand(3, -1, -1), sin[1].expand(3, -1, -1)), out2d, 'fn(x1, cos[1].expand(3, -1, -1), sin[1].expand(...')
+            assert_same_bits(fn(x1, cos[1].expand(3, -1, -1), sin[1].expand(3, -1, -1)), out2d,
+                             'fn(x1, cos[1].expand(3, -1, -1), sin[1].expand(...')
             assert_same_bits(out2d[2:], full[1:], f"{name} 2-D table")
 
 

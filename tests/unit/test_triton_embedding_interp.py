@@ -69,7 +69,8 @@ def check_control_another_order_gives_other_bits():
 
 def check_empty_and_bad_input():
     _, gpu = _kernels()
-    assert_same_bits(gpu(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64), 3), torch.zeros(3, 4), 'gpu(torch.zeros(0, 4), torch.zeros(0, dtype=tor...')
+    assert_same_bits(gpu(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64), 3), torch.zeros(3, 4),
+                     'gpu(torch.zeros(0, 4), torch.zeros(0, dtype=tor...')
     try:
         gpu(rand(2, 4), torch.tensor([0, 3]), 3)
     except IndexError as e:
