@@ -1,8 +1,9 @@
 """tpinv.ops.linear: matmul_partial / matmul / tree_sum keep the contract's bits everywhere.
 
-Invariance is asserted bitwise (``assert_same_bits``: shape, dtype and raw bytes).  Each invariance test has a negative
-control beside it: the vanilla path (``torch.matmul`` through BLAS, or a left-to-right
-sum of BLAS partials) run through the same comparison gives different bits.
+Invariance is asserted bitwise (``assert_same_bits``: shape, dtype and raw bytes).  Each
+invariance test has a negative control beside it that changes the summation order by
+construction (another leaf count, or rank partials added left to right) and so gives
+different bits in the same comparison.
 """
 from __future__ import annotations
 
