@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
 from tpinv.distributed.reduce import all_gather
+from tpinv.testing import same_bits
 
 
 def parse_models(text: str) -> list[tuple[str, int | None]]:
@@ -127,15 +128,15 @@ def generate(model, device) -> tuple[list, int]:
 
 
 def compare(one: dict, two: dict) -> dict:
-    grads_equal = sum(torch.equal(one["grads"][n], g) for n, g in two["grads"].items())
+    grads_equal = sum(same_bits(one["grads"][n], g) for n, g in two["grads"].items())
     return {
-        "logits_equal": torch.equal(one["logits"], two["logits"]),
-        "loss_equal": torch.equal(one["loss"], two["loss"]),
+        "logits_equal": same_bits(one["logits"], two["logits"]),
+        "loss_equal": same_bits(one["loss"], two["loss"]),
         "grads_equal": int(grads_equal), "grads_total": len(one["grads"]),
         "grad_names_match": one["grads"].keys() == two["grads"].keys(),
-        "vanilla_logits_differ": not torch.equal(one["vanilla"], two["vanilla"]),
+        "vanilla_logits_differ": not same_bits(one["vanilla"], two["vanilla"]),
         "generated_equal": None if one["generated"] is None else all(
-            a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(one["generated"], two["generated"])),
+            a[0] == b[0] and same_bits(a[1], b[1]) for a, b in zip(one["generated"], two["generated"])),
         "decode_replays": [one["decode_replays"], two["decode_replays"]],
         "vanilla_max_abs_diff": (one["vanilla"].float() - two["vanilla"].float()).abs().max().item(),
     }

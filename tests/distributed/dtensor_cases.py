@@ -24,6 +24,10 @@ B, S = 2, 7  # S > mistral's window of 4
 #: Ops that must not run under the invariant plan (BLAS, torch's softmax and SiLU).
 VANILLA_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_softmax",
                "aten::_log_softmax", "aten::silu", "aten::sigmoid", "aten::embedding_dense_backward"}
+#: torch's functional collectives that DTensor's redistributions dispatch.
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = ("_c10d_functional::all_reduce", "_c10d_functional::reduce_scatter_tensor",
+                                          "_c10d_functional::all_gather_into_tensor")
+COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=4, rms_norm_eps=1e-6, max_position_embeddings=512,
             initializer_range=0.1, attn_implementation="eager")
@@ -109,13 +113,6 @@ def tpinv_reference(family: str, dtype: str, inputs: dict) -> dict:
     return tpinv_run(tpinv_model(family, dtype, inputs["states"][family]), inputs)
 
 
-class ExactSiLU(torch.nn.Module):
-    """SiLU from elementwise ops whose bits do not depend on position (unlike F.silu)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / (1.0 + torch.exp(-x))
-
-
 def _hf(name, dtype, inputs, mesh=None, plan=None, **kwargs):
     model = hf_model(name, shared_config(name), inputs["states"][name]).to(DTYPES[dtype])
     return model if mesh is None else parallelize(model, mesh, plan, **kwargs)
@@ -128,6 +125,19 @@ def _hf_run(model, inputs, loss_fn, backward=True) -> dict:
         loss.backward(inputs["weights"])
     return {"logits": full(logits), "loss": full(loss), "grads": grads(model) if backward else {},
             "placement": logits.placements if isinstance(logits, DTensor) else None}
+
+
+def _count(log, names) -> dict:
+    return {n: log.count(n) for n in names}
+
+
+def _collectives(model, inputs) -> dict:
+    """How many of each cross-rank op the forward and the backward dispatched, and the gradients."""
+    with record_ops() as fwd:
+        loss = plain_ce(model(inputs["tokens"], use_cache=False).logits, inputs["targets"])
+    with record_ops() as bwd:
+        loss.backward(inputs["weights"])
+    return {"forward": _count(fwd, COLLECTIVES), "backward": _count(bwd, COLLECTIVES), "grads": grads(model)}
 
 
 def plain_ce(logits, targets):
@@ -180,12 +190,8 @@ def run_cases(mesh, solo_group, inputs: dict) -> dict:
             out[(family, "hf-plain-decode")] = _decode(_hf(family, "fp32", inputs), inputs)
         out[(family, "default", "fp32")] = _hf_run(_hf(family, "fp32", inputs, mesh, "default"),
                                                    inputs, plain_ce, False)
-        out[(family, "numerically_stable", "fp32")] = _hf_run(
-            _hf(family, "fp32", inputs, mesh, "numerically_stable"), inputs, plain_ce, False)
-        model = _hf(family, "fp32", inputs, mesh, "numerically_stable")
-        for layer in model.model.layers:
-            layer.mlp.act_fn = ExactSiLU()
-        out[(family, "numerically_stable-exact-silu", "fp32")] = _hf_run(model, inputs, plain_ce)
+        for plan in ("numerically_stable", "default"):
+            out[(family, plan, "collectives")] = _collectives(_hf(family, "fp32", inputs, mesh, plan), inputs)
         ours = parallelize(tpinv_model(family, "fp32", inputs["states"][family], solo_group), mesh, "invariant")
         out[(family, "tpinv-heads")] = (ours.layers[0].self_attn.local_heads,
                                         ours.layers[0].self_attn.local_kv_heads)

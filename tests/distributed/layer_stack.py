@@ -2,6 +2,9 @@
 
 Run in spawned ranks; returns full (gathered) logits, per-token loss and every parameter
 gradient gathered to the full tensor, so results from different TP sizes can be compared.
+Biases are non-zero (the same full draw at every TP size, each rank keeping its shard).
+:func:`row_gradients` runs the Column -> Row -> Column(vocab) part on float inputs and returns
+each input row's gradient computed in the batch and alone.
 """
 from __future__ import annotations
 
@@ -48,6 +51,24 @@ def _full_grads(modules, group):
     return out
 
 
+def _nonzero_biases(modules, group):
+    """Every bias gets the same full draw at every TP size; a sharded bias keeps its rank's chunk."""
+    gen = torch.Generator().manual_seed(7)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    with torch.no_grad():
+        for mod in modules:
+            b = getattr(mod, "bias", None)
+            if b is None:
+                continue
+            sharded = getattr(b, "tensor_model_parallel", False)
+            shape = list(b.shape)
+            if sharded:
+                shape[b.partition_dim] *= world
+            full = 0.3 * torch.randn(shape, generator=gen)
+            b.copy_((full.chunk(world, dim=b.partition_dim)[rank] if sharded else full).to(b.dtype))
+            assert b.abs().sum() > 0
+
+
 def run_tpinv(group, dtype, strategy):
     from tpinv.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     from tpinv.layers import vocab_parallel_cross_entropy
@@ -60,6 +81,7 @@ def run_tpinv(group, dtype, strategy):
     fc2 = RowParallelLinear(F, H, config=cfg, init_method=_init, bias=True, input_is_parallel=True,
                             skip_bias_add=False, tp_group=group, strategy=strategy)
     head = ColumnParallelLinear(H, V, config=cfg, init_method=_init, bias=False, tp_group=group)
+    _nonzero_biases((fc1, fc2), group)
     ids, targets = inputs()
     with record_ops() as seen:
         x = emb(ids)
@@ -91,6 +113,7 @@ def run_megatron(group, dtype):
     fc2 = RowParallelLinear(F, H, config=cfg, init_method=_init, bias=True, input_is_parallel=True,
                             skip_bias_add=False, tp_group=group)
     head = ColumnParallelLinear(H, V, config=cfg, init_method=_init, bias=False, tp_group=group)
+    _nonzero_biases((fc1, fc2), group)
     ids, targets = inputs()
     x = emb(ids)
     h, _ = fc1(x)
@@ -98,7 +121,35 @@ def run_megatron(group, dtype):
     logits, _ = head(h)
     loss = vocab_parallel_cross_entropy(logits.float().clone(), targets)  # it works in place
     loss.sum().backward()
-    return {"logits": _gather(logits.detach(), group, -1), "loss": loss.detach()}
+    return {"logits": _gather(logits.detach(), group, -1), "loss": loss.detach(),
+            "grads": _full_grads({"emb": emb, "fc1": fc1, "fc2": fc2, "head": head}, group)}
+
+
+def row_gradients(group, leaves):
+    """Input gradients of Column -> Row -> Column(vocab) -> loss (fp32, tree strategy): each
+    row's gradient from the whole batch (``batch``) and from the row run alone (``alone``)."""
+    from tpinv.layers import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+
+    cfg = _config(torch.float32)
+    torch.manual_seed(0)
+    fc1 = ColumnParallelLinear(H, F, config=cfg, init_method=_init, bias=True, tp_group=group, leaves=leaves)
+    fc2 = RowParallelLinear(F, H, config=cfg, init_method=_init, bias=True, input_is_parallel=True,
+                            skip_bias_add=False, tp_group=group, leaves=leaves)
+    head = ColumnParallelLinear(H, V, config=cfg, init_method=_init, bias=False, tp_group=group, leaves=leaves)
+    _nonzero_biases((fc1, fc2), group)
+    g = torch.Generator().manual_seed(3)
+    x, weights = torch.randn(B, S, H, generator=g), torch.rand(B, S, generator=g)
+    _, targets = inputs()
+
+    def input_grad(rows):
+        xr = x[rows].clone().requires_grad_()
+        h, _ = fc1(xr)
+        h, _ = fc2(torch.tanh(h))
+        logits, _ = head(h)
+        vocab_parallel_cross_entropy(logits, targets[rows], tp_group=group, leaves=leaves).backward(weights[rows])
+        return xr.grad
+
+    return {"batch": input_grad(slice(None)), "alone": torch.cat([input_grad(slice(b, b + 1)) for b in range(B)])}
 
 
 def worker(rank, world, megatron):
@@ -109,4 +160,6 @@ def worker(rank, world, megatron):
             out[(str(dtype), strategy)] = run_tpinv(group, dtype, strategy)
         if megatron:
             out[(str(dtype), "megatron")] = run_megatron(group, dtype)
+    for leaves in (8, 4):
+        out[("rows", leaves)] = row_gradients(group, leaves)
     return out if rank == 0 else None

@@ -12,7 +12,7 @@ from tpinv.distributed.mappings import (copy_to_tensor_model_parallel_region,
                             reduce_scatter_to_sequence_parallel_region,
                             scatter_to_sequence_parallel_region,
                             scatter_to_tensor_model_parallel_region)
-from tpinv.testing import record_ops, run_ranks
+from tpinv.testing import assert_bits_differ, assert_same_bits, record_ops, run_ranks
 
 WORLDS = (1, 2, 4)
 S, H = 8, 12  # dims split by sequence / tensor parallelism (divisible by 1, 2, 4)
@@ -84,7 +84,8 @@ def spawned():
 
 
 def _eq(got, expected, what):
-    assert got.shape == expected.shape and torch.equal(got, expected), what
+    assert got.shape == expected.shape, what
+    assert_same_bits(got, expected, str(what))
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -137,8 +138,8 @@ def test_plain_all_reduce_differs_from_the_tree_at_four_ranks(spawned):
     """Negative control for reduce_from: Megatron's plain all_reduce on the same partials."""
     data, results = spawned
     tree = results[4][0]["reduce_from"][0]
-    assert torch.equal(tree, tree_combine_list(data[4]["p_full"]))
-    assert not torch.equal(results[4][0]["plain_all_reduce"], tree)
+    assert_same_bits(tree, tree_combine_list(data[4]["p_full"]), 'tree')
+    assert_bits_differ(results[4][0]["plain_all_reduce"], tree, "results[4][0]['plain_all_reduce']")
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -4,7 +4,7 @@ For every family, fp32 and bf16, and both row-parallel strategies, built from th
 the gathered logits, the per-token loss and every parameter gradient (gathered to the full
 tensor) are bitwise equal to the TP=1 run.  Negative control: the same weights in a plain
 torch model whose row-parallel K-split partial sums are added in rank order (a plain
-all-reduce) give different logits at TP 2 and 4 than at TP 1.
+all-reduce) give different logits, loss and gradients at TP 2 and 4 than at TP 1.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tpinv.layers import vocab_parallel_cross_entropy
 from tpinv.models import Transformer, get_config
 from tpinv.ops import rope_cos_sin
 from tpinv.distributed.reduce import all_gather
-from tpinv.testing import run_ranks
+from tpinv.testing import assert_bits_differ, assert_same_bits, run_ranks
 
 COMBOS = list(itertools.product(("qwen3-tiny", "llama-tiny", "mistral-tiny"),
                                 (torch.float32, torch.bfloat16), ("tree", "column_only")))
@@ -72,12 +72,12 @@ def run_model(rank, world_size, combos, tokens, targets, weights):
 
 
 def assert_same(result, expected, where):
-    assert torch.equal(result["logits"], expected["logits"]), f"{where}: logits"
-    assert torch.equal(result["loss"], expected["loss"]), f"{where}: loss"
+    assert_same_bits(result["logits"], expected["logits"], f"{where}: logits")
+    assert_same_bits(result["loss"], expected["loss"], f"{where}: loss")
     assert result["grads"].keys() == expected["grads"].keys()
     for n, g in expected["grads"].items():
         assert result["grads"][n].shape == g.shape, f"{where}: grad shape of {n}"
-        assert torch.equal(result["grads"][n], g), f"{where}: grad of {n}"
+        assert_same_bits(result["grads"][n], g, f"{where}: grad of {n}")
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +124,8 @@ def rope(x, cos, sin):
     return (x.float() * cos[:, None] + rot.float() * sin[:, None]).to(x.dtype)
 
 
-def vanilla_logits(model: Transformer, tokens, tp: int):
-    a, sd = model.args, model.state_dict()
+def vanilla_logits(model: Transformer, tokens, tp: int, sd=None):
+    a, sd = model.args, (model.state_dict() if sd is None else sd)
     pos = torch.arange(S).expand(B, S)
     cos, sin = rope_cos_sin(pos, a.head_dim, a.rope_theta, a.rope_scaling)
     h = sd["embed_tokens.weight"][tokens]
@@ -149,12 +149,25 @@ def vanilla_logits(model: Transformer, tokens, tp: int):
     return F.linear(h, sd["embed_tokens.weight" if a.tie_word_embeddings else "lm_head.weight"])
 
 
+def vanilla_run(model: Transformer, tp: int) -> dict:
+    """Logits, per-token loss and gradients of the plain model, row-parallel sums over ``tp`` slices."""
+    tokens, targets, weights = inputs()
+    sd = {n: t.detach().clone().requires_grad_() for n, t in model.state_dict().items()}
+    logits = vanilla_logits(model, tokens, tp, sd)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(B, S)
+    loss.backward(weights)
+    return {"logits": logits.detach(), "loss": loss.detach(), "grads": {n: t.grad for n, t in sd.items()}}
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 @pytest.mark.parametrize("name", ("qwen3-tiny", "llama-tiny", "mistral-tiny"))
 def test_vanilla_tp_differs(name, dtype):
-    tokens, _, _ = inputs()
     model = build(name, dtype, "tree", None)
-    with torch.no_grad():
-        base = vanilla_logits(model, tokens, 1)
-        for tp in (2, 4):
-            assert not torch.equal(vanilla_logits(model, tokens, tp), base), f"vanilla TP={tp} equals TP=1"
+    base = vanilla_run(model, 1)
+    for tp in (2, 4):
+        got = vanilla_run(model, tp)
+        assert_bits_differ(got["logits"], base["logits"], f"vanilla TP={tp} vs TP=1 logits")
+        assert_bits_differ(got["loss"], base["loss"], f"vanilla TP={tp} vs TP=1 loss")
+        # The final norm's weight sees every hidden state behind the row-parallel sums.
+        assert_bits_differ(got["grads"]["norm.weight"], base["grads"]["norm.weight"],
+                           f"vanilla TP={tp} vs TP=1 gradient of norm.weight")

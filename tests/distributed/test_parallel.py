@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tpinv.core.contract import InvarianceError
 from tpinv.distributed.parallel import ParallelDims, ParallelState
 from tpinv.distributed.reduce import tree_all_reduce
-from tpinv.testing import RankTimeoutError, bits, record_ops, run_ranks
+from tpinv.testing import RankTimeoutError, assert_same_bits, bits, record_ops, run_ranks
 
 HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None \
     and importlib.util.find_spec("megatron.core") is not None
@@ -67,7 +67,7 @@ def test_groups_are_tp_innermost(built, tp):
 
 def test_built_tp_group_reduces(built):
     for out in built:
-        assert torch.equal(out["tree"], torch.full((3,), float((0 + 1) + (2 + 3))))
+        assert_same_bits(out["tree"], torch.full((3,), float((0 + 1) + (2 + 3))), "out['tree']")
 
 
 def test_tp_not_dividing_the_world_is_refused_on_every_rank(built):

@@ -13,7 +13,7 @@ from tpinv.core.contract import rank_leaves, tree_combine, tree_combine_list
 from tpinv.kernels.reference_tree import leaf_partials, leaf_tree_sum
 from tpinv.distributed.reduce import (ALGORITHMS, CollectiveError, algorithms_for, all_gather,
                           choose_algorithm, tree_all_reduce, tree_reduce_scatter)
-from tpinv.testing import RankFailedError, record_ops, run_ranks
+from tpinv.testing import RankFailedError, assert_bits_differ, assert_same_bits, record_ops, run_ranks
 
 WORLDS = (1, 2, 4)
 SHAPES = [(7,), (4, 3), (5, 3, 17), (3, 12, 5), (), (0, 3), (8, 1001)]
@@ -34,7 +34,7 @@ def _correctness_rank(rank, world, cases, gathers, x):
         for algorithm, check in [(a, True) for a in algorithms_for(world) + ("auto",)] + [("auto", False)]:
             out["reduce"][i, algorithm, check] = tree_all_reduce(
                 mine, dist.group.WORLD, algorithm=algorithm, check=check)
-        assert torch.equal(mine, parts[rank]), "the input partial was modified"
+        assert_same_bits(mine, parts[rank], "the input partial was modified")
         for dim in range(mine.dim()):
             if mine.shape[dim] % world == 0:
                 for algorithm in algorithms_for(world) + ("auto",):
@@ -97,7 +97,7 @@ def test_every_algorithm_equals_single_process_tree(spawned, world):
             for (j, algorithm, check), got in results[world][rank]["reduce"].items():
                 if j == i:
                     assert got.shape == reference.shape and got.is_contiguous()
-                    assert torch.equal(got, reference), (world, parts[0].shape, algorithm, check)
+                    assert_same_bits(got, reference, str((world, parts[0].shape, algorithm, check)))
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -109,7 +109,8 @@ def test_reduce_scatter_is_a_chunk_of_the_tree(spawned, world):
             reference = tree_combine_list(cases[world][i]) if world > 1 else cases[world][i][0]
             chunk = reference.shape[dim] // world
             expected = reference.narrow(dim, rank * chunk, chunk)
-            assert got.is_contiguous() and torch.equal(got, expected), (world, i, dim, algorithm)
+            assert got.is_contiguous(), (world, i, dim, algorithm)
+            assert_same_bits(got, expected, str((world, i, dim, algorithm)))
             seen += 1
     assert seen >= world * 4 * (len(algorithms_for(world)) + 1)
 
@@ -120,7 +121,8 @@ def test_all_gather_is_exact_for_every_dtype(spawned, world):
     for rank in range(world):
         for (i, dim), got in results[world][rank]["gather"].items():
             expected = torch.cat(gathers[world][i], dim=dim)
-            assert got.dtype == GATHER_DTYPES[i] and torch.equal(got, expected), (i, dim)
+            assert got.dtype == GATHER_DTYPES[i], (i, dim)
+            assert_same_bits(got, expected, str((i, dim)))
 
 
 @pytest.mark.parametrize("world", (2, 4))
@@ -129,7 +131,7 @@ def test_strided_input_and_invariant_path_ran(spawned, world):
     reference = tree_combine_list([p.t() for p in cases[world][-1]])
     for rank in range(world):
         r = results[world][rank]
-        assert torch.equal(r["strided"], reference)
+        assert_same_bits(r["strided"], reference, "r['strided']")
         assert "c10d::alltoall_base_" in r["ops"]["all_to_all"]
         assert "c10d::send" in r["ops"]["halving"] and "c10d::recv_" in r["ops"]["halving"]
         assert all("c10d::allreduce_" not in ops for a, ops in r["ops"].items() if a != "pair_sum")
@@ -145,7 +147,7 @@ def test_sub_groups_reduce_in_group_rank_order(spawned):
             expected = tree_combine_list([parts[r] for r in ranks])
             for r in ranks:
                 for algorithm, got in results[4][r][name].items():
-                    assert torch.equal(got, expected), (name, ranks, algorithm)
+                    assert_same_bits(got, expected, str((name, ranks, algorithm)))
 
 
 def test_tree_is_tp_invariant_and_plain_all_reduce_is_not(spawned):
@@ -153,16 +155,18 @@ def test_tree_is_tp_invariant_and_plain_all_reduce_is_not(spawned):
     single = leaf_tree_sum(x, LEAVES)
     for world in WORLDS:
         for rank in range(world):
-            assert torch.equal(results[world][rank]["tree_tp"], single), world
+            assert_same_bits(results[world][rank]["tree_tp"], single, str(world))
     # Negative controls on the same inputs: vanilla slice sums + all_reduce change with TP ...
     vanilla = {w: results[w][0]["vanilla_tp"] for w in WORLDS}
-    assert not torch.equal(vanilla[1], vanilla[2])
-    assert not torch.equal(vanilla[2], vanilla[4])
-    assert not torch.equal(vanilla[1], single)
+    assert_bits_differ(vanilla[1], vanilla[2], 'vanilla[1]')
+    assert_bits_differ(vanilla[2], vanilla[4], 'vanilla[2]')
+    assert_bits_differ(vanilla[1], single, 'vanilla[1]')
     # ... and even the tree's own sub-trees, summed by all_reduce at 4 ranks, lose the tree order;
     # at 2 ranks the tree is one add, which the plain all_reduce computes too ("pair_sum").
-    assert not torch.equal(results[4][0]["plain_all_reduce_of_subtrees"], single)
-    assert torch.equal(results[2][0]["plain_all_reduce_of_subtrees"], single)
+    assert_bits_differ(results[4][0]["plain_all_reduce_of_subtrees"], single,
+                       "results[4][0]['plain_all_reduce_of_subtrees']")
+    assert_same_bits(results[2][0]["plain_all_reduce_of_subtrees"], single,
+                     "results[2][0]['plain_all_reduce_of_subtrees']")
 
 
 def test_pair_sum_is_refused_beyond_two_ranks(spawned):
@@ -181,8 +185,9 @@ def test_tree_over_leaves_equals_tree_over_rank_subtrees(rows, leaf_len, log_lea
     x = _wide((rows, leaves * leaf_len))
     leaf = leaf_partials(x, leaves)
     subtrees = [tree_combine(leaf[:, rank_leaves(r, size, leaves)]) for r in range(size)]
-    assert torch.equal(tree_combine_list(subtrees), tree_combine(leaf))
-    assert torch.equal(tree_combine(torch.stack(subtrees, -1)), leaf_tree_sum(x, leaves))
+    assert_same_bits(tree_combine_list(subtrees), tree_combine(leaf), 'tree_combine_list(subtrees)')
+    assert_same_bits(tree_combine(torch.stack(subtrees, -1)), leaf_tree_sum(x, leaves),
+                     'tree_combine(torch.stack(subtrees, -1))')
 
 
 def test_auto_choice_depends_on_the_bytes_each_rank_receives():
@@ -240,7 +245,7 @@ def test_errors_are_clear_and_raised_on_every_rank(spawned):
         assert r["leaves"][0] == "InvarianceError"
         for key in ("none_group", "none_gather"):  # None is a single rank; among two it raises
             assert r[key][0] == "InvarianceError" and "group=None" in r[key][1], r[key]
-        assert torch.equal(r["still_works"], torch.full((3,), 3.0)), rank
+        assert_same_bits(r["still_works"], torch.full((3,), 3.0), str(rank))
 
 
 def test_group_of_three_is_refused_on_every_rank(spawned):

@@ -17,6 +17,7 @@ from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.engine import Engine, Request, SamplingParams
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward
+from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = torch.device("cuda")
@@ -46,7 +47,7 @@ def decode(model, forward, tokens, graph: bool):
     run = (lambda t, p, v: forward(t, p, cache, v))
     step = DecodeGraph(run, cache, model.args.vocab_size) if graph else run
     out = [step(tokens[:, i:i + 1], cache.next_positions(1), ones)[:, -1].clone() for i in range(PROMPT, PROMPT + NEW)]
-    assert torch.equal(cache.lengths, torch.full((B,), PROMPT + NEW, device=DEV))
+    assert_same_bits(cache.lengths, torch.full((B,), PROMPT + NEW, device=DEV), 'cache.lengths')
     return torch.stack(out, 1), step
 
 
@@ -57,8 +58,8 @@ def test_replayed_decode_equals_eager_decode_and_prefill(model):
         replayed, graph = decode(model, invariant(model), tokens, graph=True)
         prefill = model(tokens)[:, PROMPT:]
     assert graph.replays == NEW and graph.graph is not None
-    assert torch.equal(replayed, eager)
-    assert torch.equal(replayed, prefill)
+    assert_same_bits(replayed, eager, 'replayed')
+    assert_same_bits(replayed, prefill, 'replayed')
 
 
 def test_negative_control_vanilla_decode_differs_from_its_prefill(model):
@@ -67,7 +68,7 @@ def test_negative_control_vanilla_decode_differs_from_its_prefill(model):
     with torch.no_grad():
         replayed, _ = decode(model, forward, tokens, graph=True)
         prefill = vanilla_forward(model, tokens)[:, PROMPT:]
-    assert not torch.equal(replayed, prefill)
+    assert_bits_differ(replayed, prefill, 'replayed')
 
 
 def test_engine_with_cuda_graph_equals_eager_engine(model):
@@ -85,7 +86,7 @@ def test_engine_with_cuda_graph_equals_eager_engine(model):
     for a, b in zip(eager, graphed):
         assert a.finish_reason == "length" and len(a.token_ids) == 7, a
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-        assert torch.equal(a.logprobs, b.logprobs)
+        assert_same_bits(a.logprobs, b.logprobs, 'a.logprobs')
 
 
 def test_bad_inputs_are_refused_before_the_replay(model):
@@ -126,6 +127,7 @@ def test_replayed_training_step_gives_the_eager_gradients(model):
     for b, want in zip(batches, eager):
         tokens.copy_(b[0]), targets.copy_(b[1])
         graph.replay()
-        assert all(torch.equal(g, w) for g, w in zip(grads(), want))
-    assert not all(torch.equal(a, b) for a, b in zip(*eager))   # the two batches differ
+        for g, w in zip(grads(), want):
+            assert_same_bits(g, w, 'g')
+    assert not all(same_bits(a, b) for a, b in zip(*eager))   # the two batches differ
     model.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """The warp-specialized Gluon matmul gives the Triton kernel's bits; the dispatch uses it.
 
-Bitwise (``torch.equal``) on an sm_90 GPU: ``gluon_matmul_cuda`` == the Triton kernel (a table
+Bitwise (``assert_same_bits``: shape, dtype and raw bytes) on an sm_90 GPU: ``gluon_matmul_cuda`` == the Triton kernel (a table
 config keeps the dispatch out) for leaves 1/2/4/8, rounded and fp32, bf16 and fp16, ragged M
 and N, and x / w given as transposes of row-major tensors (the backward's layouts);
 ``matmul_cuda`` runs the Gluon kernel from :data:`GLUON_MIN_ROWS` rows (checked with a spy) and
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tpinv.testing import assert_bits_differ, assert_same_bits
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -45,9 +46,10 @@ def triton_only(x, w, leaves, out_dtype=None):
 @pytest.mark.parametrize("m,n,k", [(4096, 1024, 2048), (1000, 200, 1024), (300, 3072, 1024), (70, 64, 512)])
 def test_gluon_equals_the_triton_kernel(m, n, k, leaves):
     x, w = make(m, n, k)
-    assert torch.equal(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves))
-    assert torch.equal(gm().gluon_matmul_cuda(x, w, leaves, torch.float32),
-                       triton_only(x, w, leaves, torch.float32))
+    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves),
+                     'gm().gluon_matmul_cuda(x, w, leaves)')
+    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), triton_only(x, w, leaves, torch.float32),
+                     'gm().gluon_matmul_cuda(x, w, leaves, torch.floa...')
 
 
 @pytest.mark.parametrize("x_t,w_kn", [(True, False), (False, True), (True, True)])
@@ -56,14 +58,16 @@ def test_transposed_operands_give_the_same_bits(x_t, w_kn, leaves):
     x, w = make(1024, 768, 2048, x_t=x_t, w_kn=w_kn)
     assert gm().supported(x, w, leaves)
     ref = triton_only(x.contiguous(), w.contiguous(), leaves, torch.float32)
-    assert torch.equal(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), ref)
-    assert torch.equal(tm().matmul_partial_cuda(x, w, leaves), ref)
+    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), ref,
+                     'gm().gluon_matmul_cuda(x, w, leaves, torch.floa...')
+    assert_same_bits(tm().matmul_partial_cuda(x, w, leaves), ref, 'tm().matmul_partial_cuda(x, w, leaves)')
 
 
 def test_fp16():
     x, w = make(512, 512, 1024, dtype=torch.float16)
     for leaves in (1, 8):
-        assert torch.equal(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves))
+        assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves),
+                         'gm().gluon_matmul_cuda(x, w, leaves)')
 
 
 def test_dispatch_uses_gluon_from_the_row_threshold(monkeypatch):
@@ -75,9 +79,9 @@ def test_dispatch_uses_gluon_from_the_row_threshold(monkeypatch):
     big = tm().matmul_cuda(x, w, 8)
     few = tm().matmul_cuda(x[:threshold - 1], w, 8)
     assert calls == [threshold + 300]                      # the batch ran Gluon, the few rows did not
-    assert torch.equal(big, triton_only(x, w, 8))
-    assert torch.equal(few, big[:threshold - 1])           # rows alone (Triton) == in the batch (Gluon)
-    assert torch.equal(tm().matmul_cuda(x[:1], w, 8), big[:1])
+    assert_same_bits(big, triton_only(x, w, 8), 'big')
+    assert_same_bits(few, big[:threshold - 1], 'few')           # rows alone (Triton) == in the batch (Gluon)
+    assert_same_bits(tm().matmul_cuda(x[:1], w, 8), big[:1], 'tm().matmul_cuda(x[:1], w, 8)')
 
 
 def test_unsupported_inputs_are_named():
@@ -91,4 +95,4 @@ def test_unsupported_inputs_are_named():
 
 def test_negative_control_cublas_differs():
     x, w = make(4096, 1024, 4096)
-    assert not torch.equal(x @ w.T, gm().gluon_matmul_cuda(x, w, 8))
+    assert_bits_differ(x @ w.T, gm().gluon_matmul_cuda(x, w, 8), 'x @ w.T')

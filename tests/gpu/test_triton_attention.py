@@ -1,7 +1,7 @@
 """Triton attention on CUDA: a query's bits do not depend on the call (prefill, chunk, decode,
 batch, padding); gradients likewise; parity with an fp64 reference.
 
-Invariance is asserted bitwise (``torch.equal``) at realistic sizes (bf16, Hq=8, Hkv=2,
+Invariance is asserted bitwise (``assert_same_bits``: shape, dtype and raw bytes) at realistic sizes (bf16, Hq=8, Hkv=2,
 D=128, S and T 300..1100); beside each check a negative control shows that torch's SDPA
 differs in the same comparison.  Parity: relative error (Frobenius) against fp64 of at most
 twice SDPA's own error plus a small floor (stated per test).  Skips without CUDA.
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tpinv.kernels.reference_attention import block_visibility
+from tpinv.testing import assert_same_bits, same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -97,10 +98,10 @@ def test_forward_parity_with_fp64(dtype, mode):
     floor = {BF16: 5e-3, torch.float16: 1e-3, torch.float32: 1e-5}[dtype]
     assert rel(out, ref_o) <= 2 * rel(van, ref_o) + floor, (rel(out, ref_o), rel(van, ref_o))
     seen = torch.isfinite(ref_l)
-    assert torch.equal(torch.isfinite(lse), seen)
+    assert_same_bits(torch.isfinite(lse), seen, 'torch.isfinite(lse)')
     assert (lse[seen].double() - ref_l[seen]).abs().max().item() < 1e-4
-    assert torch.equal(out[~seen[..., None].expand_as(out)].float().abs().sum().cpu(),
-                       torch.tensor(0.0))
+    assert_same_bits(out[~seen[..., None].expand_as(out)].float().abs().sum().cpu(), torch.tensor(0.0),
+                     'out[~seen[..., None].expand_as(out)].float().ab...')
 
 
 # ------------------------------------------------------------------ forward invariance
@@ -116,19 +117,19 @@ def test_prefill_equals_chunked_prefill_and_decode(window):
         for c0 in range(0, S, chunk):
             c1 = min(S, c0 + chunk)
             part, part_lse = fwd(q[:, :, c0:c1], kc, vc, pos[:, c0:c1].contiguous(), window=window)
-            assert torch.equal(part, full[:, :, c0:c1]), f"chunk {chunk} at {c0}"
-            assert torch.equal(part_lse, full_lse[:, :, c0:c1]), f"lse chunk {chunk} at {c0}"
+            assert_same_bits(part, full[:, :, c0:c1], f"chunk {chunk} at {c0}")
+            assert_same_bits(part_lse, full_lse[:, :, c0:c1], f"lse chunk {chunk} at {c0}")
     steps = torch.tensor([[0, 63, 64, 299, 511, 699], [1, 127, 128, 300, 640, 698]], device=DEV)
     for i in range(steps.shape[1]):  # a decode batch: each sequence at its own position
         s = steps[:, i]
         qd = q[torch.arange(B), :, s][:, :, None]
         step, _ = fwd(qd, kc, vc, s[:, None].contiguous(), window=window)
-        assert torch.equal(step, full[torch.arange(B), :, s][:, :, None]), f"decode {s.tolist()}"
+        assert_same_bits(step, full[torch.arange(B), :, s][:, :, None], f"decode {s.tolist()}")
     # control: SDPA's prefill row and its decode step differ
     van_full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     steps = [F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1],
                                             enable_gqa=True) for i in (299, 511, 699)]
-    differs = [not torch.equal(x, van_full[:, :, i:i + 1]) for x, i in zip(steps, (299, 511, 699))]
+    differs = [not same_bits(x, van_full[:, :, i:i + 1]) for x, i in zip(steps, (299, 511, 699))]
     assert any(differs), "control: SDPA prefill and decode never differed"
 
 
@@ -151,11 +152,11 @@ def test_ragged_batch_right_and_left_padding_equal_alone():
     for b, (rq, rk, rv) in enumerate(reqs):
         L = rq.shape[2]
         alone, _ = fwd(rq, rk, rv, arange_pos(1, L))
-        assert torch.equal(alone, right[b:b + 1, :, :L]), f"right padding, length {L}"
-        assert torch.equal(alone, left[b:b + 1, :, T - L:]), f"left padding, length {L}"
+        assert_same_bits(alone, right[b:b + 1, :, :L], f"right padding, length {L}")
+        assert_same_bits(alone, left[b:b + 1, :, T - L:], f"left padding, length {L}")
         # control: SDPA the usual way, causal flash alone and a boolean mask for the batch
         van_alone = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True, enable_gqa=True)
-        van_differs |= not torch.equal(van_alone, van_batch[b:b + 1, :, :L])
+        van_differs |= not same_bits(van_alone, van_batch[b:b + 1, :, :L])
     assert van_differs, "control: SDPA alone and in the padded batch never differed"
 
 
@@ -168,9 +169,10 @@ def test_masked_and_unmasked_paths_give_the_same_bits():
     ones = torch.ones(B, S, S, dtype=torch.bool, device=DEV)
     for kw in (dict(mask=ones), dict(window=10 ** 6), dict(mask=ones, window=10 ** 6)):
         out, lse = fwd(q, k, v, pos, **kw)
-        assert torch.equal(out, ref) and torch.equal(lse, ref_lse), kw
+        assert_same_bits(out, ref, str(kw))
+        assert_same_bits(lse, ref_lse, str(kw))
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] memory
-    assert torch.equal(fwd(strided, k, v, pos)[0], ref)
+    assert_same_bits(fwd(strided, k, v, pos)[0], ref, 'fwd(strided, k, v, pos)[0]')
 
 
 def test_empty_and_blind_queries():
@@ -247,9 +249,9 @@ def test_gradients_alone_equal_gradients_in_right_padded_batch():
         L = rq.shape[2]
         alone = grads_ours(rq, rk, rv, arange_pos(1, L), d_alone[b])
         for name, a, full in zip("qkv", alone, batch):
-            assert torch.equal(a, full[b:b + 1, :, :L]), f"d{name}, length {L}"
+            assert_same_bits(a, full[b:b + 1, :, :L], f"d{name}, length {L}")
         van_alone = grads_autograd(rq, rk, rv, vis_of(arange_pos(1, L), L), d_alone[b])
-        van_differs |= any(not torch.equal(a, full[b:b + 1, :, :L])
+        van_differs |= any(not same_bits(a, full[b:b + 1, :, :L])
                            for a, full in zip(van_alone, van_batch))
     assert van_differs, "control: SDPA gradients alone and in the batch never differed"
 
@@ -263,4 +265,4 @@ def test_dq_of_a_chunk_equals_dq_of_the_prefill():
     full = grads_ours(q, k, v, pos, dout)
     c0, c1 = 200, 333
     part = grads_ours(q[:, :, c0:c1], k, v, pos[:, c0:c1].contiguous(), dout[:, :, c0:c1])
-    assert torch.equal(part[0], full[0][:, :, c0:c1])
+    assert_same_bits(part[0], full[0][:, :, c0:c1], 'part[0]')

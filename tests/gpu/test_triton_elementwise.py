@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tpinv.kernels import reference_activation, reference_rope
+from tpinv.testing import assert_bits_differ, assert_same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
@@ -62,12 +63,12 @@ def test_silu_mul_rows_alone_equal_rows_in_batch(dtype, direction):
     g, u = rand(T, I, dtype=dtype, seed=1), rand(T, I, dtype=dtype, seed=2)
     full = fn(g, u)
     for lo, n in ((0, 1), (T // 2, 1), (T - 1, 1), (5, 3), (100, 64), (1000, 1000)):
-        assert torch.equal(fn(g[lo:lo + n], u[lo:lo + n]), full[lo:lo + n]), f"rows {lo}:{lo + n}"
+        assert_same_bits(fn(g[lo:lo + n], u[lo:lo + n]), full[lo:lo + n], f"rows {lo}:{lo + n}")
     pad_g, pad_u = rand(7, I, dtype=dtype, seed=3), rand(7, I, dtype=dtype, seed=4)
-    assert torch.equal(fn(torch.cat([g, pad_g]), torch.cat([u, pad_u]))[:T], full), "padding rows"
+    assert_same_bits(fn(torch.cat([g, pad_g]), torch.cat([u, pad_u]))[:T], full, "padding rows")
     # the halves of a fused [T, 2I] gate_up projection are strided views
-    assert torch.equal(fn(*torch.cat([g, u], -1).chunk(2, -1)), full), "gate_up halves"
-    assert torch.equal(fn(g[:, :1000], u[:, :1000]), full[:, :1000]), "column slice"
+    assert_same_bits(fn(*torch.cat([g, u], -1).chunk(2, -1)), full, "gate_up halves")
+    assert_same_bits(fn(g[:, :1000], u[:, :1000]), full[:, :1000], "column slice")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -77,8 +78,9 @@ def test_silu_mul_config_does_not_move_bits(dtype):
     dy = rand(1000, 1000, dtype=dtype, seed=7)
     ref, ref_b = k._launch_silu_fwd(g, u), k._launch_silu_bwd(dy, g, u)
     for cfg in ((1024, 4), (2048, 4), (4096, 8), (256, 1)):
-        assert torch.equal(k._launch_silu_fwd(g, u, cfg), ref), f"config {cfg}"
-        assert all(torch.equal(a, b) for a, b in zip(k._launch_silu_bwd(dy, g, u, cfg), ref_b)), f"bwd {cfg}"
+        assert_same_bits(k._launch_silu_fwd(g, u, cfg), ref, f"config {cfg}")
+        for a, b in zip(k._launch_silu_bwd(dy, g, u, cfg), ref_b):
+            assert_same_bits(a, b, f"bwd {cfg}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -102,7 +104,7 @@ def test_silu_mul_parity_with_cpu_and_torch_path(dtype):
 def test_silu_vanilla_differs_control():
     """``F.silu(g) * up`` rounds twice in bf16: the bitwise checks above would see it."""
     g, u = rand(T, I, dtype=torch.bfloat16, seed=1), rand(T, I, dtype=torch.bfloat16, seed=2)
-    assert not torch.equal(F.silu(g) * u, te().silu_mul_forward_cuda(g, u))
+    assert_bits_differ(F.silu(g) * u, te().silu_mul_forward_cuda(g, u), 'F.silu(g) * u')
 
 
 def test_silu_mul_empty_and_dtype_errors():
@@ -126,20 +128,20 @@ def test_rope_position_alone_equals_prefill(dtype, direction):
     full = fn(x, cos, sin)
     for i in (0, 1, S // 2, S - 1):        # one position alone: a decode step
         step = fn(x[:, :, i:i + 1], cos[:, i:i + 1], sin[:, i:i + 1])
-        assert torch.equal(step, full[:, :, i:i + 1]), f"position {i}"
-    assert torch.equal(fn(x[1:], cos[1:], sin[1:]), full[1:]), "batch row alone"
+        assert_same_bits(step, full[:, :, i:i + 1], f"position {i}")
+    assert_same_bits(fn(x[1:], cos[1:], sin[1:]), full[1:], "batch row alone")
     for c in (2, 4, 8):                    # a TP rank's heads
         for r in (0, c - 1):
             sl = slice(r * H // c, (r + 1) * H // c)
-            assert torch.equal(fn(x[:, sl], cos, sin), full[:, sl]), f"heads of rank {r}/{c}"
+            assert_same_bits(fn(x[:, sl], cos, sin), full[:, sl], f"heads of rank {r}/{c}")
     pad = min(77, S)
     xp = torch.cat([x, rand(B, H, pad, D, dtype=dtype, seed=2, scale=1.0)], 2)
     cp, sp = torch.cat([cos, cos[:, :pad]], 1), torch.cat([sin, sin[:, :pad]], 1)
-    assert torch.equal(fn(xp, cp, sp)[:, :, :S], full), "padding positions"
+    assert_same_bits(fn(xp, cp, sp)[:, :, :S], full, "padding positions")
     bshd = x.transpose(1, 2).contiguous().transpose(1, 2)   # [B, S, H, D] projections viewed
-    assert torch.equal(fn(bshd, cos, sin), full), "transposed view"
+    assert_same_bits(fn(bshd, cos, sin), full, "transposed view")
     one = fn(x[1:], cos[1], sin[1])                           # a 2-D table
-    assert torch.equal(one, full[1:]), "2-D table"
+    assert_same_bits(one, full[1:], "2-D table")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -149,7 +151,7 @@ def test_rope_config_does_not_move_bits(dtype):
     for sign in (1, -1):
         ref = k._launch_rope(x, cos, sin, sign)
         for cfg in ((1, 1, 64, 1), (2, 16, 32, 4), (8, 4, 64, 8), (4, 8, 16, 2)):
-            assert torch.equal(k._launch_rope(x, cos, sin, sign, cfg), ref), f"config {cfg}, sign {sign}"
+            assert_same_bits(k._launch_rope(x, cos, sin, sign, cfg), ref, f"config {cfg}, sign {sign}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -171,7 +173,7 @@ def test_rope_vanilla_differs_control():
     ours = te().apply_rope_forward_cuda(x, cos, sin)
     c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     vanilla = x * c + torch.cat((-x[..., D // 2:], x[..., :D // 2]), -1) * s
-    assert not torch.equal(vanilla, ours)
+    assert_bits_differ(vanilla, ours, 'vanilla')
 
 
 def test_rope_empty_and_errors():

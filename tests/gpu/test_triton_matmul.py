@@ -1,9 +1,9 @@
 """The CUDA contract matmul: same bits at any batch size, N slice, K split and launch shape.
 
-Every invariance check is bitwise (``torch.equal``) and has a negative control beside it:
+Every invariance check is bitwise (``assert_same_bits``: shape, dtype and raw bytes) and has a negative control beside it:
 the vanilla path (cuBLAS ``torch.matmul``, a sum of K-split partials, a different leaf
-tree) shows a difference on the same kind of inputs.  GPU tests skip without CUDA; the
-tile-table and input-check tests run anywhere.
+tree) shows a difference on the same kind of inputs.  Every test here needs CUDA; the
+tile-table tests that run anywhere are in tests/unit/test_tiles.py.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from tpinv.kernels import tiles
 
 triton = pytest.importorskip("triton")
 from tpinv.kernels.triton_matmul import _launch, matmul_cuda, matmul_partial_cuda  # noqa: E402
+from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
@@ -33,41 +34,20 @@ def _rel_err(out, x, w):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-# ---------------------------------------------------------------- tile table (any machine)
+# ---------------------------------------------------------------- input checks on the GPU
+# (the tile-table tests and the CPU-tensor refusal run on any machine: tests/unit/test_tiles.py)
 
-def test_block_k_depends_on_dtype_and_leaf_length_only():
-    assert tiles.block_k(torch.bfloat16, 512) == 64
-    assert tiles.block_k(torch.float16, 96) == 32
-    assert tiles.block_k(torch.float32, 512) == 32
-    assert tiles.block_k(torch.bfloat16, 125) == 16   # zero-padded last tile
-    assert tiles.block_k(torch.bfloat16, 3) == 16     # a leaf shorter than 16 pads to 16
-    with pytest.raises(InvarianceError):
-        tiles.block_k(torch.int8, 64)
-
-
-def test_table_configs_are_candidates_and_unknown_configs_refused():
-    for m in (1, 64, 65, 256, 1000, 5000):
-        for leaves in (1, 2, 8):
-            assert tiles.launch_config(m, leaves) in tiles.CANDIDATE_CONFIGS
-    with pytest.raises(InvarianceError, match="CANDIDATE_CONFIGS"):
-        tiles.check_config(tiles.MatmulConfig(32, 32, 4, 2))
-    assert tiles.MatmulConfig(64, 64, 4, 5, split=8).effective_split(2) == 2
-    assert tiles.MatmulConfig(64, 64, 4, 5).effective_split(32) == 4
-
-
+@cuda
 def test_input_errors_name_the_expected_shape():
-    x, w = torch.zeros(3, 64), torch.zeros(5, 64)
-    with pytest.raises(ValueError, match="CUDA"):
-        matmul_cuda(x, w, 8)
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"x \[\.\.\., K\] and w \[N, K\]"):
-            matmul_cuda(x.cuda(), torch.zeros(5, 32, device=DEV), 8)
-        with pytest.raises(InvarianceError, match="not divisible"):
-            matmul_cuda(torch.zeros(3, 60, device=DEV), torch.zeros(5, 60, device=DEV), 8)
-        with pytest.raises(InvarianceError, match="power of two"):
-            matmul_cuda(x.cuda(), w.cuda(), 3)
-        with pytest.raises(TypeError, match="must equal x dtype"):
-            matmul_cuda(x.cuda(), w.cuda().half(), 8)
+    x, w = torch.zeros(3, 64, device=DEV), torch.zeros(5, 64, device=DEV)
+    with pytest.raises(ValueError, match=r"x \[\.\.\., K\] and w \[N, K\]"):
+        matmul_cuda(x, torch.zeros(5, 32, device=DEV), 8)
+    with pytest.raises(InvarianceError, match="not divisible"):
+        matmul_cuda(torch.zeros(3, 60, device=DEV), torch.zeros(5, 60, device=DEV), 8)
+    with pytest.raises(InvarianceError, match="power of two"):
+        matmul_cuda(x, w, 3)
+    with pytest.raises(TypeError, match="must equal x dtype"):
+        matmul_cuda(x, w.half(), 8)
 
 
 # ---------------------------------------------------------------- batch invariance
@@ -83,16 +63,16 @@ def test_row_alone_equals_row_in_batch(leaves, k):
     for m in ROW_MS:
         x = big[:m]
         out = matmul_cuda(x, w, leaves)
-        assert torch.equal(out, full[:m]), f"M={m} rows differ from M={max(ROW_MS)} rows"
+        assert_same_bits(out, full[:m], f"M={m} rows differ from M={max(ROW_MS)} rows")
         r = int(torch.randint(m, ()))
-        assert torch.equal(matmul_cuda(x[r:r + 1], w, leaves)[0], out[r]), f"M={m} row {r}"
+        assert_same_bits(matmul_cuda(x[r:r + 1], w, leaves)[0], out[r], f"M={m} row {r}")
 
 
 @cuda
 def test_negative_control_cublas_rows_depend_on_batch():
     w = _rand(4096, 4096)
     x = _rand(512, 4096)
-    assert not torch.equal(torch.matmul(x[:1], w.T), torch.matmul(x, w.T)[:1])
+    assert_bits_differ(torch.matmul(x[:1], w.T), torch.matmul(x, w.T)[:1], 'torch.matmul(x[:1], w.T)')
 
 
 @cuda
@@ -102,7 +82,7 @@ def test_row_invariance_other_dtypes(dtype):
     x = _rand(1000, 512, dtype=dtype)
     full = matmul_partial_cuda(x, w, 8)
     for m in (1, 7, 64, 1000):
-        assert torch.equal(matmul_partial_cuda(x[:m], w, 8), full[:m])
+        assert_same_bits(matmul_partial_cuda(x[:m], w, 8), full[:m], 'matmul_partial_cuda(x[:m], w, 8)')
 
 
 # ---------------------------------------------------------------- N slices
@@ -116,7 +96,7 @@ def test_n_slice_equals_slice_of_full(leaves):
         x = _rand(m, k)
         full = matmul_cuda(x, w, leaves)
         for a, b in ((0, 64), (8, 1000), (776, 1536), (1000, 1001)):
-            assert torch.equal(matmul_cuda(x, w[a:b], leaves), full[:, a:b]), (m, a, b)
+            assert_same_bits(matmul_cuda(x, w[a:b], leaves), full[:, a:b], str((m, a, b)))
 
 
 @cuda
@@ -125,7 +105,7 @@ def test_negative_control_cublas_n_slice_differs():
     for m, k in ((16, 8192), (64, 8192), (1, 16384)):
         w = _rand(8192, k)
         x = _rand(m, k)
-        differs |= not torch.equal(torch.matmul(x, w[:128].T), torch.matmul(x, w.T)[:, :128])
+        differs |= not same_bits(torch.matmul(x, w[:128].T), torch.matmul(x, w.T)[:, :128])
     assert differs
 
 
@@ -142,8 +122,8 @@ def test_k_split_tree_equals_full(dtype, k):
         ks = k // c
         parts = [matmul_partial_cuda(x[:, i * ks:(i + 1) * ks], w[:, i * ks:(i + 1) * ks],
                                      leaves // c) for i in range(c)]
-        assert torch.equal(tree_combine(torch.stack(parts, -1)), full), f"C={c}"
-    assert torch.equal(matmul_cuda(x, w, leaves), full.to(dtype))
+        assert_same_bits(tree_combine(torch.stack(parts, -1)), full, f"C={c}")
+    assert_same_bits(matmul_cuda(x, w, leaves), full.to(dtype), 'matmul_cuda(x, w, leaves)')
 
 
 @cuda
@@ -155,7 +135,7 @@ def test_negative_control_cublas_k_split_sum_differs():
         ks = k // c
         parts = [torch.matmul(x[:, i * ks:(i + 1) * ks], w[:, i * ks:(i + 1) * ks].T).float()
                  for i in range(c)]
-        assert not torch.equal(sum(parts).to(x.dtype), full), f"C={c}"
+        assert_bits_differ(sum(parts).to(x.dtype), full, f"C={c}")
 
 
 # ---------------------------------------------------------------- launch shapes
@@ -170,16 +150,16 @@ def test_every_candidate_config_gives_the_same_bits(leaves):
         ref = _launch(x[:m], w, leaves, torch.float32, tiles.launch_config(m, leaves))
         for cfg in tiles.CANDIDATE_CONFIGS:
             out = _launch(x[:m], w, leaves, torch.float32, cfg)
-            assert torch.equal(out, ref), f"M={m} {cfg.name()}"
+            assert_same_bits(out, ref, f"M={m} {cfg.name()}")
         for cfg in tiles.CANDIDATE_CONFIGS[:3]:  # pointer loads instead of descriptors
             out = _launch(x[:m], w, leaves, torch.float32, cfg, allow_tma=False)
-            assert torch.equal(out, ref), f"M={m} {cfg.name()} pointer loads"
+            assert_same_bits(out, ref, f"M={m} {cfg.name()} pointer loads")
 
 
 @cuda
 def test_negative_control_another_leaf_tree_differs():
     x, w = _rand(64, 2048), _rand(392, 2048)
-    assert not torch.equal(matmul_partial_cuda(x, w, 8), matmul_partial_cuda(x, w, 4))
+    assert_bits_differ(matmul_partial_cuda(x, w, 8), matmul_partial_cuda(x, w, 4), 'matmul_partial_cuda(x, w, 8)')
 
 
 @cuda
@@ -193,7 +173,7 @@ def test_strided_and_transposed_weight_views():
     w_s = torch.empty(n, 2 * k, device=DEV, dtype=w.dtype)[:, ::2].copy_(w)  # k stride 2
     x_s = torch.empty(9, 2, 2 * k, device=DEV, dtype=x.dtype)[..., ::2].copy_(x)
     for ww, xx in ((w_t, x), (w_s, x), (w, x_s)):
-        assert torch.equal(matmul_cuda(xx, ww, 8), ref)
+        assert_same_bits(matmul_cuda(xx, ww, 8), ref, 'matmul_cuda(xx, ww, 8)')
 
 
 @cuda
@@ -207,12 +187,13 @@ def test_shape_property_rows_and_k_split(m, n, log2_leaves, leaf_len, dtype):
     x, w = _rand(m, k, dtype=dtype), _rand(n, k, dtype=dtype)
     full = matmul_partial_cuda(x, w, leaves)
     r = int(torch.randint(m, ()))
-    assert torch.equal(matmul_partial_cuda(x[r:r + 1], w, leaves), full[r:r + 1])
+    assert_same_bits(matmul_partial_cuda(x[r:r + 1], w, leaves), full[r:r + 1],
+                     'matmul_partial_cuda(x[r:r + 1], w, leaves)')
     half = k // 2
     if leaves >= 2:
         parts = [matmul_partial_cuda(x[:, :half], w[:, :half], leaves // 2),
                  matmul_partial_cuda(x[:, half:], w[:, half:], leaves // 2)]
-        assert torch.equal(parts[0] + parts[1], full)
+        assert_same_bits(parts[0] + parts[1], full, 'parts[0] + parts[1]')
     assert _rel_err(full, x, w) < REL_TOL[torch.float32] * 10
 
 

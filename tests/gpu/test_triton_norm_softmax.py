@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tpinv.core.contract import DEFAULT_LEAVES, tree_combine
 from tpinv.kernels import reference_norm, reference_softmax
+from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
@@ -40,9 +41,9 @@ def assert_rows_invariant(fn, x):
     for m in ROWS:
         if m <= x.shape[0]:
             for start in (0, x.shape[0] - m):
-                assert torch.equal(fn(x[start:start + m]), full[start:start + m]), f"M={m} at {start}"
+                assert_same_bits(fn(x[start:start + m]), full[start:start + m], f"M={m} at {start}")
     junk = rand(7, *x.shape[1:], dtype=x.dtype, seed=99)
-    assert torch.equal(fn(torch.cat([x, junk]))[:x.shape[0]], full), "padding rows"
+    assert_same_bits(fn(torch.cat([x, junk]))[:x.shape[0]], full, "padding rows")
     return full
 
 
@@ -77,7 +78,7 @@ def test_rms_norm_split_sum_control():
     whole = sq.sum(-1)
     halves = sq[:, :4096].sum(-1) + sq[:, 4096:].sum(-1)
     quarters = sum(c.sum(-1) for c in sq.chunk(4, -1))
-    assert not torch.equal(whole, halves) or not torch.equal(whole, quarters)
+    assert not same_bits(whole, halves) or not same_bits(whole, quarters)
 
 
 def test_rms_norm_backward_rows_and_dweight_padding():
@@ -87,12 +88,14 @@ def test_rms_norm_backward_rows_and_dweight_padding():
     w = (torch.rand(hidden, device=DEV) + 0.5).to(torch.bfloat16)
     dx, dw = tn().rms_norm_backward_cuda(g, x, w, 1e-6)
     for m in (1, 3, 64):
-        assert torch.equal(tn().rms_norm_backward_cuda(g[:m], x[:m], w, 1e-6)[0], dx[:m])
+        assert_same_bits(tn().rms_norm_backward_cuda(g[:m], x[:m], w, 1e-6)[0], dx[:m],
+                         'tn().rms_norm_backward_cuda(g[:m], x[:m], w, 1e...')
     for pad in (1, 212, 2000):   # zero-grad padding tokens, to and past the next power of two
         xp = torch.cat([x, rand(pad, hidden, dtype=x.dtype, seed=pad)])
         gp = torch.cat([g, torch.zeros(pad, hidden, dtype=g.dtype, device=DEV)])
         dxp, dwp = tn().rms_norm_backward_cuda(gp, xp, w, 1e-6)
-        assert torch.equal(dwp, dw) and torch.equal(dxp[:300], dx), f"pad={pad}"
+        assert_same_bits(dwp, dw, f"pad={pad}")
+        assert_same_bits(dxp[:300], dx, f"pad={pad}")
     rdx, rdw = reference_norm.rms_norm_backward(g.float(), x.float(), w.float(), 1e-6)
     torch.testing.assert_close(dx.float(), rdx, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(dw.float(), rdw, rtol=2e-2, atol=2e-1)
@@ -107,11 +110,12 @@ def test_rms_norm_backward_heads_is_each_head_alone_and_control():
     dx, per_head = tn().rms_norm_backward_heads_cuda(g, x, w, 1e-6)
     for h in range(6):
         dx_h, dw_h = tn().rms_norm_backward_cuda(g[..., h, :].contiguous(), x[..., h, :].contiguous(), w, 1e-6)
-        assert torch.equal(dx[..., h, :], dx_h) and torch.equal(per_head[h], dw_h), h
+        assert_same_bits(dx[..., h, :], dx_h, str(h))
+        assert_same_bits(per_head[h], dw_h, str(h))
     _, all_rows = tn().rms_norm_backward_cuda(g.float() * 1e3, x.float(), w.float(), 1e-6)
     _, heads32 = tn().rms_norm_backward_heads_cuda(g.float() * 1e3, x.float(), w.float(), 1e-6)
     from tpinv.kernels.reference_tree import halving_sum
-    assert not torch.equal(halving_sum(heads32.t()), all_rows)
+    assert_bits_differ(halving_sum(heads32.t()), all_rows, 'halving_sum(heads32.t())')
 
 
 def test_rms_norm_backward_fp32_parity_with_torch_code():
@@ -126,7 +130,7 @@ def test_rms_norm_backward_fp32_parity_with_torch_code():
 def test_plain_token_sum_split_control():
     contrib = rand(4096, 512, seed=8)
     whole = contrib.sum(0)
-    assert any(not torch.equal(whole, sum(c.sum(0) for c in contrib.chunk(k, 0))) for k in (2, 4, 8))
+    assert any(not same_bits(whole, sum(c.sum(0) for c in contrib.chunk(k, 0))) for k in (2, 4, 8))
 
 
 # ------------------------------------------------------------------ softmax family
@@ -147,7 +151,8 @@ def test_sum_exp_partial_rows_invariant():
     max_all = x.amax(-1)
     full = ts().sum_exp_partial_cuda(x, max_all, DEFAULT_LEAVES)
     for m in ROWS:
-        assert torch.equal(ts().sum_exp_partial_cuda(x[-m:], max_all[-m:], DEFAULT_LEAVES), full[-m:])
+        assert_same_bits(ts().sum_exp_partial_cuda(x[-m:], max_all[-m:], DEFAULT_LEAVES), full[-m:],
+                         'ts().sum_exp_partial_cuda(x[-m:], max_all[-m:],...')
 
 
 @pytest.mark.parametrize("dtype", TOL)
@@ -159,7 +164,7 @@ def test_vocab_split_equals_unsplit(dtype, width):
     for ranks in (1, 2, 4, 8):
         parts = torch.stack([ts().sum_exp_partial_cuda(s, max_, DEFAULT_LEAVES // ranks)
                              for s in x.chunk(ranks, -1)], -1)
-        assert torch.equal(tree_combine(parts), whole), f"C={ranks}"
+        assert_same_bits(tree_combine(parts), whole, f"C={ranks}")
     log_sm = ts().log_softmax_forward_cuda(x, DEFAULT_LEAVES)
     composed = torch.cat([reference_softmax.log_softmax_from_parts(s, max_, whole).to(dtype)
                           for s in x.chunk(2, -1)], -1)
@@ -176,20 +181,20 @@ def test_fused_equals_vocab_split_composition(dtype, width):
     x = rand(37, width, dtype=dtype, seed=width + 1, scale=4.0)
     m, s = ts().max_and_sum_exp_cuda(x, DEFAULT_LEAVES)
     max_ = x.float().amax(-1)
-    assert torch.equal(m, max_)
+    assert_same_bits(m, max_, 'm')
     fused = {"log_softmax": ts().log_softmax_forward_cuda(x, DEFAULT_LEAVES),
              "softmax": ts().softmax_forward_cuda(x, DEFAULT_LEAVES)}
     for ranks in (1, 2, 4, 8):
         slices = x.chunk(ranks, -1)
         total = tree_combine(torch.stack([ts().sum_exp_partial_cuda(sl, max_, DEFAULT_LEAVES // ranks)
                                           for sl in slices], -1))
-        assert torch.equal(total, s), f"sum C={ranks}"
+        assert_same_bits(total, s, f"sum C={ranks}")
         for name, fn in (("log_softmax", ts().log_softmax_from_parts_cuda),
                          ("softmax", ts().softmax_from_parts_cuda)):
             split = torch.cat([fn(sl, max_, total) for sl in slices], -1)
-            assert torch.equal(split, fused[name]), f"{name} C={ranks}"
+            assert_same_bits(split, fused[name], f"{name} C={ranks}")
     lse = ts().logsumexp_forward_cuda(x, DEFAULT_LEAVES)
-    assert torch.equal(lse, reference_softmax.logsumexp_from_parts(max_, s).to(dtype))
+    assert_same_bits(lse, reference_softmax.logsumexp_from_parts(max_, s).to(dtype), 'lse')
 
 
 @pytest.mark.parametrize("dtype", TOL)
@@ -202,7 +207,8 @@ def test_fused_rows_invariant_at_vocab_width(dtype):
     big = rand(1100, 151936, dtype=dtype, seed=22)
     full = ts().log_softmax_forward_cuda(big, DEFAULT_LEAVES)
     for lo, hi in ((0, 1), (517, 518), (1099, 1100), (3, 300)):
-        assert torch.equal(ts().log_softmax_forward_cuda(big[lo:hi], DEFAULT_LEAVES), full[lo:hi])
+        assert_same_bits(ts().log_softmax_forward_cuda(big[lo:hi], DEFAULT_LEAVES), full[lo:hi],
+                         'ts().log_softmax_forward_cuda(big[lo:hi], DEFAU...')
 
 
 def test_fused_config_knobs_do_not_move_bits():
@@ -211,7 +217,8 @@ def test_fused_config_knobs_do_not_move_bits():
     want = ts()._fused(x, DEFAULT_LEAVES, ts()._MODE_LOG)
     for config in ((4096, 4, 1, 1, False), (32768, 16, 3, 8, True), (8192, 8, 1, 2, True)):
         got = ts()._fused(x, DEFAULT_LEAVES, ts()._MODE_LOG, config)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), config
+        for a, b in zip(got, want):
+            assert_same_bits(a, b, str(config))
 
 
 def test_plain_vocab_split_and_batch_controls():
@@ -219,13 +226,13 @@ def test_plain_vocab_split_and_batch_controls():
     max_ = x.amax(-1, keepdim=True)
     e = torch.exp(x - max_)
     whole = e.sum(-1)
-    assert any(not torch.equal(whole, sum(c.sum(-1) for c in e.chunk(k, -1))) for k in (2, 4, 8))
+    assert any(not same_bits(whole, sum(c.sum(-1) for c in e.chunk(k, -1))) for k in (2, 4, 8))
     differs = []
     for rows, width in ((4096, 151936 // 8), (1024, 151936)):
         big = rand(rows, width, seed=rows)
         batch = F.log_softmax(big, -1)
-        differs.append(not torch.equal(F.log_softmax(big[:1], -1), batch[:1]))
-        differs.append(not torch.equal(batch, ts().log_softmax_forward_cuda(big, DEFAULT_LEAVES)))
+        differs.append(not same_bits(F.log_softmax(big[:1], -1), batch[:1]))
+        differs.append(not same_bits(batch, ts().log_softmax_forward_cuda(big, DEFAULT_LEAVES)))
     assert any(differs)
 
 
@@ -236,7 +243,8 @@ def test_infinite_rows_and_errors():
     assert torch.isneginf(lse[1]) and torch.isfinite(lse[[0, 2]]).all()
     x[2, 7] = float("nan")
     m, _ = ts().max_and_sum_exp_cuda(x, DEFAULT_LEAVES)
-    assert torch.isnan(m[2]) and torch.equal(m[[0, 1]], x.amax(-1)[[0, 1]])
+    assert torch.isnan(m[2])
+    assert_same_bits(m[[0, 1]], x.amax(-1)[[0, 1]], 'm[[0, 1]]')
     with pytest.raises(Exception, match="divisible|multiple"):
         ts().log_softmax_forward_cuda(rand(2, 63), DEFAULT_LEAVES)
     with pytest.raises(Exception, match=r"\(64,\)"):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpinv.testing import num_threads
+from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads, same_bits
 from tpinv.core.contract import InvarianceError
 from tpinv.ops.activation import silu_mul, silu_mul_backward_op, silu_mul_op
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
@@ -63,7 +63,7 @@ def torch_fwd_bwd(gate, up, grad):
 
 
 def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    return all(same_bits(x, y) for x, y in zip(a, b))
 
 
 def chunked(fn, *tensors, size=7):
@@ -92,10 +92,10 @@ def test_rows_chunks_and_elements_vanilla_differs():
     up = randn(3, 72, seed=1)
     full = vanilla(gate, up)
     rows = torch.cat([vanilla(gate[i:i + 1], up[i:i + 1]) for i in range(3)])
-    assert not torch.equal(full, rows)
-    assert not torch.equal(full, chunked(lambda g, u: [vanilla(g, u)], gate, up)[0])
+    assert_bits_differ(full, rows, 'full')
+    assert_bits_differ(full, chunked(lambda g, u: [vanilla(g, u)], gate, up)[0], 'full')
     ours_rows = torch.cat([silu_mul(gate[i:i + 1], up[i:i + 1]) for i in range(3)])
-    assert torch.equal(silu_mul(gate, up), ours_rows)
+    assert_same_bits(silu_mul(gate, up), ours_rows, 'silu_mul(gate, up)')
 
 
 @settings(max_examples=15, deadline=None)
@@ -103,7 +103,8 @@ def test_rows_chunks_and_elements_vanilla_differs():
 def test_row_alone_property(batch, hidden, seed):
     gate, up = randn(batch, hidden, seed=seed), randn(batch, hidden, seed=seed + 1)
     row = seed % batch
-    assert torch.equal(silu_mul(gate, up)[row:row + 1], silu_mul(gate[row:row + 1], up[row:row + 1]))
+    assert_same_bits(silu_mul(gate, up)[row:row + 1], silu_mul(gate[row:row + 1], up[row:row + 1]),
+                     'silu_mul(gate, up)[row:row + 1]')
 
 
 # --- padding ------------------------------------------------------------------------
@@ -122,8 +123,8 @@ def test_padding_vanilla_differs():
     up = randn(1, 9, 40, seed=2)
     padded_gate = torch.cat([gate, randn(1, 3, 40, seed=3)], dim=1)
     padded_up = torch.cat([up, randn(1, 3, 40, seed=4)], dim=1)
-    assert not torch.equal(vanilla(gate, up), vanilla(padded_gate, padded_up)[:, :9])
-    assert torch.equal(silu_mul(gate, up), silu_mul(padded_gate, padded_up)[:, :9])
+    assert_bits_differ(vanilla(gate, up), vanilla(padded_gate, padded_up)[:, :9], 'vanilla(gate, up)')
+    assert_same_bits(silu_mul(gate, up), silu_mul(padded_gate, padded_up)[:, :9], 'silu_mul(gate, up)')
 
 
 # --- threads ------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def test_threads_vanilla_differs():
         one = vanilla(gate, up)
     with num_threads(2):
         two = vanilla(gate, up)
-    assert not torch.equal(one, two)
+    assert_bits_differ(one, two, 'one')
 
 
 # --- strides ------------------------------------------------------------------------
@@ -160,8 +161,8 @@ def test_strided_equals_contiguous(dtype):
 def test_strided_vanilla_differs():
     gate, up = tail_sensitive_values(37 * 72).reshape(37, 72), randn(37, 72, seed=2)
     strided_gate, strided_up = gate.t().contiguous().t(), up.t().contiguous().t()
-    assert not torch.equal(vanilla(gate, up), vanilla(strided_gate, strided_up))
-    assert torch.equal(silu_mul(gate, up), silu_mul(strided_gate, strided_up))
+    assert_bits_differ(vanilla(gate, up), vanilla(strided_gate, strided_up), 'vanilla(gate, up)')
+    assert_same_bits(silu_mul(gate, up), silu_mul(strided_gate, strided_up), 'silu_mul(gate, up)')
 
 
 # --- the primitives silu_mul is built from are position independent ------------------------
@@ -184,16 +185,16 @@ def test_primitive_is_position_independent(name):
     fn = PRIMITIVES[name]
     x = randn(1001, seed=3)
     full = fn(x)
-    assert torch.equal(full, torch.cat([fn(c) for c in x.split(7)]))
-    assert torch.equal(full, torch.stack([fn(v) for v in x]))
+    assert_same_bits(full, torch.cat([fn(c) for c in x.split(7)]), 'full')
+    assert_same_bits(full, torch.stack([fn(v) for v in x]), 'full')
     wide = torch.zeros(2002)
     wide[::2] = x
-    assert torch.equal(full, fn(wide[::2]))
+    assert_same_bits(full, fn(wide[::2]), 'full')
 
 
 def test_primitive_check_catches_sigmoid():
     x = tail_sensitive_values(1001)
-    assert not torch.equal(torch.sigmoid(x), torch.cat([torch.sigmoid(c) for c in x.split(7)]))
+    assert_bits_differ(torch.sigmoid(x), torch.cat([torch.sigmoid(c) for c in x.split(7)]), 'torch.sigmoid(x)')
 
 
 # --- parity ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Invariant attention backward: a request's gradients are the same bits alone or padded in a batch.
 
-Invariance is asserted bitwise (``torch.equal``) next to a negative control showing that
+Invariance is asserted bitwise (``assert_same_bits``: shape, dtype and raw bytes) next to a negative control showing that
 vanilla SDPA's gradients differ in the same comparison (bf16 controls redraw inputs up to
 ``CONTROL_TRIES`` times until vanilla differs).  Parity with an fp64 reference uses a
 relative Frobenius error of 1e-5 (fp32) and 2e-2 (bf16).
@@ -15,6 +15,7 @@ from attention_cases import (CONTROL_TRIES, arange_pos, qkv, randn, ragged_batch
 from tpinv.kernels.reference_attention import KV_BLOCK, attention_forward
 from tpinv.kernels.reference_attention_bwd import attention_backward
 from tpinv.ops.attention import attention
+from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -52,9 +53,9 @@ def test_grads_alone_equal_grads_in_padded_batch(dtype, g, window):
             d_alone = dout[b:b + 1, :, :L]
             alone = _grads(_ours(arange_pos(1, L), window), rq, rk, rv, d_alone)
             for name, a, full in zip("qkv", alone, batch):
-                assert torch.equal(a, full[b:b + 1, :, :L]), f"d{name} of request of length {L}"
+                assert_same_bits(a, full[b:b + 1, :, :L], f"d{name} of request of length {L}")
             van_alone = _grads(_vanilla(arange_pos(1, L), L, window), rq, rk, rv, d_alone)
-            vanilla_differs |= any(not torch.equal(a, full[b:b + 1, :, :L])
+            vanilla_differs |= any(not same_bits(a, full[b:b + 1, :, :L])
                                    for a, full in zip(van_alone, van_batch))
         if vanilla_differs:
             break
@@ -82,8 +83,9 @@ def test_dk_dv_invariant_to_padding_length(dtype):
             van = _grads(_vanilla(arange_pos(1, T), T, mask=mask), q, k, v, dout)
             van_results.append([x[:, :, :L] for x in van])
         for r in results[1:]:
-            assert all(torch.equal(a, b) for a, b in zip(results[0], r))
-        vanilla_differs = any(not torch.equal(a, b) for r in van_results[1:]
+            for a, b in zip(results[0], r):
+                assert_same_bits(a, b, 'a')
+        vanilla_differs = any(not same_bits(a, b) for r in van_results[1:]
                               for a, b in zip(van_results[0][1:], r[1:]))
         if vanilla_differs:
             break
@@ -104,14 +106,15 @@ def test_backward_chunking_and_skipping_give_the_same_bits(window):
     for kw in (dict(skip_blocks=False), dict(chunk_bytes=8 * rows), dict(chunk_bytes=5 * rows),
                dict(chunk_bytes=g * 64 * rows)):  # strided query chunks, 1 head per chunk
         got = attention_backward(dout, dlse, q, k, v, out, lse, pos, mask, True, window, **kw)
-        assert all(torch.equal(a, b) for a, b in zip(got, ref)), kw
+        for a, b in zip(got, ref):
+            assert_same_bits(a, b, str(kw))
     # control: dV = P^T dO summed over query chunks vs in one vanilla matmul differs
     vis = visibility(pos, T, window=window, mask=mask)
     scores = (q @ k.repeat_interleave(g, 1).mT).masked_fill(~vis[:, None], float("-inf"))
     p = torch.softmax(scores, -1).nan_to_num()
     whole = p.mT @ dout
     chunked = sum(p[:, :, i:i + 8].mT @ dout[:, :, i:i + 8] for i in range(0, S, 8))
-    assert not torch.equal(whole, chunked)
+    assert_bits_differ(whole, chunked, 'whole')
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)],

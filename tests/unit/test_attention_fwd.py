@@ -1,6 +1,6 @@
 """Invariant attention forward: prefill == chunked prefill == decode, batch and padding invariance.
 
-Invariance is asserted bitwise (``torch.equal``); each test carries a negative control
+Invariance is asserted bitwise (``assert_same_bits``: shape, dtype and raw bytes); each test carries a negative control
 showing that vanilla SDPA differs on the same kind of inputs.  bf16 controls draw fresh
 inputs (up to ``CONTROL_TRIES`` times) until vanilla differs, so a control never passes
 by luck of a draw and never flakes.
@@ -15,6 +15,7 @@ from attention_cases import (CONTROL_TRIES, arange_pos, qkv, ragged_batch, refer
                              sdpa, sdpa_decode_differs, visibility)
 from tpinv.kernels.reference_attention import KV_BLOCK, attention_forward
 from tpinv.ops.attention import attention
+from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
 
 DTYPES = [torch.float32, torch.bfloat16]
 NAN = float("nan")
@@ -41,14 +42,14 @@ def test_prefill_equals_decode_and_chunked_prefill(dtype, g, window):
         for i in range(S):  # decode: one query against the exact-length cache
             step = attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], pos[:, i:i + 1],
                              window=window)
-            assert torch.equal(step, full[:, :, i:i + 1]), f"decode step {i}"
+            assert_same_bits(step, full[:, :, i:i + 1], f"decode step {i}")
         for chunk in (1, 5, 64):  # chunked prefill against a NaN-padded cache
             for c0 in range(0, S, chunk):
                 c1 = min(S, c0 + chunk)
                 part = attention(q[:, :, c0:c1], _with_garbage(k[:, :, :c1], T_cache),
                                  _with_garbage(v[:, :, :c1], T_cache), pos[:, c0:c1],
                                  window=window)
-                assert torch.equal(part, full[:, :, c0:c1]), f"chunk {chunk} at {c0}"
+                assert_same_bits(part, full[:, :, c0:c1], f"chunk {chunk} at {c0}")
         if sdpa_decode_differs(q, k, v, visibility(pos, S, window=window), 16):
             vanilla_differs = True
             break
@@ -69,9 +70,9 @@ def test_ragged_batch_equals_each_request_alone(dtype, g, window):
         for (rq, rk, rv), b in zip(requests, order):
             L = rq.shape[2]
             alone = attention(rq, rk, rv, arange_pos(1, L), window=window)
-            assert torch.equal(alone, batched[b:b + 1, :, :L]), f"request of length {L}"
+            assert_same_bits(alone, batched[b:b + 1, :, :L], f"request of length {L}")
             van_alone = sdpa(rq, rk, rv, visibility(arange_pos(1, L), L, window=window))
-            vanilla_differs |= not torch.equal(van_alone, van_batched[b:b + 1, :, :L])
+            vanilla_differs |= not same_bits(van_alone, van_batched[b:b + 1, :, :L])
         if vanilla_differs:
             break
     assert vanilla_differs, "control: SDPA batched and alone never differed"
@@ -96,13 +97,13 @@ def test_packed_documents_equal_each_document_alone(dtype, window):
         packed = attention(q, k, v, pos, mask=mask, window=window)
         alone1 = attention(q1, k1, v1, arange_pos(1, L1), window=window)
         alone2 = attention(q2, k2, v2, arange_pos(1, L2), window=window)
-        assert torch.equal(alone1, packed[:, :, :L1])
-        assert torch.equal(alone2, packed[:, :, start2:])
+        assert_same_bits(alone1, packed[:, :, :L1], 'alone1')
+        assert_same_bits(alone2, packed[:, :, start2:], 'alone2')
         van_packed = sdpa(q, k, v, visibility(pos, T, window=window, mask=mask))
         van_alone = [sdpa(a, b, c, visibility(arange_pos(1, L), L, window=window))
                      for (a, b, c), L in (((q1, k1, v1), L1), ((q2, k2, v2), L2))]
-        if not (torch.equal(van_alone[0], van_packed[:, :, :L1])
-                and torch.equal(van_alone[1], van_packed[:, :, start2:])):
+        if not (same_bits(van_alone[0], van_packed[:, :, :L1])
+                and same_bits(van_alone[1], van_packed[:, :, start2:])):
             vanilla_differs = True
             break
     assert vanilla_differs, "control: SDPA packed and alone never differed"
@@ -129,13 +130,14 @@ def test_skipped_blocks_and_chunking_give_the_same_bits(window):
         for kw in (dict(skip_blocks=False), dict(query_chunk=1), dict(query_chunk=7, chunk_bytes=1),
                    dict(chunk_bytes=3 * KV_BLOCK * D * 4 * g)):
             out = attention_forward(q, k, v, pos, mask, True, window, **kw)
-            assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), kw
+            assert_same_bits(out[0], ref[0], str(kw))
+            assert_same_bits(out[1], ref[1], str(kw))
         # control: vanilla attention over the keys up to the last visible one vs all keys
         # (SDPA's CPU kernel splits keys by 512, so all keys take one more split)
         pos[0, 0] = 0
         vis = visibility(pos, T, window=window)
         hi = int(pos.max()) + 1
-        if not torch.equal(sdpa(q, k, v, vis), sdpa(q, k[:, :, :hi], v[:, :, :hi], vis[:, :, :hi])):
+        if not same_bits(sdpa(q, k, v, vis), sdpa(q, k[:, :, :hi], v[:, :, :hi], vis[:, :, :hi])):
             vanilla_differs = True
             break
     assert vanilla_differs, "control: SDPA over all keys and over the needed keys never differed"
@@ -157,7 +159,7 @@ def test_forward_parity_with_fp64_reference(dtype, tol):
         assert rel_err(out, ref_out) < tol
         seen = vis.any(-1)[:, None, :].expand_as(lse)
         assert rel_err(lse[seen], ref_lse[seen]) < tol
-        assert torch.equal(lse[~seen], torch.full_like(lse[~seen], float("-inf")))
+        assert_same_bits(lse[~seen], torch.full_like(lse[~seen], float("-inf")), 'lse[~seen]')
         assert not torch.isnan(out).any()
         blank = out[~seen]  # rows that see no key are +0 exactly
         assert blank.numel() > 0 and (blank == 0).all() and not torch.signbit(blank).any()
@@ -177,7 +179,7 @@ def test_any_query_slice_and_batch_subset_is_bit_identical(B, Hkv, g, S, extra, 
     b = data.draw(st.integers(0, B - 1))
     part = attention(q[b:b + 1, :, i0:i1], k[b:b + 1], v[b:b + 1], pos[b:b + 1, i0:i1],
                      window=window)
-    assert torch.equal(part, full[b:b + 1, :, i0:i1])
+    assert_same_bits(part, full[b:b + 1, :, i0:i1], 'part')
 
 
 def test_query_slice_control_vanilla_differs():
@@ -187,4 +189,4 @@ def test_query_slice_control_vanilla_differs():
     vis = visibility(pos, 100)
     full = sdpa(q, k, v, vis)
     parts = torch.cat([sdpa(q[:, :, i:i + 1], k, v, vis[:, i:i + 1]) for i in range(20)], 2)
-    assert not torch.equal(full, parts)
+    assert_bits_differ(full, parts, 'full')

@@ -11,6 +11,7 @@ from tpinv.kernels.reference_attention import all_finite, halve, kv_block_range
 from tpinv.kernels.reference_attention_bwd import halve_span
 from tpinv.kernels.reference_tree import halving_sum
 from tpinv.ops.attention import attention, attention_backward_op, attention_op
+from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
 
 NEG_INF = float("-inf")
 
@@ -51,9 +52,9 @@ PRIMITIVES = {
 def test_kernel_primitives_are_position_independent(name):
     whole, *others = _position_variants(PRIMITIVES[name], _data())
     for other in others:
-        assert torch.equal(whole, other)
+        assert_same_bits(whole, other, 'whole')
         if whole.is_floating_point():
-            assert torch.equal(torch.signbit(whole), torch.signbit(other))
+            assert_same_bits(torch.signbit(whole), torch.signbit(other), 'torch.signbit(whole)')
 
 
 def test_cummax_is_the_running_maximum():
@@ -63,19 +64,20 @@ def test_cummax_is_the_running_maximum():
     for i in range(1, x.shape[1]):
         running.append(torch.maximum(running[-1], x[:, i]))
     expected = torch.stack(running, 1)
-    assert torch.equal(torch.cummax(x, dim=1).values, expected)
-    assert torch.equal(torch.cummax(x.t().contiguous(), dim=0).values.t(), expected)
+    assert_same_bits(torch.cummax(x, dim=1).values, expected, 'torch.cummax(x, dim=1).values')
+    assert_same_bits(torch.cummax(x.t().contiguous(), dim=0).values.t(), expected,
+                     'torch.cummax(x.t().contiguous(), dim=0).values.t()')
 
 
 def test_position_check_catches_sigmoid():
     """Control: the same check flags torch.sigmoid (vectorized and scalar-tail paths differ)."""
     whole, *others = _position_variants(torch.sigmoid, torch.randn(1001) * 6)
-    assert any(not torch.equal(whole, other) for other in others)
+    assert any(not same_bits(whole, other) for other in others)
 
 
 def test_plus_zero_makes_negative_zero_positive():
     z = torch.tensor([-0.0, 0.0, -1.5])
-    assert torch.equal(torch.signbit(z + 0.0), torch.tensor([False, False, True]))
+    assert_same_bits(torch.signbit(z + 0.0), torch.tensor([False, False, True]), 'torch.signbit(z + 0.0)')
 
 
 @pytest.mark.parametrize("n", [1, 5, 13, 64, 100])
@@ -84,10 +86,10 @@ def test_halve_is_cpu_tree_halving_sum_along_any_dim(n, dim):
     shape = [3, 4, 5]
     shape[dim] = n
     x = torch.randn(*shape)
-    assert torch.equal(halve(x, dim), halving_sum(x.movedim(dim, -1)))
+    assert_same_bits(halve(x, dim), halving_sum(x.movedim(dim, -1)), 'halve(x, dim)')
     if n == 100:  # control: torch.sum reduces in another order
         y = torch.randn(64, 1000)
-        assert not torch.equal(halve(y, 1), y.sum(1))
+        assert_bits_differ(halve(y, 1), y.sum(1), 'halve(y, 1)')
 
 
 @settings(max_examples=40, deadline=None)
@@ -104,14 +106,14 @@ def test_halve_span_equals_halve_of_the_zero_filled_vector(log_n, data):
     full_shape[dim] = n
     full = torch.zeros(full_shape)
     full.narrow(dim, start, length).copy_(x)
-    assert torch.equal(halve_span(x, start, n, dim) + 0.0, halve(full, dim) + 0.0)
+    assert_same_bits(halve_span(x, start, n, dim) + 0.0, halve(full, dim) + 0.0, 'halve_span(x, start, n, dim) + 0.0')
 
 
 def test_halve_span_control_a_plain_sum_of_the_span_differs():
     x = torch.randn(64, 300)
     full = torch.cat([torch.zeros(64, 212), x], 1)
-    assert torch.equal(halve_span(x, 212, 512, 1) + 0.0, halve(full, 1) + 0.0)
-    assert not torch.equal(x.sum(1), halve(full, 1))
+    assert_same_bits(halve_span(x, 212, 512, 1) + 0.0, halve(full, 1) + 0.0, 'halve_span(x, 212, 512, 1) + 0.0')
+    assert_bits_differ(x.sum(1), halve(full, 1), 'x.sum(1)')
 
 
 # ---------------------------------------------------------------- the op
@@ -155,7 +157,9 @@ def test_wrapper_returns_out_unless_asked_for_lse():
     q, k, v, pos = _inputs()
     out = attention(q, k, v, pos)
     out2, lse = attention(q, k, v, pos, return_lse=True)
-    assert torch.equal(out, out2) and lse.shape == (2, 4, 5) and lse.dtype == torch.float32
+    assert_same_bits(out, out2, 'out')
+    assert lse.shape == (2, 4, 5)
+    assert lse.dtype == torch.float32
 
 
 def test_fake_tensors_give_shapes_without_running_the_kernel():

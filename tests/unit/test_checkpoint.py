@@ -15,6 +15,7 @@ from tpinv.io.checkpoint import (CheckpointError, CheckpointReader, TensorSource
                               load_shard, read_info, save_checkpoint, shard_index, write_checkpoint)
 from tpinv.core.contract import InvarianceError
 from tpinv.io.safetensors_stream import SafetensorsReader, SafetensorsStreamWriter, TensorSpec, read_header
+from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
 
 ARGS = {"family": "llama", "hidden_size": 24, "dtype": torch.bfloat16}
 
@@ -48,13 +49,16 @@ def test_stream_writer_matches_safetensors_bit_for_bit(tmp_path):
     back = load_file(str(tmp_path / "x.safetensors"))
     assert set(back) == set(tensors)
     for n, t in tensors.items():
-        assert back[n].dtype == t.dtype and torch.equal(back[n], t), n
+        assert back[n].dtype == t.dtype, n
+        assert_same_bits(back[n], t, str(n))
     r = SafetensorsReader(str(tmp_path / "x.safetensors"))
-    assert torch.equal(r.get("a", (slice(1, 3), slice(2, 5))), tensors["a"][1:3, 2:5])
+    assert_same_bits(r.get("a", (slice(1, 3), slice(2, 5))), tensors["a"][1:3, 2:5],
+                     "r.get('a', (slice(1, 3), slice(2, 5)))")
     assert r.metadata() == {"format": "pt"}
     # the reader also accepts files written by safetensors itself
     save_file({"a": tensors["a"]}, str(tmp_path / "y.safetensors"))
-    assert torch.equal(SafetensorsReader(str(tmp_path / "y.safetensors")).get("a"), tensors["a"])
+    assert_same_bits(SafetensorsReader(str(tmp_path / "y.safetensors")).get("a"), tensors["a"],
+                     "SafetensorsReader(str(tmp_path / 'y.safetensors...")
 
 
 def test_stream_writer_checks_order_shape_and_completeness(tmp_path):
@@ -103,7 +107,7 @@ def test_layout_and_metadata(tmp_path, tp):
     for r, f in enumerate(files):  # each rank file holds exactly rank r's piece
         piece = load_file(os.path.join(out, f))
         for name, t in sd.items():
-            assert torch.equal(piece[name], t[shard_index(t.shape, meta[name], tp, r)]), (f, name)
+            assert_same_bits(piece[name], t[shard_index(t.shape, meta[name], tp, r)], str((f, name)))
 
 
 @pytest.mark.parametrize("file_tp", [1, 2, 4])
@@ -116,7 +120,8 @@ def test_load_at_any_tp_is_the_slice_of_the_full_tensor(tmp_path, file_tp, load_
         assert list(got) == list(sd)
         for name, t in sd.items():
             want = t[shard_index(t.shape, meta[name], load_tp, rank)]
-            assert got[name].dtype == t.dtype and torch.equal(got[name], want), (name, rank)
+            assert got[name].dtype == t.dtype, (name, rank)
+            assert_same_bits(got[name], want, str((name, rank)))
 
 
 def test_reshard_tp4_files_at_tp2_and_across_row_strategies(tmp_path):
@@ -125,10 +130,11 @@ def test_reshard_tp4_files_at_tp2_and_across_row_strategies(tmp_path):
     column_only = dict(meta, **{"proj.weight": 0})  # row layer split along its output dim
     for rank in range(2):
         got = load_shard(out, 2, rank, "column_only", column_only)
-        assert torch.equal(got["proj.weight"], sd["proj.weight"][12 * rank:12 * (rank + 1)])
-        assert torch.equal(got["embed.weight"], sd["embed.weight"][20 * rank:20 * (rank + 1)])
+        assert_same_bits(got["proj.weight"], sd["proj.weight"][12 * rank:12 * (rank + 1)], "got['proj.weight']")
+        assert_same_bits(got["embed.weight"], sd["embed.weight"][20 * rank:20 * (rank + 1)], "got['embed.weight']")
         # the files' own split (tree: dim 1) is a different piece
-        assert torch.equal(load_shard(out, 2, rank)["proj.weight"], sd["proj.weight"][:, 28 * rank:28 * (rank + 1)])
+        assert_same_bits(load_shard(out, 2, rank)["proj.weight"], sd["proj.weight"][:, 28 * rank:28 * (rank + 1)],
+                         "load_shard(out, 2, rank)['proj.weight']")
     with pytest.raises(ValueError, match="pass param_meta"):
         load_shard(out, 2, 0, "column_only")
 
@@ -137,10 +143,11 @@ def test_iter_full_and_casting(tmp_path):
     sd, meta = _state(5)
     out = save_checkpoint(sd, str(tmp_path / "ck"), model_args=ARGS, param_meta=meta, tp=2)
     full = load_full(out)
-    assert all(torch.equal(full[n], t) for n, t in sd.items())
+    for n, t in sd.items():
+        assert_same_bits(full[n], t, 'full[n]')
     assert [n for n, _ in iter_full_tensors(out)] == list(sd)
     cast = load_full(out, dtype=torch.float32)
-    assert all(cast[n].dtype == torch.float32 and torch.equal(cast[n], t.float()) for n, t in sd.items())
+    assert all(cast[n].dtype == torch.float32 and same_bits(cast[n], t.float()) for n, t in sd.items())
 
 
 @settings(max_examples=12, deadline=None)
@@ -153,7 +160,7 @@ def test_reshard_property(tmp_path_factory, rows, cols, file_tp, load_tp, file_d
                           tp=file_tp, checksums=False)
     for rank in range(load_tp):
         got = load_shard(out, load_tp, rank, param_meta={"w": load_dim})["w"]
-        assert torch.equal(got, t[shard_index(t.shape, load_dim, load_tp, rank)])
+        assert_same_bits(got, t[shard_index(t.shape, load_dim, load_tp, rank)], 'got')
 
 
 # ---- integrity and bad input --------------------------------------------------------------------
@@ -170,8 +177,10 @@ def test_sha256_detects_a_flipped_byte(tmp_path):
     with pytest.raises(CheckpointError, match="sha256 mismatch.*the file is corrupt") as e:
         load_shard(out, 2, 1, verify=True)
     assert "model-tp2-rank01.safetensors" in str(e.value)
-    assert not torch.equal(load_shard(out, 2, 1)["proj.weight"], sd["proj.weight"][:, 28:])  # the flip is real
-    assert torch.equal(load_shard(out, 2, 0, verify=True)["proj.weight"], sd["proj.weight"][:, :28])
+    assert_bits_differ(load_shard(out, 2, 1)["proj.weight"], sd["proj.weight"][:, 28:],
+                       "load_shard(out, 2, 1)['proj.weight']")  # the flip is real
+    assert_same_bits(load_shard(out, 2, 0, verify=True)["proj.weight"], sd["proj.weight"][:, :28],
+                     "load_shard(out, 2, 0, verify=True)['proj.weight']")
 
 
 def test_missing_rank_file_and_bad_meta(tmp_path):
@@ -234,10 +243,12 @@ def test_overwrite_replaces_only_when_complete(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "write_json", lambda *a: (_ for _ in ()).throw(OSError("no space")))
     with pytest.raises(OSError, match="no space"):
         save_checkpoint(new, out, model_args=ARGS, param_meta=meta, overwrite=True)
-    assert _listing(tmp_path) == ["out"] and torch.equal(load_full(out)["proj.weight"], sd["proj.weight"])
+    assert _listing(tmp_path) == ["out"]
+    assert_same_bits(load_full(out)["proj.weight"], sd["proj.weight"], "load_full(out)['proj.weight']")
     monkeypatch.undo()
     save_checkpoint(new, out, model_args=ARGS, param_meta=meta, tp=2, overwrite=True)
-    assert _listing(tmp_path) == ["out"] and torch.equal(load_full(out)["proj.weight"], new["proj.weight"])
+    assert _listing(tmp_path) == ["out"]
+    assert_same_bits(load_full(out)["proj.weight"], new["proj.weight"], "load_full(out)['proj.weight']")
 
 
 # ---- streaming: a bounded number of tensors alive -----------------------------------------------

@@ -10,6 +10,7 @@ from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, check_divisibl
                             check_leaves, check_tp_size, leaf_bounds, rank_leaves, tree_combine,
                             tree_combine_list)
 from tpinv.kernels.reference_tree import halving_sum, leaf_partials, leaf_tree_sum
+from tpinv.testing import assert_bits_differ, assert_same_bits
 
 
 def _wide(*shape):
@@ -84,14 +85,15 @@ def test_tree_combine_is_the_adjacent_pair_tree():
     parts = _wide(33, 8)
     l = parts.unbind(-1)
     expected = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
-    assert torch.equal(tree_combine(parts), expected)
-    assert torch.equal(tree_combine_list(list(l)), expected)
-    assert torch.equal(tree_combine(parts.t().contiguous(), dim=0), expected)
+    assert_same_bits(tree_combine(parts), expected, 'tree_combine(parts)')
+    assert_same_bits(tree_combine_list(list(l)), expected, 'tree_combine_list(list(l))')
+    assert_same_bits(tree_combine(parts.t().contiguous(), dim=0), expected,
+                     'tree_combine(parts.t().contiguous(), dim=0)')
     # Negative control: the left-to-right chain over the same partials rounds differently.
     chain = l[0]
     for x in l[1:]:
         chain = chain + x
-    assert not torch.equal(chain, expected)
+    assert_bits_differ(chain, expected, 'chain')
 
 
 def test_tree_combine_refuses_bad_counts_and_dtypes():
@@ -112,7 +114,7 @@ def test_tree_over_leaves_equals_k_split_recombination(leaves):
     for size in (c for c in (1, 2, 4, 8, 16) if c <= leaves):
         k = x.shape[-1] // size
         subtrees = [leaf_tree_sum(x[:, r * k:(r + 1) * k], leaves // size) for r in range(size)]
-        assert torch.equal(tree_combine(torch.stack(subtrees, -1)), whole), size
+        assert_same_bits(tree_combine(torch.stack(subtrees, -1)), whole, str(size))
         # Negative control: torch.sum per K slice, then a left-to-right sum of the slices.
         acc = x[:, :k].sum(-1)
         for r in range(1, size):
@@ -127,10 +129,10 @@ def test_tree_over_leaves_equals_k_split_recombination(leaves):
 def test_halving_sum_order_and_zero_padding():
     x = _wide(9, 5)
     c = x.unbind(-1)  # padded to 8: [x0+x4, x1, x2, x3] -> [(x0+x4)+x2, x1+x3] -> sum
-    assert torch.equal(halving_sum(x), ((c[0] + c[4]) + c[2]) + (c[1] + c[3]))
+    assert_same_bits(halving_sum(x), ((c[0] + c[4]) + c[2]) + (c[1] + c[3]), 'halving_sum(x)')
     padded = torch.nn.functional.pad(x, (0, 11))
-    assert torch.equal(halving_sum(padded), halving_sum(x))
-    assert torch.equal(halving_sum(x[:, :1]), x[:, 0])
+    assert_same_bits(halving_sum(padded), halving_sum(x), 'halving_sum(padded)')
+    assert_same_bits(halving_sum(x[:, :1]), x[:, 0], 'halving_sum(x[:, :1])')
 
 
 def test_leaf_partials_validation():
@@ -149,19 +151,22 @@ def test_leaf_tree_sum_rows_do_not_depend_on_the_batch():
     strided = leaf_tree_sum(torch.stack([x, -x], 1)[:, 0], 8)  # row stride 2K
     column_major = leaf_tree_sum(x.t().contiguous().t(), 8)
     for got in (alone, chunks, strided, column_major):
-        assert torch.equal(got, whole)
+        assert_same_bits(got, whole, 'got')
     # Negative control: torch.sum over the whole K vs torch.sum per K half, then added.
     half = x.shape[-1] // 2
-    assert not torch.equal(x.sum(-1), x[:, :half].sum(-1) + x[:, half:].sum(-1))
+    assert_bits_differ(x.sum(-1), x[:, :half].sum(-1) + x[:, half:].sum(-1), 'x.sum(-1)')
 
 
 def test_add_is_position_independent():
     """The only arithmetic primitive of the tree: an fp32 add gives a value's bits anywhere."""
     a, b = _wide(1003), _wide(1003)
     full = a + b
-    assert torch.equal(torch.cat([x + y for x, y in zip(a.split(7), b.split(7))]), full)
-    assert torch.equal(torch.stack([a[i] + b[i] for i in range(0, 1003, 97)]), full[::97])
-    assert torch.equal(torch.stack([a, b], -1)[:, 0] + torch.stack([b, a], -1)[:, 0], full)
+    assert_same_bits(torch.cat([x + y for x, y in zip(a.split(7), b.split(7))]), full,
+                     'torch.cat([x + y for x, y in zip(a.split(7), b....')
+    assert_same_bits(torch.stack([a[i] + b[i] for i in range(0, 1003, 97)]), full[::97],
+                     'torch.stack([a[i] + b[i] for i in range(0, 1003...')
+    assert_same_bits(torch.stack([a, b], -1)[:, 0] + torch.stack([b, a], -1)[:, 0], full,
+                     'torch.stack([a, b], -1)[:, 0] + torch.stack([b,...')
 
 
 @settings(max_examples=30, deadline=None)
@@ -172,8 +177,8 @@ def test_leaf_tree_sum_shape_properties(rows, leaf_len, log_leaves, pad):
     x = _wide(rows, leaves * leaf_len)
     whole = leaf_tree_sum(x, leaves)
     assert whole.shape == (rows,)
-    assert torch.equal(leaf_tree_sum(x[-1:], leaves), whole[-1:])
+    assert_same_bits(leaf_tree_sum(x[-1:], leaves), whole[-1:], 'leaf_tree_sum(x[-1:], leaves)')
     # One leaf's chain is padding-invariant: zero-padding a row never changes its sum.
     row = x[:, :leaf_len]
-    assert torch.equal(leaf_tree_sum(torch.nn.functional.pad(row, (0, pad)), 1),
-                       leaf_tree_sum(row, 1))
+    assert_same_bits(leaf_tree_sum(torch.nn.functional.pad(row, (0, pad)), 1), leaf_tree_sum(row, 1),
+                     'leaf_tree_sum(torch.nn.functional.pad(row, (0, ...')

@@ -20,7 +20,7 @@ from tpinv.io.hf_convert import convert_hf_to_tpinv, convert_tpinv_to_hf
 from tpinv.io.hf_keys import (args_from_dict, args_to_dict, hf_config_from_args, param_meta, param_specs,
                                   to_hf_name)
 from tpinv.io.safetensors_stream import SafetensorsReader
-from tpinv.testing import run_ranks
+from tpinv.testing import assert_bits_differ, assert_same_bits, run_ranks, same_bits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2)
@@ -100,7 +100,8 @@ def test_hf_tpinv_hf_round_trip_is_bitwise(hf_dirs, tmp_path, family, sharded, t
     want, got = _hf_tensors(src), _hf_tensors(back)
     assert sorted(got) == sorted(want)
     for key, t in want.items():
-        assert got[key].dtype == t.dtype and torch.equal(got[key], t), key
+        assert got[key].dtype == t.dtype, key
+        assert_same_bits(got[key], t, str(key))
     assert ModelArgs.from_hf_config(back) == ModelArgs.from_hf_config(src)
 
 
@@ -112,8 +113,9 @@ def test_round_trip_comparison_can_fail(hf_dirs, tmp_path):
     assert read_info(ck).model_args["dtype"] == "bfloat16"
     back = _hf_tensors(convert_tpinv_to_hf(ck, str(tmp_path / "hf"), dtype=torch.float32))
     want = _hf_tensors(src)
-    assert all(torch.equal(back[k], want[k].to(torch.bfloat16).float()) for k in want)
-    assert sum(not torch.equal(back[k], want[k]) for k in want) >= len(want) - 2
+    for k in want:
+        assert_same_bits(back[k], want[k].to(torch.bfloat16).float(), 'back[k]')
+    assert sum(not same_bits(back[k], want[k]) for k in want) >= len(want) - 2
     with open(os.path.join(tmp_path, "hf", "config.json")) as f:
         assert json.load(f)["dtype"] == "float32"
 
@@ -126,7 +128,7 @@ def test_loaded_by_transformers(hf_dirs, tmp_path, family):
     back = convert_tpinv_to_hf(ck, str(tmp_path / "hf"))
     model = getattr(transformers, FAMILIES[family][1]).from_pretrained(back, dtype=FAMILIES[family][3])
     for k, v in models[family].state_dict().items():
-        assert torch.equal(model.state_dict()[k], v), k
+        assert_same_bits(model.state_dict()[k], v, str(k))
 
 
 def test_reshard_tp4_files_loaded_at_tp2(hf_dirs, tmp_path):
@@ -141,7 +143,7 @@ def test_reshard_tp4_files_loaded_at_tp2(hf_dirs, tmp_path):
             got = load_shard(ck, 2, rank, row_strategy, meta)
             assert sorted(got) == sorted(full)
             for name, t in full.items():
-                assert torch.equal(got[name], t[shard_index(t.shape, meta[name], 2, rank)]), name
+                assert_same_bits(got[name], t[shard_index(t.shape, meta[name], 2, rank)], str(name))
     assert load_shard(ck, 2, 1)["layers.0.self_attn.o_proj.weight"].shape == (64, 32)  # tree: input dim split
 
 
@@ -158,7 +160,7 @@ def test_fused_qkv_and_gate_up_both_ways(hf_dirs, tmp_path):
     again = convert_hf_to_tpinv(fused, str(tmp_path / "ck2"), tp=2)  # split on load
     unfused = _hf_tensors(convert_tpinv_to_hf(again, str(tmp_path / "hf")))
     want = _hf_tensors(src)
-    assert sorted(unfused) == sorted(want) and all(torch.equal(unfused[k], want[k]) for k in want)
+    assert sorted(unfused) == sorted(want) and all(same_bits(unfused[k], want[k]) for k in want)
 
 
 def test_side_files_travel(hf_dirs, tmp_path):
@@ -212,7 +214,7 @@ def test_trained_model_exports_with_a_derived_config(tmp_path, name):
     assert ModelArgs.from_hf_config(hf.config.to_dict()) == args
     hf_sd = hf.state_dict()
     for name_, t in model.state_dict().items():
-        assert torch.equal(hf_sd[to_hf_name(name_)], t), name_
+        assert_same_bits(hf_sd[to_hf_name(name_)], t, str(name_))
 
 
 def _tp_logits(rank, world_size, ck, tokens, swap=False):
@@ -238,8 +240,9 @@ def test_converted_checkpoint_runs_the_same_bits_at_tp1_and_tp2(hf_dirs, tmp_pat
     tokens = torch.randint(0, 256, (2, 7))
     (one,) = _tp_logits(0, 1, ck, tokens)
     two = run_ranks(_tp_logits, 2, ck, tokens, True)
-    assert torch.equal(two[0][0], one) and torch.equal(two[1][0], one)
-    assert not torch.equal(two[0][1], one)  # negative control: rank 0 holding rank 1's shard is caught
+    assert_same_bits(two[0][0], one, 'two[0][0]')
+    assert_same_bits(two[1][0], one, 'two[1][0]')
+    assert_bits_differ(two[0][1], one, 'two[0][1]')  # negative control: rank 0 holding rank 1's shard is caught
     with torch.no_grad():
         ref = models["qwen3"](tokens).logits
     torch.testing.assert_close(one, ref, rtol=1e-4, atol=1e-4)  # parity with HF (fp32)
@@ -285,7 +288,7 @@ def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
     assert len([f for f in os.listdir(back) if f.endswith(".safetensors")]) > 1
     monkeypatch.undo()
     want, got = _hf_tensors(src), _hf_tensors(back)
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert sorted(got) == sorted(want) and all(same_bits(got[k], want[k]) for k in want)
 
 
 # ---- CLI ------------------------------------------------------------------------------------------
@@ -298,7 +301,7 @@ def test_cli(hf_dirs, tmp_path):
     assert convert_hf.main(["to-tpinv", src, str(tmp_path / "ck"), "--tp", "2", "--dtype", "bf16"]) == 0
     assert convert_hf.main(["to-hf", str(tmp_path / "ck"), str(tmp_path / "hf"), "--max-shard-size", "20KB"]) == 0
     got, want = _hf_tensors(str(tmp_path / "hf")), _hf_tensors(src)
-    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    assert all(got[k].dtype == torch.bfloat16 and same_bits(got[k], want[k].to(torch.bfloat16)) for k in want)
     assert convert_hf.parse_size("4GiB") == 4 * 2**30 and convert_hf.parse_size("20KB") == 20_000
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf.py"), "to-tpinv",
                           str(tmp_path), str(tmp_path / "x"), "--tp", "2"], capture_output=True, text=True,

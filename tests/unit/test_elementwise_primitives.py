@@ -16,7 +16,7 @@ import zlib
 
 import pytest
 import torch
-from tpinv.testing import num_threads
+from tpinv.testing import assert_same_bits, num_threads, same_bits
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZE = 1031                      # not a multiple of any vector width: body + tail
@@ -68,7 +68,7 @@ def unary_differences(fn, x):
         "strided view": fn(strided(x)),
         "2-D": fn(x[:1030].reshape(10, 103)).reshape(-1),
     }
-    bad = [name for name, got in variants.items() if not torch.equal(got[:full.numel()], full[:got.numel()])]
+    bad = [name for name, got in variants.items() if not same_bits(got[:full.numel()], full[:got.numel()])]
     return bad
 
 
@@ -89,18 +89,23 @@ def test_binary_position_independent(name, dtype):
     a = signed(SIZE, gen).to(dtype)
     b = (positive if name == "div" else signed)(SIZE, gen).to(dtype)
     full = fn(a, b)
-    assert torch.equal(torch.cat([fn(x, y) for x, y in zip(a.split(7), b.split(7))]), full)
-    assert torch.equal(torch.stack([fn(a[i:i + 1], b[i:i + 1])[0] for i in range(SIZE)]), full)
-    assert torch.equal(fn(strided(a), strided(b)), full)
-    assert torch.equal(fn(a[:1030].reshape(10, 103), b[:1030].reshape(10, 103)).reshape(-1), full[:1030])
+    assert_same_bits(torch.cat([fn(x, y) for x, y in zip(a.split(7), b.split(7))]), full,
+                     'torch.cat([fn(x, y) for x, y in zip(a.split(7),...')
+    assert_same_bits(torch.stack([fn(a[i:i + 1], b[i:i + 1])[0] for i in range(SIZE)]), full,
+                     'torch.stack([fn(a[i:i + 1], b[i:i + 1])[0] for ...')
+    assert_same_bits(fn(strided(a), strided(b)), full, 'fn(strided(a), strided(b))')
+    assert_same_bits(fn(a[:1030].reshape(10, 103), b[:1030].reshape(10, 103)).reshape(-1), full[:1030],
+                     'fn(a[:1030].reshape(10, 103), b[:1030].reshape(...')
     # A broadcast (stride-0) operand gives the bits of the materialised one.
     col = a[:103].reshape(103, 1)
     rows = b[:1030].reshape(10, 103)
-    assert torch.equal(fn(col.t().expand(10, 103), rows), fn(col.t().expand(10, 103).contiguous(), rows))
-    assert torch.equal(fn(col.expand(103, 10), rows.t()), fn(col.expand(103, 10).contiguous(), rows.t()))
+    assert_same_bits(fn(col.t().expand(10, 103), rows), fn(col.t().expand(10, 103).contiguous(), rows),
+                     'fn(col.t().expand(10, 103), rows)')
+    assert_same_bits(fn(col.expand(103, 10), rows.t()), fn(col.expand(103, 10).contiguous(), rows.t()),
+                     'fn(col.expand(103, 10), rows.t())')
     # A python scalar operand equals a tensor full of it.
     s = 0.0 if name != "div" else 3.0
-    assert torch.equal(fn(a, torch.full_like(a, s)), fn(a, torch.tensor(s, dtype=dtype)))
+    assert_same_bits(fn(a, torch.full_like(a, s)), fn(a, torch.tensor(s, dtype=dtype)), 'fn(a, torch.full_like(a, s))')
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -113,11 +118,11 @@ def test_inplace_into_slices_matches_out_of_place(name, dtype):
         buf = buf.abs() + 0.5
     want = BINARY[name](buf[:SIZE], buf[SIZE:])
     INPLACE[name](buf[:SIZE], buf[SIZE:])
-    assert torch.equal(buf[:SIZE], want)
+    assert_same_bits(buf[:SIZE], want, 'buf[:SIZE]')
     scalar = torch.randn(SIZE, generator=gen).to(dtype)
     want = BINARY[name](scalar, 0.5)
     INPLACE[name](scalar, 0.5)
-    assert torch.equal(scalar, want)
+    assert_same_bits(scalar, want, 'scalar')
 
 
 @pytest.mark.parametrize("name", sorted(UNARY) + sorted(BINARY))
@@ -129,7 +134,7 @@ def test_threads_do_not_change_bits(name):
         one = fn(a)
     with num_threads(2):
         two = fn(a)
-    assert torch.equal(one, two)
+    assert_same_bits(one, two, 'one')
 
 
 def test_control_sigmoid_is_position_dependent():

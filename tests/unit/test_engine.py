@@ -1,6 +1,6 @@
 """The engine at TP=1: batch/slot/arrival/budget invariance, trainer parity, bad input, stops, loading.
 
-Invariance is bitwise (``torch.equal`` on the fp32 log-probs, ``==`` on tokens); each has a
+Invariance is bitwise (``assert_same_bits`` on the fp32 log-probs, ``==`` on tokens); each has a
 negative control: the vanilla engine (BLAS, SDPA) on the same weights and requests changes
 log-probs with the batch and disagrees with the vanilla trainer.
 """
@@ -16,7 +16,7 @@ import torch
 from tpinv.engine import Engine, Request, SamplingParams
 from tpinv.engine.metrics import (count_unique_outputs, fraction_bitwise_equal, k3_kl, max_probability_divergence,
                                   mismatch_metrics, token_mult_prob_error, trainer_log_probs)
-from tpinv.testing import num_threads, sharpened_model
+from tpinv.testing import assert_same_bits, num_threads, same_bits, sharpened_model
 from tpinv.models import Transformer, get_config
 
 FAMILIES = ("qwen3-tiny", "llama-tiny", "mistral-tiny")
@@ -48,8 +48,8 @@ def make_requests(n=5, seed=0, max_tokens=5, **kw):
 
 
 def same(a, b) -> bool:
-    return (a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and torch.equal(a.logprobs, b.logprobs)
-            and torch.equal(a.sampled_logprobs, b.sampled_logprobs))
+    return (a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and same_bits(a.logprobs, b.logprobs)
+            and same_bits(a.sampled_logprobs, b.sampled_logprobs))
 
 
 # ---- invariance ------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def test_engine_log_probs_are_the_training_forward_bits(name, dtype):
     seqs = [(r.prompt_ids, r.token_ids) for r in res]
     train = trainer_log_probs(m, seqs)
     for r, t in zip(res, train):
-        assert torch.equal(r.logprobs, t), name
+        assert_same_bits(r.logprobs, t, str(name))
     gen_lp, train_lp = torch.cat([r.logprobs for r in res]), torch.cat(train)
     assert mismatch_metrics(gen_lp, train_lp) == {"tokens": gen_lp.numel(), "token_mult_prob_error": 1.0,
                                                   "k3_kl": 0.0, "max_abs_logprob_diff": 0.0,
@@ -117,9 +117,11 @@ def test_raw_and_top_log_probs_agree_with_plain_torch(model):
         assert r.top_token_ids.shape == (len(r.token_ids), 5)
     greedy = res[0]                                 # the argmax is the top-1 entry, with the raw bits
     assert greedy.token_ids == greedy.top_token_ids[:, 0].tolist()
-    assert torch.equal(greedy.top_logprobs[:, 0], greedy.logprobs) and not greedy.sampled_logprobs.any()
+    assert_same_bits(greedy.top_logprobs[:, 0], greedy.logprobs, 'greedy.top_logprobs[:, 0]')
+    assert not greedy.sampled_logprobs.any()
     plain_t1 = Engine(model).generate([Request("t1", [3, 4, 5], max_tokens=4, sampling=SamplingParams(1.0, seed=9))])[0]
-    assert torch.equal(plain_t1.sampled_logprobs, plain_t1.logprobs)   # temperature 1, no filter: q = p
+    assert_same_bits(plain_t1.sampled_logprobs, plain_t1.logprobs,
+                     'plain_t1.sampled_logprobs')   # temperature 1, no filter: q = p
 
 
 # ---- bad input ---------------------------------------------------------------------------------------
@@ -169,7 +171,7 @@ def test_eos_stop_ids_max_tokens_and_context(model):
     stop_at = free.token_ids.index(eos)            # its first occurrence ends the generation
     res = Engine(model, max_batch=2, eos_token_id=eos).generate([base])[0]
     assert res.finish_reason == "eos" and res.token_ids == free.token_ids[:stop_at + 1]
-    assert torch.equal(res.logprobs, free.logprobs[:stop_at + 1])
+    assert_same_bits(res.logprobs, free.logprobs[:stop_at + 1], 'res.logprobs')
     ignored = Engine(model, max_batch=2, eos_token_id=eos).generate([Request("a", [5, 6, 7], 8, ignore_eos=True)])[0]
     assert same(ignored, free)
     res = Engine(model, max_batch=2).generate([Request("a", [5, 6, 7], 8, stop_token_ids=[eos])])[0]

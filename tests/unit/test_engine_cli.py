@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tpinv.engine import Engine, Request, SamplingParams
-from tpinv.testing import num_threads
+from tpinv.testing import assert_same_bits, num_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,8 +57,10 @@ def test_generate_cli_matches_the_python_api(tmp_path, monkeypatch):
         Request("e", [4, 4], max_tokens=4, sampling=SamplingParams(0.0), top_logprobs=2)])
     for o, r in zip([out[0], out[2], out[5]], api):
         assert o["token_ids"] == r.token_ids
-        assert torch.equal(torch.tensor(o["logprobs"], dtype=torch.float32), r.logprobs)
-        assert torch.equal(torch.tensor(o["sampled_logprobs"], dtype=torch.float32), r.sampled_logprobs)
+        assert_same_bits(torch.tensor(o["logprobs"], dtype=torch.float32), r.logprobs,
+                         "torch.tensor(o['logprobs'], dtype=torch.float32)")
+        assert_same_bits(torch.tensor(o["sampled_logprobs"], dtype=torch.float32), r.sampled_logprobs,
+                         "torch.tensor(o['sampled_logprobs'], dtype=torch...")
     assert len(out[5]["top_logprobs"][0]) == 2
 
 

@@ -10,7 +10,7 @@ from test_convert_hf import _hf_model
 from tpinv.io.checkpoint import read_info
 from tpinv.io.hf_convert import convert_hf_to_tpinv
 from tpinv.io.hf_keys import param_specs
-from tpinv.testing import run_ranks
+from tpinv.testing import assert_same_bits, run_ranks, same_bits
 
 pytest.importorskip("megatron.core")
 
@@ -50,7 +50,7 @@ def _megatron_check(rank, world_size, checkpoints, tokens):
         with torch.no_grad():
             logits = model(tokens, torch.arange(S).expand_as(tokens), mask)
         back = from_megatron_state_dict(model.state_dict(), args)
-        same = sorted(back) == sorted(full) and all(torch.equal(back[k], full[k]) for k in full)
+        same = sorted(back) == sorted(full) and all(same_bits(back[k], full[k]) for k in full)
         # The same checkpoint in a GPTModel built with tpinv's spec (tpinv layers throughout).
         from tpinv.megatron import build_gpt_model
         tp_model = build_gpt_model(cfg, tp_group=parallel_state.get_tensor_model_parallel_group(),
@@ -100,15 +100,19 @@ def test_megatron_tp_shards():
             assert sorted(sd) == sorted(whole)
             qkv = sd["decoder.layers.0.self_attention.linear_qkv.weight"].view(g // tp, per + 2 * hd, -1)
             groups = slice(r * g // tp, (r + 1) * g // tp)
-            assert torch.equal(qkv[:, :per], full["layers.0.self_attn.q_proj.weight"].view(g, per, -1)[groups])
-            assert torch.equal(qkv[:, per:per + hd], full["layers.0.self_attn.k_proj.weight"].view(g, hd, -1)[groups])
-            assert torch.equal(qkv[:, per + hd:], full["layers.0.self_attn.v_proj.weight"].view(g, hd, -1)[groups])
+            assert_same_bits(qkv[:, :per], full["layers.0.self_attn.q_proj.weight"].view(g, per, -1)[groups],
+                             'qkv[:, :per]')
+            assert_same_bits(qkv[:, per:per + hd], full["layers.0.self_attn.k_proj.weight"].view(g, hd, -1)[groups],
+                             'qkv[:, per:per + hd]')
+            assert_same_bits(qkv[:, per + hd:], full["layers.0.self_attn.v_proj.weight"].view(g, hd, -1)[groups],
+                             'qkv[:, per + hd:]')
             gate, up = (full[f"layers.0.mlp.{p}_proj.weight"].chunk(tp)[r] for p in ("gate", "up"))
-            assert torch.equal(sd["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate, up]))
-            assert torch.equal(sd["decoder.layers.0.mlp.linear_fc2.weight"],
-                               full["layers.0.mlp.down_proj.weight"].chunk(tp, 1)[r])
-            assert torch.equal(sd["decoder.layers.0.self_attention.linear_proj.bias"],
-                               full["layers.0.self_attn.o_proj.bias"])  # replicated
+            assert_same_bits(sd["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate, up]),
+                             "sd['decoder.layers.0.mlp.linear_fc1.weight']")
+            assert_same_bits(sd["decoder.layers.0.mlp.linear_fc2.weight"], full["layers.0.mlp.down_proj.weight"].chunk(tp, 1)[r],
+                             "sd['decoder.layers.0.mlp.linear_fc2.weight']")
+            assert_same_bits(sd["decoder.layers.0.self_attention.linear_proj.bias"], full["layers.0.self_attn.o_proj.bias"],
+                             "sd['decoder.layers.0.self_attention.linear_proj...")  # replicated
         # concatenating the shards of the qkv rows gives back the whole interleaved tensor
-        assert torch.equal(torch.cat([sd["decoder.layers.1.self_attention.linear_qkv.bias"] for sd in shards]),
-                           whole["decoder.layers.1.self_attention.linear_qkv.bias"])
+        assert_same_bits(torch.cat([sd["decoder.layers.1.self_attention.linear_qkv.bias"] for sd in shards]), whole["decoder.layers.1.self_attention.linear_qkv.bias"],
+                         "torch.cat([sd['decoder.layers.1.self_attention....")

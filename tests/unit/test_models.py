@@ -1,6 +1,6 @@
 """Single-process tests of the Qwen3 / Llama / Mistral decoder (TP=1).
 
-Invariance (bitwise, ``torch.equal``): full forward == token-by-token decode with a KV cache
+Invariance (bitwise, ``assert_same_bits``): full forward == token-by-token decode with a KV cache
 == chunked prefill; a request inside a ragged right-padded batch == the request alone, in
 prefill and in decode.  Each has a negative control: the same model written in plain torch
 (``F.linear`` + ``F.scaled_dot_product_attention`` + a torch RMSNorm) differs on the same inputs.
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tpinv.core.contract import InvarianceError
 from tpinv.models import KVCache, ModelArgs, Transformer, check_model_sizes, get_config
 from tpinv.ops import rope_cos_sin
-from tpinv.testing import record_ops
+from tpinv.testing import assert_bits_differ, assert_same_bits, record_ops, same_bits
 
 FAMILIES = ("qwen3-tiny", "llama-tiny", "mistral-tiny")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -114,13 +114,13 @@ def test_decode_and_chunked_prefill_equal_full_forward(name, dtype):
     tokens = tokens_for(model.args, 2, 16, seed=1)  # longer than mistral-tiny's window of 5
     full = model(tokens)
     assert full.shape == (2, 16, 256) and full.dtype == dtype
-    assert torch.equal(decode_all(model, tokens, 1), full)
-    assert torch.equal(decode_all(model, tokens, 3), full)
+    assert_same_bits(decode_all(model, tokens, 1), full, 'decode_all(model, tokens, 1)')
+    assert_same_bits(decode_all(model, tokens, 3), full, 'decode_all(model, tokens, 3)')
     # Negative control: the plain-torch model differs between full and incremental.
     ref_full = ref_forward(model, tokens)
     torch.testing.assert_close(ref_full.float(), full.float(), **tol(dtype))
-    assert not torch.equal(ref_decode_all(model, tokens, 1), ref_full)
-    assert not torch.equal(ref_decode_all(model, tokens, 3), ref_full)
+    assert_bits_differ(ref_decode_all(model, tokens, 1), ref_full, 'ref_decode_all(model, tokens, 1)')
+    assert_bits_differ(ref_decode_all(model, tokens, 3), ref_full, 'ref_decode_all(model, tokens, 3)')
 
 
 @torch.no_grad()
@@ -129,9 +129,9 @@ def test_decode_across_kv_blocks():
     model = build("qwen3-tiny")
     tokens = tokens_for(model.args, 1, 70, seed=2)
     full = model(tokens)
-    assert torch.equal(decode_all(model, tokens, 3), full)
-    assert torch.equal(decode_all(model, tokens[:, :66], 1), full[:, :66])
-    assert not torch.equal(ref_decode_all(model, tokens, 3), ref_forward(model, tokens))
+    assert_same_bits(decode_all(model, tokens, 3), full, 'decode_all(model, tokens, 3)')
+    assert_same_bits(decode_all(model, tokens[:, :66], 1), full[:, :66], 'decode_all(model, tokens[:, :66], 1)')
+    assert_bits_differ(ref_decode_all(model, tokens, 3), ref_forward(model, tokens), 'ref_decode_all(model, tokens, 3)')
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -145,7 +145,7 @@ def test_ragged_batch_equals_each_request_alone(name, dtype):
     batch = model(tokens)
     alone = [model(tokens[b:b + 1, :n]) for b, n in enumerate(lengths)]
     for b, n in enumerate(lengths):
-        assert torch.equal(batch[b:b + 1, :n], alone[b])
+        assert_same_bits(batch[b:b + 1, :n], alone[b], 'batch[b:b + 1, :n]')
     # Ragged prefill into one cache, then two decode steps for the whole batch.
     cache = model.new_cache(B, 24)
     model(tokens, cache=cache, num_valid=torch.tensor(lengths))
@@ -154,10 +154,10 @@ def test_ragged_batch_equals_each_request_alone(name, dtype):
     steps = torch.cat([model(nxt[:, t:t + 1], cache=cache) for t in range(2)], 1)
     for b, n in enumerate(lengths):
         seq = torch.cat([tokens[b:b + 1, :n], nxt[b:b + 1]], 1)
-        assert torch.equal(steps[b:b + 1], model(seq)[:, n:])
+        assert_same_bits(steps[b:b + 1], model(seq)[:, n:], 'steps[b:b + 1]')
     # Negative control: in plain torch a request's logits depend on its batch.
     ref_batch = ref_forward(model, tokens)
-    assert any(not torch.equal(ref_batch[b:b + 1, :n], ref_forward(model, tokens[b:b + 1, :n]))
+    assert any(not same_bits(ref_batch[b:b + 1, :n], ref_forward(model, tokens[b:b + 1, :n]))
                for b, n in enumerate(lengths))
 
 
@@ -167,7 +167,7 @@ MODEL_CACHE: dict = {}
 def chunked_row_equals_alone(model, tokens, chunk, row, forward, decode):
     """``row`` of a batch decoded in chunks equals the row's full forward alone."""
     alone = forward(model, tokens[row:row + 1])
-    return torch.equal(decode(model, tokens, chunk)[row:row + 1], alone)
+    return same_bits(decode(model, tokens, chunk)[row:row + 1], alone)
 
 
 @settings(max_examples=5, deadline=None)
@@ -201,8 +201,8 @@ def test_loss_log_probs_and_gradients(name):
     logits = model(tokens)
     expected = F.cross_entropy(logits.reshape(-1, 256).float(), targets.reshape(-1), reduction="none")
     torch.testing.assert_close(loss.reshape(-1), expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(model.log_probs(tokens, targets), -loss)
-    assert torch.equal(model(tokens, gather_logits=True), logits)
+    assert_same_bits(model.log_probs(tokens, targets), -loss, 'model.log_probs(tokens, targets)')
+    assert_same_bits(model(tokens, gather_logits=True), logits, 'model(tokens, gather_logits=True)')
     loss.backward(torch.ones_like(loss))
     for pname, p in model.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape and bool(p.grad.ne(0).any()), pname

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from tpinv.testing import num_threads
+from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads, same_bits
 from tpinv.core.contract import InvarianceError
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.ops.rope import apply_rope, apply_rope_backward_op, apply_rope_op, rope_cos_sin, rope_inv_freq
@@ -59,7 +59,7 @@ def fwd_bwd(x, cos, sin, grad):
 
 
 def same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    return all(same_bits(x, y) for x, y in zip(a, b))
 
 
 # --- tables: a position alone == inside a longer range ------------------------------------
@@ -70,11 +70,14 @@ def test_table_position_alone_equals_in_range(scaling, head_dim):
     cos, sin = rope_cos_sin(torch.arange(3000), head_dim, THETA, SCALINGS[scaling])
     for p in (0, 1, 17, 1023, 2999):
         c1, s1 = rope_cos_sin(torch.tensor([p]), head_dim, THETA, SCALINGS[scaling])
-        assert torch.equal(c1[0], cos[p]) and torch.equal(s1[0], sin[p])
+        assert_same_bits(c1[0], cos[p], 'c1[0]')
+        assert_same_bits(s1[0], sin[p], 's1[0]')
     chunk = rope_cos_sin(torch.arange(1000, 1037), head_dim, THETA, SCALINGS[scaling])
-    assert torch.equal(chunk[0], cos[1000:1037]) and torch.equal(chunk[1], sin[1000:1037])
+    assert_same_bits(chunk[0], cos[1000:1037], 'chunk[0]')
+    assert_same_bits(chunk[1], sin[1000:1037], 'chunk[1]')
     batched = rope_cos_sin(torch.tensor([[5, 6, 7], [2990, 2991, 2992]]), head_dim, THETA, SCALINGS[scaling])
-    assert torch.equal(batched[0][1], cos[2990:2993]) and torch.equal(batched[1][0], sin[5:8])
+    assert_same_bits(batched[0][1], cos[2990:2993], 'batched[0][1]')
+    assert_same_bits(batched[1][0], sin[5:8], 'batched[1][0]')
 
 
 def test_table_vanilla_differs():
@@ -83,10 +86,10 @@ def test_table_vanilla_differs():
     cos_alone, _ = short(torch.zeros(1), torch.arange(10)[None])
     longer = hf_rotary({"rope_type": "dynamic", "factor": 2.0, "rope_theta": THETA}, 64, max_positions=32)
     cos_batched, _ = longer(torch.zeros(1), torch.stack([torch.arange(100), torch.arange(100)]))
-    assert not torch.equal(cos_alone[0], cos_batched[0, :10])
+    assert_bits_differ(cos_alone[0], cos_batched[0, :10], 'cos_alone[0]')
     ours_alone, _ = rope_cos_sin(torch.arange(10), 64, THETA)
     ours_batched, _ = rope_cos_sin(torch.stack([torch.arange(100), torch.arange(100)]), 64, THETA)
-    assert torch.equal(ours_alone, ours_batched[0, :10])
+    assert_same_bits(ours_alone, ours_batched[0, :10], 'ours_alone')
 
 
 @settings(max_examples=15, deadline=None)
@@ -96,7 +99,8 @@ def test_table_property(start, length, offset, scaling):
     p = start + offset % length
     cos, sin = rope_cos_sin(torch.arange(start, start + length), 64, THETA, SCALINGS[scaling])
     c1, s1 = rope_cos_sin(torch.tensor([p]), 64, THETA, SCALINGS[scaling])
-    assert torch.equal(c1[0], cos[p - start]) and torch.equal(s1[0], sin[p - start])
+    assert_same_bits(c1[0], cos[p - start], 'c1[0]')
+    assert_same_bits(s1[0], sin[p - start], 's1[0]')
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
@@ -142,10 +146,10 @@ def test_token_alone_vanilla_differs():
     x = randn(2, 3, 37, 40, seed=1)
     full = complex_rope(x, torch.arange(37))
     alone = torch.cat([complex_rope(x[:, :, p:p + 1].contiguous(), torch.tensor([p])) for p in range(37)], 2)
-    assert not torch.equal(full, alone)
+    assert_bits_differ(full, alone, 'full')
     cos, sin = rope_cos_sin(torch.arange(37), 40, THETA)
     ours = torch.cat([apply_rope(x[:, :, p:p + 1], cos[p:p + 1], sin[p:p + 1]) for p in range(37)], 2)
-    assert torch.equal(apply_rope(x, cos, sin), ours)
+    assert_same_bits(apply_rope(x, cos, sin), ours, 'apply_rope(x, cos, sin)')
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -174,7 +178,7 @@ def test_row_alone_vanilla_differs():
     padded = torch.cat([x, torch.zeros(1, 3, 90, 64)], 2).expand(2, 3, 100, 64)
     cos_b, sin_b = batch_rope(padded, torch.arange(100).expand(2, 100))
     batched, _ = apply_rotary_pos_emb(padded, padded, cos_b, sin_b)
-    assert not torch.equal(alone, batched[:1, :, :10])
+    assert_bits_differ(alone, batched[:1, :, :10], 'alone')
 
 
 # --- threads and strides -----------------------------------------------------------------
@@ -196,7 +200,7 @@ def test_threads_vanilla_differs():
         one = complex_rope(x, torch.arange(2049))
     with num_threads(2):
         two = complex_rope(x, torch.arange(2049))
-    assert not torch.equal(one, two)
+    assert_bits_differ(one, two, 'one')
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -210,13 +214,14 @@ def test_strided_equals_contiguous(dtype):
     assert same(contiguous, fwd_bwd(transposed, cos, sin, grad))
     wide = torch.zeros(2, 3, 37, 80, dtype=dtype)
     wide[..., ::2] = x
-    assert torch.equal(apply_rope(wide[..., ::2], cos, sin), contiguous[0])
+    assert_same_bits(apply_rope(wide[..., ::2], cos, sin), contiguous[0], 'apply_rope(wide[..., ::2], cos, sin)')
 
 
 def test_strided_vanilla_differs():
     x = randn(2, 3, 37, 40, seed=7)
     transposed = x.transpose(1, 2).contiguous().transpose(1, 2)
-    assert not torch.equal(complex_rope(x, torch.arange(37)), complex_rope(transposed, torch.arange(37)))
+    assert_bits_differ(complex_rope(x, torch.arange(37)), complex_rope(transposed, torch.arange(37)),
+                       'complex_rope(x, torch.arange(37))')
 
 
 # --- parity with HF's rotation --------------------------------------------------------------

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpinv.engine.sampling import SamplingParams, counter_uniform, prefix_sum, request_key, sample_row, sample_rows
+from tpinv.testing import assert_bits_differ, assert_same_bits
 
 V = 256
 
@@ -57,13 +58,13 @@ def test_prefix_sum_is_position_independent():
     x = torch.rand(5, 1031, generator=torch.Generator().manual_seed(1))
     full = prefix_sum(x)
     for i in range(5):
-        assert torch.equal(prefix_sum(x[i]), full[i])
-        assert torch.equal(prefix_sum(x[i:i + 1].expand(3, -1))[2], full[i])
-    assert torch.equal(prefix_sum(strided(x)), full)
+        assert_same_bits(prefix_sum(x[i]), full[i], 'prefix_sum(x[i])')
+        assert_same_bits(prefix_sum(x[i:i + 1].expand(3, -1))[2], full[i], 'prefix_sum(x[i:i + 1].expand(3, -1))[2]')
+    assert_same_bits(prefix_sum(strided(x)), full, 'prefix_sum(strided(x))')
     ints = torch.randint(0, 100, (1031,)).float()             # small integers: every order is exact
-    assert torch.equal(prefix_sum(ints), torch.cumsum(ints, 0))
+    assert_same_bits(prefix_sum(ints), torch.cumsum(ints, 0), 'prefix_sum(ints)')
     # negative control: another order (the backend's sequential cumsum) gives other bits
-    assert not torch.equal(torch.cumsum(x, -1), full)
+    assert_bits_differ(torch.cumsum(x, -1), full, 'torch.cumsum(x, -1)')
 
 
 def test_sort_and_argmax_are_exact_and_position_independent():
@@ -73,9 +74,11 @@ def test_sort_and_argmax_are_exact_and_position_independent():
     for i in range(4):
         v1, i1 = torch.sort(x[i], descending=True, stable=True)
         v2, i2 = torch.sort(strided(x)[i], descending=True, stable=True)
-        assert torch.equal(v1, values[i]) and torch.equal(i1, ids[i]) and torch.equal(i2, ids[i])
+        assert_same_bits(v1, values[i], 'v1')
+        assert_same_bits(i1, ids[i], 'i1')
+        assert_same_bits(i2, ids[i], 'i2')
         ties = ids[i][values[i] == values[i][0]]
-        assert torch.equal(ties, torch.sort(ties).values)   # equal values stay in token-id order
+        assert_same_bits(ties, torch.sort(ties).values, 'ties')   # equal values stay in token-id order
         assert int(torch.argmax(x[i])) == int(ids[i][0])
 
 

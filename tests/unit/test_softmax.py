@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpinv.testing import num_threads
+from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads, same_bits
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, tree_combine
 from tpinv.kernels.reference_tree import leaf_tree_sum
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
@@ -68,7 +68,8 @@ def test_row_alone_equals_row_in_batch(name, dtype, batch, vocab):
     y, dx = fwd_bwd(OPS[name], x, grad)
     for i in range(batch):
         y1, dx1 = fwd_bwd(OPS[name], x[i:i + 1], grad[i:i + 1])
-        assert torch.equal(y[i:i + 1], y1) and torch.equal(dx[i:i + 1], dx1)
+        assert_same_bits(y[i:i + 1], y1, 'y[i:i + 1]')
+        assert_same_bits(dx[i:i + 1], dx1, 'dx[i:i + 1]')
 
 
 def test_row_alone_vanilla_differs():
@@ -78,8 +79,8 @@ def test_row_alone_vanilla_differs():
         alone = torch.cat([sum_softmax(x[i:i + 1]) for i in range(3)])
         ours = softmax(x)
         ours_alone = torch.cat([softmax(x[i:i + 1]) for i in range(3)])
-    assert not torch.equal(batched, alone)
-    assert torch.equal(ours, ours_alone)
+    assert_bits_differ(batched, alone, 'batched')
+    assert_same_bits(ours, ours_alone, 'ours')
 
 
 @settings(max_examples=12, deadline=None)
@@ -91,7 +92,8 @@ def test_row_alone_property(batch, leaf_len, seed, name):
     row = seed % batch
     y, dx = fwd_bwd(OPS[name], x, grad)
     y1, dx1 = fwd_bwd(OPS[name], x[row:row + 1], grad[row:row + 1])
-    assert torch.equal(y[row:row + 1], y1) and torch.equal(dx[row:row + 1], dx1)
+    assert_same_bits(y[row:row + 1], y1, 'y[row:row + 1]')
+    assert_same_bits(dx[row:row + 1], dx1, 'dx[row:row + 1]')
 
 
 # --- vocab split over C ranks -------------------------------------------------------------
@@ -110,17 +112,18 @@ def split_pieces(x, ranks, leaves=DEFAULT_LEAVES):
 def test_vocab_split_equals_unsplit(dtype, ranks, vocab):
     x = randn(6, vocab, dtype=dtype, seed=vocab + ranks)
     slices, max_, total = split_pieces(x, ranks)
-    assert torch.equal(logsumexp_from_parts(max_, total).to(dtype), logsumexp(x))
+    assert_same_bits(logsumexp_from_parts(max_, total).to(dtype), logsumexp(x),
+                     'logsumexp_from_parts(max_, total).to(dtype)')
     log_sm = torch.cat([log_softmax_from_parts(s, max_, total).to(dtype) for s in slices], -1)
-    assert torch.equal(log_sm, log_softmax(x))
+    assert_same_bits(log_sm, log_softmax(x), 'log_sm')
     sm = torch.cat([softmax_from_parts(s, max_, total).to(dtype) for s in slices], -1)
-    assert torch.equal(sm, softmax(x))
+    assert_same_bits(sm, softmax(x), 'sm')
     # Backward of logsumexp on the split: g * softmax_from_parts, per slice.
     g = grad_for("logsumexp", x)
     _, dx = fwd_bwd(logsumexp, x, g)
     dx_split = torch.cat([(g.float().unsqueeze(-1) * softmax_from_parts(s, max_, total)).to(dtype)
                           for s in slices], -1)
-    assert torch.equal(dx_split, dx)
+    assert_same_bits(dx_split, dx, 'dx_split')
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
@@ -132,9 +135,9 @@ def test_vocab_split_vanilla_differs(ranks, vocab):
     combined = parts[0]
     for part in parts[1:]:
         combined = torch.logaddexp(combined, part)
-    assert not torch.equal(combined, torch.logsumexp(x, -1))
+    assert_bits_differ(combined, torch.logsumexp(x, -1), 'combined')
     _, max_, total = split_pieces(x, ranks)
-    assert torch.equal(logsumexp_from_parts(max_, total), logsumexp(x))
+    assert_same_bits(logsumexp_from_parts(max_, total), logsumexp(x), 'logsumexp_from_parts(max_, total)')
 
 
 @settings(max_examples=12, deadline=None)
@@ -142,16 +145,16 @@ def test_vocab_split_vanilla_differs(ranks, vocab):
 def test_vocab_split_property(leaf_len, ranks, seed):
     x = randn(3, 8 * leaf_len, seed=seed)
     slices, max_, total = split_pieces(x, ranks)
-    assert torch.equal(total, leaf_tree_sum(torch.exp(x - max_.unsqueeze(-1)), DEFAULT_LEAVES))
-    assert torch.equal(torch.cat([log_softmax_from_parts(s, max_, total) for s in slices], -1),
-                       log_softmax(x))
+    assert_same_bits(total, leaf_tree_sum(torch.exp(x - max_.unsqueeze(-1)), DEFAULT_LEAVES), 'total')
+    assert_same_bits(torch.cat([log_softmax_from_parts(s, max_, total) for s in slices], -1), log_softmax(x),
+                     'torch.cat([log_softmax_from_parts(s, max_, tota...')
 
 
 def test_sum_exp_partial_gradient():
     x = randn(4, 40, seed=9).requires_grad_(True)
     max_ = x.detach().amax(-1)
     sum_exp_partial(x, max_, 8).sum().backward()
-    assert torch.equal(x.grad, torch.exp(x.detach() - max_.unsqueeze(-1)))
+    assert_same_bits(x.grad, torch.exp(x.detach() - max_.unsqueeze(-1)), 'x.grad')
 
 
 # --- padding -------------------------------------------------------------------------
@@ -164,19 +167,19 @@ def test_minus_inf_padding_with_one_leaf(name, dtype, length, pad):
     x = randn(6, length, dtype=dtype, seed=length)
     padded = F.pad(x, (0, pad), value=float("-inf"))
     y, y_pad = OPS[name](x, leaves=1), OPS[name](padded, leaves=1)
-    assert torch.equal(y, y_pad if name == "logsumexp" else y_pad[:, :length])
+    assert_same_bits(y, y_pad if name == "logsumexp" else y_pad[:, :length], 'y')
     g = grad_for(name, x)
     g_pad = g if name == "logsumexp" else F.pad(g, (0, pad))
     _, dx = fwd_bwd(OPS[name], x, g, leaves=1)
     _, dx_pad = fwd_bwd(OPS[name], padded, g_pad, leaves=1)
-    assert torch.equal(dx, dx_pad[:, :length])
+    assert_same_bits(dx, dx_pad[:, :length], 'dx')
 
 
 def test_minus_inf_padding_vanilla_differs():
     x = randn(6, 60, seed=60)
     padded = F.pad(x, (0, 7), value=float("-inf"))
-    assert not torch.equal(sum_softmax(x), sum_softmax(padded)[:, :60])
-    assert torch.equal(softmax(x, leaves=1), softmax(padded, leaves=1)[:, :60])
+    assert_bits_differ(sum_softmax(x), sum_softmax(padded)[:, :60], 'sum_softmax(x)')
+    assert_same_bits(softmax(x, leaves=1), softmax(padded, leaves=1)[:, :60], 'softmax(x, leaves=1)')
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -186,7 +189,8 @@ def test_padding_rows_do_not_change_results(name):
     g_padded = grad_for(name, padded)
     y, dx = fwd_bwd(OPS[name], x, g_padded[:, :9])
     y_pad, dx_pad = fwd_bwd(OPS[name], padded, g_padded)
-    assert torch.equal(y, y_pad[:, :9]) and torch.equal(dx, dx_pad[:, :9])
+    assert_same_bits(y, y_pad[:, :9], 'y')
+    assert_same_bits(dx, dx_pad[:, :9], 'dx')
 
 
 def test_padding_rows_vanilla_differs():
@@ -196,8 +200,8 @@ def test_padding_rows_vanilla_differs():
     with num_threads(2):
         alone = [sum_softmax(x[i:i + 1]) for i in range(8)]
         padded = [sum_softmax(torch.cat([x[i:i + 1], pad], 1))[:, :1] for i in range(8)]
-        assert any(not torch.equal(a, b) for a, b in zip(alone, padded))
-        assert torch.equal(softmax(x[:1]), softmax(torch.cat([x[:1], pad], 1))[:, :1])
+        assert any(not same_bits(a, b) for a, b in zip(alone, padded))
+        assert_same_bits(softmax(x[:1]), softmax(torch.cat([x[:1], pad], 1))[:, :1], 'softmax(x[:1])')
 
 
 # --- threads --------------------------------------------------------------------------
@@ -223,12 +227,13 @@ def test_one_thread_equals_two_threads(name):
             one = fwd_bwd(OPS[name], x[i:i + 1], g[i:i + 1])
         with num_threads(2):
             two = fwd_bwd(OPS[name], x[i:i + 1], g[i:i + 1])
-        assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+        assert_same_bits(one[0], two[0], 'one[0]')
+        assert_same_bits(one[1], two[1], 'one[1]')
 
 
 def test_threads_vanilla_differs():
     x = randn(8, 40000, seed=70)
-    assert any(not torch.equal(a, b) for a, b in per_row_thread_results(sum_softmax, x))
+    assert any(not same_bits(a, b) for a, b in per_row_thread_results(sum_softmax, x))
 
 
 # --- strides ---------------------------------------------------------------------------
@@ -241,13 +246,14 @@ def test_strided_equals_contiguous(name, dtype):
     assert not strided.is_contiguous()
     g = grad_for(name, x)
     a, b = fwd_bwd(OPS[name], x, g), fwd_bwd(OPS[name], strided, g)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert_same_bits(a[0], b[0], 'a[0]')
+    assert_same_bits(a[1], b[1], 'a[1]')
 
 
 def test_strided_vanilla_differs():
     x = randn(5, 72, seed=12)
-    assert not torch.equal(sum_softmax(x), sum_softmax(x.t().contiguous().t()))
-    assert torch.equal(softmax(x), softmax(x.t().contiguous().t()))
+    assert_bits_differ(sum_softmax(x), sum_softmax(x.t().contiguous().t()), 'sum_softmax(x)')
+    assert_same_bits(softmax(x), softmax(x.t().contiguous().t()), 'softmax(x)')
 
 
 # --- parity with PyTorch ------------------------------------------------------------------
@@ -268,9 +274,9 @@ def test_parity_with_torch(name, dtype):
 
 def test_default_leaves_and_infinite_rows():
     x = randn(3, 40, seed=1)
-    assert torch.equal(softmax(x), softmax(x, leaves=DEFAULT_LEAVES))
+    assert_same_bits(softmax(x), softmax(x, leaves=DEFAULT_LEAVES), 'softmax(x)')
     x[1] = float("-inf")
-    assert torch.equal(logsumexp(x)[1], torch.tensor(float("-inf")))
+    assert_same_bits(logsumexp(x)[1], torch.tensor(float("-inf")), 'logsumexp(x)[1]')
     torch.testing.assert_close(logsumexp(x), torch.logsumexp(x, -1))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tpinv.core.contract import InvarianceError
 from tpinv.kernels import tiles
 from tpinv.kernels.triton_matmul import gluon_kernel_for
 
@@ -53,3 +54,32 @@ def test_gluon_dispatch_takes_only_what_it_can_run():
         assert gluon_kernel_for(x, w, 8, torch.bfloat16) is None      # CPU tensors
     x = torch.zeros(4096, 256)
     assert gluon_kernel_for(x, w.float(), 8, torch.float32) is None  # fp32
+
+
+# Moved from tests/gpu/test_triton_matmul.py (they need no GPU).
+
+def test_block_k_depends_on_dtype_and_leaf_length_only():
+    assert tiles.block_k(torch.bfloat16, 512) == 64
+    assert tiles.block_k(torch.float16, 96) == 32
+    assert tiles.block_k(torch.float32, 512) == 32
+    assert tiles.block_k(torch.bfloat16, 125) == 16   # zero-padded last tile
+    assert tiles.block_k(torch.bfloat16, 3) == 16     # a leaf shorter than 16 pads to 16
+    with pytest.raises(InvarianceError):
+        tiles.block_k(torch.int8, 64)
+
+
+def test_table_configs_are_candidates_and_unknown_configs_refused():
+    for m in (1, 64, 65, 256, 1000, 5000):
+        for leaves in (1, 2, 8):
+            assert tiles.launch_config(m, leaves) in tiles.CANDIDATE_CONFIGS
+    with pytest.raises(InvarianceError, match="CANDIDATE_CONFIGS"):
+        tiles.check_config(tiles.MatmulConfig(32, 32, 4, 2))
+    assert tiles.MatmulConfig(64, 64, 4, 5, split=8).effective_split(2) == 2
+    assert tiles.MatmulConfig(64, 64, 4, 5).effective_split(32) == 4
+
+
+def test_cuda_matmul_refuses_cpu_tensors():
+    pytest.importorskip("triton")
+    from tpinv.kernels.triton_matmul import matmul_cuda
+    with pytest.raises(ValueError, match="CUDA"):
+        matmul_cuda(torch.zeros(3, 64), torch.zeros(5, 64), 8)

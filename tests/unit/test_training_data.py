@@ -11,6 +11,7 @@ import torch
 from tpinv.core.contract import InvarianceError
 from tpinv.training import ArithmeticTask, TrainConfig, Trainer, dp_slice, make_dataset, micro_batches
 from tpinv.training.model import build_model
+from tpinv.testing import assert_same_bits
 
 TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch=4, eval_every=0, warmup=1, lr=1e-2)
 
@@ -19,8 +20,9 @@ TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch
 def test_arithmetic_rows_mask_and_order():
     task = ArithmeticTask(9, seed=3, digits=2)
     b = task.batch(100, 12)
-    assert torch.equal(b.tokens, task.batch(100, 12).tokens)  # a function of (seed, index) only
-    assert torch.equal(torch.cat([task.batch(100, 5).tokens, task.batch(105, 7).tokens]), b.tokens)
+    assert_same_bits(b.tokens, task.batch(100, 12).tokens, 'b.tokens')  # a function of (seed, index) only
+    assert_same_bits(torch.cat([task.batch(100, 5).tokens, task.batch(105, 7).tokens]), b.tokens,
+                     'torch.cat([task.batch(100, 5).tokens, task.batc...')
     for r in range(len(b)):
         text = bytes(b.tokens[r].tolist() + [b.targets[r, -1].item()]).decode().rstrip("\0")
         a, rest = text.split("+")
@@ -35,7 +37,7 @@ def test_arithmetic_rows_mask_and_order():
 def test_dp_slices_and_micro_batches_partition_the_batch():
     b = ArithmeticTask(6, seed=1, digits=1).batch(0, 16)
     parts = [mb for d in range(2) for mb in micro_batches(dp_slice(b, d, 2), 4)]
-    assert torch.equal(torch.cat([p.tokens for p in parts]), b.tokens)
+    assert_same_bits(torch.cat([p.tokens for p in parts]), b.tokens, 'torch.cat([p.tokens for p in parts])')
     with pytest.raises(ValueError, match="micro-batches of 3"):
         micro_batches(b, 3)
 
@@ -46,7 +48,7 @@ def test_text_and_jsonl_data(tmp_path):
     ds = make_dataset(str(txt), 8, seed=0)
     b = ds.batch(0, 5)
     assert b.tokens.shape == (5, 8) and bool((b.loss_mask == 1).all())
-    assert torch.equal(b.tokens[:, 1:], b.targets[:, :-1])
+    assert_same_bits(b.tokens[:, 1:], b.targets[:, :-1], 'b.tokens[:, 1:]')
     jl = tmp_path / "a.jsonl"
     jl.write_text("\n".join(json.dumps({"text": f"document {i}"}) for i in range(10)))
     assert make_dataset(str(jl), 8, seed=0).batch(3, 2).tokens.shape == (2, 8)

@@ -1,6 +1,6 @@
 """Units of tpinv.training and tpinv.core.determinism, in one process (the data: test_training_data.py).
 
-Bitwise (torch.equal) for invariance, each beside a negative control that differs; allclose
+Bitwise (assert_same_bits) for invariance, each beside a negative control that differs; allclose
 (stated tolerance) for parity with plain PyTorch.  Checkpoint errors (corrupt, mismatched,
 disk full, a crash mid-save) leave the previous checkpoint intact.
 """
@@ -22,7 +22,7 @@ from tpinv.training import train_state as train_ckpt
 from tpinv.training.loop import fp32_hex
 from tpinv.training.model import build_model
 from tpinv.training.optim import ParamLayout
-from tpinv.testing import num_threads
+from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads
 
 TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch=4, eval_every=0, warmup=1, lr=1e-2)
 
@@ -51,16 +51,18 @@ def test_elementwise_primitive_is_position_independent(name):
     f = PRIMITIVES[name]
     x = torch.randn(1003) * 3
     whole = f(x)
-    assert torch.equal(torch.cat([f(c) for c in x.split(7)]), whole)
-    assert torch.equal(f(x[::3]), whole[::3])
-    assert torch.equal(torch.cat([f(x[i:i + 1]) for i in range(0, 60)]), whole[:60])
+    assert_same_bits(torch.cat([f(c) for c in x.split(7)]), whole, 'torch.cat([f(c) for c in x.split(7)])')
+    assert_same_bits(f(x[::3]), whole[::3], 'f(x[::3])')
+    assert_same_bits(torch.cat([f(x[i:i + 1]) for i in range(0, 60)]), whole[:60],
+                     'torch.cat([f(x[i:i + 1]) for i in range(0, 60)])')
 
 
 def test_sigmoid_is_not_position_independent():
     """Negative control of the check above: the known-bad primitive fails it."""
     x = torch.randn(4099)
     whole = torch.sigmoid(x)
-    assert not torch.equal(torch.cat([torch.sigmoid(x[i:i + 1]) for i in range(x.numel())]), whole)
+    assert_bits_differ(torch.cat([torch.sigmoid(x[i:i + 1]) for i in range(x.numel())]), whole,
+                       'torch.cat([torch.sigmoid(x[i:i + 1]) for i in r...')
 
 
 def _invariant_adamw(p, g, n_steps=3):
@@ -82,11 +84,14 @@ def _torch_adamw(p, g, n_steps=3, fused=True):
 def test_adamw_update_same_bits_whole_and_sharded():
     p0, g = torch.randn(1001), torch.randn(1001) * 1e-2
     whole = _invariant_adamw(p0.clone(), g)
-    assert torch.equal(torch.cat([_invariant_adamw(a.clone(), b) for a, b in zip(p0.split(7), g.split(7))]), whole)
-    assert torch.equal(torch.cat([_invariant_adamw(p0[i:i + 1].clone(), g[i:i + 1]) for i in range(40)]), whole[:40])
+    assert_same_bits(torch.cat([_invariant_adamw(a.clone(), b) for a, b in zip(p0.split(7), g.split(7))]), whole,
+                     'torch.cat([_invariant_adamw(a.clone(), b) for a...')
+    assert_same_bits(torch.cat([_invariant_adamw(p0[i:i + 1].clone(), g[i:i + 1]) for i in range(40)]), whole[:40],
+                     'torch.cat([_invariant_adamw(p0[i:i + 1].clone()...')
     # negative control: torch's fused AdamW on the same inputs gives other bits for 7-element shards
     fused = _torch_adamw(p0, g)
-    assert not torch.equal(torch.cat([_torch_adamw(a, b) for a, b in zip(p0.split(7), g.split(7))]), fused)
+    assert_bits_differ(torch.cat([_torch_adamw(a, b) for a, b in zip(p0.split(7), g.split(7))]), fused,
+                       'torch.cat([_torch_adamw(a, b) for a, b in zip(p...')
 
 
 def test_adamw_update_parity_with_torch():
@@ -110,18 +115,18 @@ def test_tree_accumulator_is_the_zero_padded_pair_tree(n):
     parts = [torch.randn(5) * 10 ** torch.randint(-3, 4, (5,)) for _ in range(n)]
     size = 1 << (n - 1).bit_length()
     padded = parts + [torch.zeros(5)] * (size - n)
-    assert torch.equal(_pushed(parts), tree_combine_list(padded))
+    assert_same_bits(_pushed(parts), tree_combine_list(padded), '_pushed(parts)')
 
 
 def test_tree_accumulator_over_dp_halves_equals_whole():
     """A rank's subtree of its micro-batches, then the tree over ranks == the tree over all."""
     parts = [torch.randn(301) * 1e3 for _ in range(8)]
     halves = [_pushed(parts[:4]), _pushed(parts[4:])]
-    assert torch.equal(tree_combine_list(halves), _pushed(parts))
+    assert_same_bits(tree_combine_list(halves), _pushed(parts), 'tree_combine_list(halves)')
     chain = parts[0]
     for t in parts[1:]:
         chain = chain + t
-    assert not torch.equal(chain, _pushed(parts))  # negative control: the plain chain differs
+    assert_bits_differ(chain, _pushed(parts), 'chain')  # negative control: the plain chain differs
 
 
 def test_lr_schedule():
@@ -167,7 +172,7 @@ def test_enable_sets_and_is_idempotent(restore_global_state):
     assert first.torch_flags["cuda.matmul.allow_tf32"] is False
     a = torch.rand(3)
     second = determinism.enable(7)
-    assert torch.equal(torch.rand(3), a)  # reseeded
+    assert_same_bits(torch.rand(3), a, 'torch.rand(3)')  # reseeded
     assert second.changed == () and second.env == first.env and second.torch_flags == first.torch_flags
 
 
@@ -256,7 +261,7 @@ def test_model_from_hf_directory_and_from_a_checkpoint(tmp_path):
     got = dict(trainer.model.named_parameters())
     for name, p in hf.named_parameters():
         if name != "lm_head.weight":
-            assert torch.equal(got[name.removeprefix("model.")], p.detach().to(torch.bfloat16)), name
+            assert_same_bits(got[name.removeprefix("model.")], p.detach().to(torch.bfloat16), str(name))
     trainer.run()
     again = Trainer(TrainConfig(**dict(TINY, model=str(tmp_path / "ck" / "step_00000001" / "model"))),
                     stream=io.StringIO())

@@ -1,6 +1,6 @@
 """Triton SiLU-and-mul and RoPE kernels under the Triton interpreter (CPU, fp16 and fp32).
 
-Invariance is asserted bitwise (``torch.equal``): an element's result is the same alone,
+Invariance is asserted bitwise (``assert_same_bits``: shape, dtype and raw bytes): an element's result is the same alone,
 in a slice, in a strided view, after padding and under any block configuration.  Beside
 each invariance check a negative control shows the vanilla torch formula (``F.silu(g) * u``
 and the HF rotation, both in the 16-bit dtype) gives other bits on the same inputs.  Parity
@@ -23,6 +23,7 @@ if __name__ == "__main__":  # the subprocess: interpret before triton is importe
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from tpinv.testing import assert_bits_differ, assert_same_bits
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 DTYPES = (torch.float32, torch.float16)
@@ -78,26 +79,26 @@ def check_silu_position_invariant():
         for name, fn in _silu_fns().items():
             full = fn(g, u)
             for lo, hi in ((0, 1), (6, 7), (12, 13), (3, 8)):
-                assert torch.equal(fn(g[lo:hi], u[lo:hi]), full[lo:hi]), f"{name} rows {lo}:{hi}"
-            assert torch.equal(fn(g[5, 3:4], u[5, 3:4]), full[5, 3:4]), f"{name} one element"
+                assert_same_bits(fn(g[lo:hi], u[lo:hi]), full[lo:hi], f"{name} rows {lo}:{hi}")
+            assert_same_bits(fn(g[5, 3:4], u[5, 3:4]), full[5, 3:4], f"{name} one element")
             junk_g, junk_u = rand(4, 77, dtype=dtype, seed=6), rand(4, 77, dtype=dtype, seed=7)
             padded = fn(torch.cat([g, junk_g]), torch.cat([u, junk_u]))
-            assert torch.equal(padded[:13], full), f"{name} padding rows"
+            assert_same_bits(padded[:13], full, f"{name} padding rows")
             for cfg in ((16, 1), (64, 2), (1024, 4), (4096, 8)):
-                assert torch.equal(fn(g, u, cfg), full), f"{name} config {cfg}"
+                assert_same_bits(fn(g, u, cfg), full, f"{name} config {cfg}")
             # strided views: the halves of a fused gate_up tensor, a column slice, a transpose
             fused = torch.cat([g, u], -1)
-            assert torch.equal(fn(*fused.chunk(2, -1)), full), f"{name} gate_up halves"
-            assert torch.equal(fn(g.t(), u.t()), fn(g.t().contiguous(), u.t().contiguous()))
+            assert_same_bits(fn(*fused.chunk(2, -1)), full, f"{name} gate_up halves")
+            assert_same_bits(fn(g.t(), u.t()), fn(g.t().contiguous(), u.t().contiguous()), 'fn(g.t(), u.t())')
             wide_g, wide_u = torch.cat([g, g], -1), torch.cat([u, u], -1)
-            assert torch.equal(fn(wide_g[:, ::2], wide_u[:, ::2]), fn(wide_g[:, ::2].contiguous(),
-                                                                   wide_u[:, ::2].contiguous()))
+            assert_same_bits(fn(wide_g[:, ::2], wide_u[:, ::2]), fn(wide_g[:, ::2].contiguous(),
+                                                                   wide_u[:, ::2].contiguous()), 'fn(wide_g[:, ::2], wide_u[:, ::2])')
 
 
 def check_silu_vanilla_differs_control():
     te = _te()
     g, u = rand(13, 77, dtype=torch.float16, seed=4), rand(13, 77, dtype=torch.float16, seed=5)
-    assert not torch.equal(F.silu(g) * u, te.silu_mul_forward_cuda(g, u))
+    assert_bits_differ(F.silu(g) * u, te.silu_mul_forward_cuda(g, u), 'F.silu(g) * u')
 
 
 def _rope_inputs(dtype, batch=2, heads=5, seq=11, dim=16, seed=0):
@@ -121,8 +122,10 @@ def check_rope_cpu_bits():
         for dim in (2, 6, 16, 64):
             x, cos, sin = _rope_inputs(dtype, dim=dim, seed=dim)
             for c, s in ((cos, sin), (cos[1], sin[1])):
-                assert torch.equal(te.apply_rope_forward_cuda(x, c, s), reference_rope.apply_rope_forward(x, c, s))
-                assert torch.equal(te.apply_rope_backward_cuda(x, c, s), reference_rope.apply_rope_backward(x, c, s))
+                assert_same_bits(te.apply_rope_forward_cuda(x, c, s), reference_rope.apply_rope_forward(x, c, s),
+                                 'te.apply_rope_forward_cuda(x, c, s)')
+                assert_same_bits(te.apply_rope_backward_cuda(x, c, s), reference_rope.apply_rope_backward(x, c, s),
+                                 'te.apply_rope_backward_cuda(x, c, s)')
 
 
 def check_rope_position_invariant():
@@ -133,23 +136,24 @@ def check_rope_position_invariant():
             full = fn(x, cos, sin)
             for i in (0, 5, 10):      # one position alone (a decode step)
                 step = fn(x[:, :, i:i + 1], cos[:, i:i + 1], sin[:, i:i + 1])
-                assert torch.equal(step, full[:, :, i:i + 1]), f"{name} position {i}"
-            assert torch.equal(fn(x[1:], cos[1:], sin[1:]), full[1:]), f"{name} batch row"
+                assert_same_bits(step, full[:, :, i:i + 1], f"{name} position {i}")
+            assert_same_bits(fn(x[1:], cos[1:], sin[1:]), full[1:], f"{name} batch row")
             for lo, hi in ((0, 1), (1, 3), (3, 5)):   # a head shard (a TP rank's heads)
-                assert torch.equal(fn(x[:, lo:hi], cos, sin), full[:, lo:hi]), f"{name} heads {lo}:{hi}"
+                assert_same_bits(fn(x[:, lo:hi], cos, sin), full[:, lo:hi], f"{name} heads {lo}:{hi}")
             for cfg in configs:
-                assert torch.equal(fn(x, cos, sin, cfg), full), f"{name} config {cfg}"
+                assert_same_bits(fn(x, cos, sin, cfg), full, f"{name} config {cfg}")
             # [B, S, H, D] projections viewed as [B, H, S, D]; padded positions after the real ones
             bshd = x.transpose(1, 2).contiguous().transpose(1, 2)
-            assert torch.equal(fn(bshd, cos, sin), full), f"{name} transposed view"
+            assert_same_bits(fn(bshd, cos, sin), full, f"{name} transposed view")
             xp = torch.cat([x, rand(2, 5, 4, 16, dtype=dtype, seed=9)], 2)
             cp, sp = torch.cat([cos, cos[:, :4]], 1), torch.cat([sin, sin[:, :4]], 1)
-            assert torch.equal(fn(xp, cp, sp)[:, :, :11], full), f"{name} padding positions"
+            assert_same_bits(fn(xp, cp, sp)[:, :, :11], full, f"{name} padding positions")
             # one table for every batch row: 2-D, or expanded with stride 0
             x1 = x[1:].expand(3, -1, -1, -1)
             out2d = fn(x1, cos[1], sin[1])
-            assert torch.equal(fn(x1, cos[1].expand(3, -1, -1), sin[1].expand(3, -1, -1)), out2d)
-            assert torch.equal(out2d[2:], full[1:]), f"{name} 2-D table"
+            assert_same_bits(fn(x1, cos[1].expand(3, -1, -1), sin[1].expand(3, -1, -1)), out2d,
+                             'fn(x1, cos[1].expand(3, -1, -1), sin[1].expand(...')
+            assert_same_bits(out2d[2:], full[1:], f"{name} 2-D table")
 
 
 def check_rope_vanilla_differs_control():
@@ -157,7 +161,7 @@ def check_rope_vanilla_differs_control():
     x, cos, sin = _rope_inputs(torch.float16, heads=8, seq=64, dim=64, seed=3)
     c, s = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     vanilla = x * c + torch.cat((-x[..., 32:], x[..., :32]), -1) * s
-    assert not torch.equal(vanilla, te.apply_rope_forward_cuda(x, cos, sin))
+    assert_bits_differ(vanilla, te.apply_rope_forward_cuda(x, cos, sin), 'vanilla')
 
 
 def check_empty_and_errors():

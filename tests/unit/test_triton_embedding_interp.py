@@ -20,6 +20,7 @@ if __name__ == "__main__":  # the subprocess: interpret before triton is importe
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+from tpinv.testing import assert_bits_differ, assert_same_bits
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -45,17 +46,17 @@ def check_equals_the_cpu_chain():
     for dtype in (torch.float32, torch.float16):
         for shape, high, rows, dim in (((4, 37), 5, 9, 300), ((3, 11), 40, 50, 7), ((64,), 1, 3, 260)):
             ids, grad = ids_of(*shape, high=high), rand(*shape, dim, dtype=dtype, seed=2)
-            assert torch.equal(gpu(grad, ids, rows), cpu(grad, ids, rows)), (dtype, shape)
+            assert_same_bits(gpu(grad, ids, rows), cpu(grad, ids, rows), str((dtype, shape)))
 
 
 def check_rows_alone_and_views():
     cpu, gpu = _kernels()
     ids, grad = ids_of(5, 23, high=6), rand(5, 23, 33, seed=3)
     full = gpu(grad, ids, 8)
-    assert torch.equal(gpu(grad[:1], ids[:1], 8), cpu(grad[:1], ids[:1], 8))
+    assert_same_bits(gpu(grad[:1], ids[:1], 8), cpu(grad[:1], ids[:1], 8), 'gpu(grad[:1], ids[:1], 8)')
     wide = rand(5, 23, 66, seed=3)[..., ::2]                  # a strided gradient
-    assert torch.equal(gpu(wide, ids, 8), cpu(wide.contiguous(), ids, 8))
-    assert torch.equal(full[6:], torch.zeros(2, 33))          # rows never hit are zero
+    assert_same_bits(gpu(wide, ids, 8), cpu(wide.contiguous(), ids, 8), 'gpu(wide, ids, 8)')
+    assert_same_bits(full[6:], torch.zeros(2, 33), 'full[6:]')          # rows never hit are zero
 
 
 def check_control_another_order_gives_other_bits():
@@ -63,12 +64,13 @@ def check_control_another_order_gives_other_bits():
     ids, grad = ids_of(256, high=2), rand(256, 16, seed=4)
     ours = gpu(grad, ids, 2)
     reversed_order = cpu(grad.flip(0), ids.flip(0), 2)
-    assert not torch.equal(ours, reversed_order)
+    assert_bits_differ(ours, reversed_order, 'ours')
 
 
 def check_empty_and_bad_input():
     _, gpu = _kernels()
-    assert torch.equal(gpu(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64), 3), torch.zeros(3, 4))
+    assert_same_bits(gpu(torch.zeros(0, 4), torch.zeros(0, dtype=torch.int64), 3), torch.zeros(3, 4),
+                     'gpu(torch.zeros(0, 4), torch.zeros(0, dtype=tor...')
     try:
         gpu(rand(2, 4), torch.tensor([0, 3]), 3)
     except IndexError as e:

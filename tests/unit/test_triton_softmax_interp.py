@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from triton_interp import interpreted_test, main
+from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -36,7 +37,7 @@ def test_plain_vocab_split_sum_control():
         total = parts[0]
         for p in parts[1:]:
             total = total + p
-        differs.append(not torch.equal(total, whole))
+        differs.append(not same_bits(total, whole))
     assert any(differs)
 
 
@@ -51,7 +52,7 @@ def test_lane_fold_order_control():
     serial = lanes[:, 0].clone()
     for i in range(1, lanes.shape[-1]):
         serial = serial + lanes[:, i]
-    assert not torch.equal(halving.squeeze(-1), serial)
+    assert_bits_differ(halving.squeeze(-1), serial, 'halving.squeeze(-1)')
 
 
 # ---------------------------------------------------------------- the child process
@@ -71,7 +72,7 @@ def _check_fused_equals_split_composition(ts):
                 x = _rand(5, leaves * 37, dtype, seed=leaves)
                 m, s = ts.max_and_sum_exp_cuda(x, leaves)
                 m_ref = x.float().amax(-1)
-                assert torch.equal(m, m_ref), (dtype, leaves, "max")
+                assert_same_bits(m, m_ref, str((dtype, leaves, "max")))
                 outs = {"log_softmax": ts.log_softmax_forward_cuda(x, leaves),
                         "softmax": ts.softmax_forward_cuda(x, leaves)}
                 for ranks in (c for c in (1, 2, 4, 8) if c <= leaves):
@@ -79,13 +80,13 @@ def _check_fused_equals_split_composition(ts):
                     parts = [ts.sum_exp_partial_cuda(sl, m_ref, leaves // ranks) for sl in slices]
                     s_ref = tree_combine(torch.stack(parts, -1))
                     where = (max_block, dtype, leaves, ranks)
-                    assert torch.equal(s, s_ref), where
+                    assert_same_bits(s, s_ref, str(where))
                     for name, fn in (("log_softmax", ts.log_softmax_from_parts_cuda),
                                      ("softmax", ts.softmax_from_parts_cuda)):
                         split = torch.cat([fn(sl, m_ref, s_ref) for sl in slices], -1)
-                        assert torch.equal(outs[name], split), (name, *where)
+                        assert_same_bits(outs[name], split, str((name, *where)))
                 lse = ts.logsumexp_forward_cuda(x, leaves)
-                assert torch.equal(lse, logsumexp_from_parts(m_ref, s).to(dtype)), (dtype, leaves)
+                assert_same_bits(lse, logsumexp_from_parts(m_ref, s).to(dtype), str((dtype, leaves)))
     ts._MAX_LEAF_BLOCK = 4096
 
 
@@ -101,10 +102,10 @@ def _check_rows_alone_equal_batch(ts):
                 for lo, hi in ((0, 1), (4, 5), (8, 9), (2, 7), (0, 9)):
                     part = ts._fused(x[lo:hi], 8, ts._MODE_LOG)
                     for got, want in zip(part, full):
-                        assert torch.equal(got, want[lo:hi]), (dtype, programs, lo, hi)
+                        assert_same_bits(got, want[lo:hi], str((dtype, programs, lo, hi)))
                 padded = ts._fused(torch.cat([junk[:2], x, junk[2:]]), 8, ts._MODE_LOG)
                 for got, want in zip(padded, full):
-                    assert torch.equal(got[2:11], want), (dtype, programs, "padding rows")
+                    assert_same_bits(got[2:11], want, str((dtype, programs, "padding rows")))
             ts._PROGRAMS_OFF_CUDA = 3
             row_block, warps, per_sm, _, evict = ts._FUSED_CONFIG[dtype]
             for group in (1, 2, 4, 8):                 # leaves summed side by side
@@ -112,7 +113,7 @@ def _check_rows_alone_equal_batch(ts):
                     got = ts._fused(x, 8, mode, (64, warps, per_sm, group, evict))
                     want = full if mode == ts._MODE_LOG else ts._fused(x, 8, mode)
                     for a, b in zip(got, want):
-                        assert torch.equal(a, b), (dtype, group, mode)
+                        assert_same_bits(a, b, str((dtype, group, mode)))
     finally:
         ts._MAX_LEAF_BLOCK, ts._PROGRAMS_OFF_CUDA = 4096, 3
 
@@ -141,8 +142,8 @@ def _check_fold_and_tree_order(ts):
     while halving.shape[-1] > 1:
         half = halving.shape[-1] // 2
         halving = halving[:, :half] + halving[:, half:]
-    assert torch.equal(out[:8], halving.squeeze(-1)), "lane fold is not contiguous halving"
-    assert torch.equal(out[8], tree_combine(halving.squeeze(-1))), "leaf combine is not the pair tree"
+    assert_same_bits(out[:8], halving.squeeze(-1), "lane fold is not contiguous halving")
+    assert_same_bits(out[8], tree_combine(halving.squeeze(-1)), "leaf combine is not the pair tree")
 
 
 def _check_parity_with_cpu_kernels(ts):
@@ -166,7 +167,8 @@ def _check_infinite_and_nan_rows(ts):
     x[1, 5] = float("inf")
     x[2, 9] = float("nan")
     m, _ = ts.max_and_sum_exp_cuda(x, 8)
-    assert torch.isnan(m[2]) and torch.equal(m[[0, 1, 3]], x.amax(-1)[[0, 1, 3]]), "max as torch.amax"
+    assert torch.isnan(m[2]), "max as torch.amax"
+    assert_same_bits(m[[0, 1, 3]], x.amax(-1)[[0, 1, 3]], "max as torch.amax")
     for name in ("log_softmax", "softmax", "logsumexp"):
         got = getattr(ts, f"{name}_forward_cuda")(x, 8)
         want = getattr(reference_softmax, f"{name}_forward")(x, 8)

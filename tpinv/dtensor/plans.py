@@ -10,9 +10,12 @@ Three plans over the same module names (HF's ``model.layers.*.self_attn.q_proj``
 ``"numerically_stable"``
     The column-only plan: o_proj/down_proj become ``ColwiseParallel(input_layouts=Shard(-1),
     output_layouts=Replicate())`` -- all-gather the input, compute an N-slice of the full
-    product, all-gather the output.  The forward has no cross-rank sum; the backward still
-    has two (the input gradient of every column layer is a plain all-reduce or
-    reduce-scatter of partial sums), so gradients change with TP.  Qwen3's q/k norm weights
+    product, all-gather the output.  The forward adds no partial sums across ranks (its one
+    all-reduce is the embedding's, one rank's row plus zeros: exact); the backward does (the
+    input gradient of every column layer is a plain all-reduce or reduce-scatter of partial
+    sums).  It promises no bits: each rank runs torch's own kernels on a slice (a BLAS GEMM
+    on an N-slice, a vectorised activation on a shorter row), which may round differently
+    from the whole, so logits and gradients may change with TP.  Qwen3's q/k norm weights
     stay replicated plain tensors whose gradients cover only the rank's heads.
 ``"invariant"``
     The column-only layout with tpinv's styles (:mod:`tpinv.dtensor.styles`): every linear,
