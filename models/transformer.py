@@ -21,6 +21,7 @@ from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible
 from tpinv.layers import (ColumnParallelLinear, HeadRMSNorm, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                           vocab_parallel_cross_entropy)
 from tpinv.layers.common import ROW_STRATEGIES, group_size_rank
+from tpinv.layers.kv_replication import gather_replica_heads, split_replica_heads
 from tpinv.distributed.mappings import gather_from_tensor_model_parallel_region
 from tpinv.models.args import ModelArgs
 from tpinv.models.kv_cache import KVCache
@@ -49,24 +50,26 @@ class Attention(torch.nn.Module):
     def __init__(self, args: ModelArgs, config: LayerConfig, tp_group, tp_size: int):
         super().__init__()
         self.head_dim = args.head_dim
+        self.tp_group = tp_group
+        self.replicas = kv_replicas(args, tp_size)  # ranks holding each KV head (1: heads split)
         self.local_heads = args.num_heads // tp_size
-        self.local_kv_heads = args.num_kv_heads // tp_size
+        self.local_kv_heads = args.num_kv_heads * self.replicas // tp_size
         self.window = args.sliding_window
         hd, kvd = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
 
-        def column(out_size, bias):
+        def column(out_size, bias, replicas=1):
             return ColumnParallelLinear(args.hidden_size, out_size, config=config, init_method=normal_init,
-                                        bias=bias, gather_output=False, tp_group=tp_group)
+                                        bias=bias, gather_output=False, tp_group=tp_group, replicas=replicas)
 
         self.q_proj = column(hd, args.attention_bias)
-        self.k_proj = column(kvd, args.attention_bias)
-        self.v_proj = column(kvd, args.attention_bias)
+        self.k_proj = column(kvd, args.attention_bias, self.replicas)
+        self.v_proj = column(kvd, args.attention_bias, self.replicas)
         self.o_proj = RowParallelLinear(hd, args.hidden_size, config=config, init_method=normal_init,
                                         bias=args.attention_bias,
                                         input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
         if args.qk_norm:
             self.q_norm = HeadRMSNorm(args.head_dim, args.rms_norm_eps, args.dtype, tp_group)
-            self.k_norm = HeadRMSNorm(args.head_dim, args.rms_norm_eps, args.dtype, tp_group)
+            self.k_norm = HeadRMSNorm(args.head_dim, args.rms_norm_eps, args.dtype, tp_group, self.replicas)
         else:
             self.q_norm = self.k_norm = None
 
@@ -82,7 +85,9 @@ class Attention(torch.nn.Module):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(layer, k, v, positions, check=False)  # checked once per step
+        q = gather_replica_heads(q, self.tp_group, self.replicas)  # no-op unless KV heads are replicated
         out = attention(q, k, v, positions, causal=True, window=self.window, mask=mask)
+        out = split_replica_heads(out, self.tp_group, self.replicas)
         out = out.transpose(1, 2).reshape(B, S, self.local_heads * self.head_dim)
         return self.o_proj(out)[0]
 
@@ -118,15 +123,25 @@ class DecoderLayer(torch.nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def kv_replicas(args: ModelArgs, tp_size: int) -> int:
+    """Ranks holding each KV head: 1 while TP <= num_kv_heads, else ``TP / num_kv_heads``."""
+    if tp_size <= args.num_kv_heads:
+        return 1
+    if tp_size % args.num_kv_heads:
+        raise InvarianceError(f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads} and is not a multiple "
+                              f"of it: KV heads are replicated TP/num_kv_heads times; use a TP that "
+                              f"num_kv_heads divides or that divides num_kv_heads")
+    return tp_size // args.num_kv_heads
+
+
 def check_model_sizes(args: ModelArgs, tp_size: int, leaves: int) -> None:
     """Raise InvarianceError naming the field that does not split into ``leaves`` / ``tp_size``."""
     check_tp_size(tp_size, leaves)
-    if tp_size > args.num_kv_heads:
-        raise InvarianceError(
-            f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads}: replicating KV heads across "
-            f"ranks is not supported yet; use TP <= {args.num_kv_heads}")
-    for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+    kv_replicas(args, tp_size)
+    for name in ("num_heads", "intermediate_size", "vocab_size"):
         check_divisible(name, getattr(args, name), tp_size, "tensor-parallel size")
+    if tp_size <= args.num_kv_heads:
+        check_divisible("num_kv_heads", args.num_kv_heads, tp_size, "tensor-parallel size")
     for name in ("hidden_size", "intermediate_size", "vocab_size"):
         check_divisible(name, getattr(args, name), leaves, "leaves")
     for name, size in (("num_heads*head_dim", args.num_heads * args.head_dim),
@@ -162,7 +177,7 @@ class Transformer(torch.nn.Module):
 
     def new_cache(self, batch: int, max_len: int, device: Optional[torch.device] = None) -> KVCache:
         """An empty KV cache for this rank's KV heads."""
-        return KVCache(batch, max_len, self.args.num_layers, self.args.num_kv_heads // self.tp_size,
+        return KVCache(batch, max_len, self.args.num_layers, self.layers[0].self_attn.local_kv_heads,
                        self.args.head_dim, dtype=self.args.dtype, device=device)
 
     def _positions(self, tokens, positions, cache):

@@ -3,6 +3,10 @@
 * column-parallel: ``y_r = x @ W_r^T`` (K whole, fixed order); ``dX`` is a reduction over
   the TP-split N, so each rank computes the fp32 sub-tree of its ``L/C`` N-leaves and the
   tree reducer combines them.
+* column-parallel with ``replicas`` R (TP above the KV-head count): R consecutive ranks
+  hold the same rows and get the same full ``dY`` for them, so ``dW`` is already whole on
+  each; for ``dX`` each of the R ranks takes its own ``1/R`` of the rows -- exactly the
+  N-leaves it would own without replication -- so the tree is unchanged.
 * row-parallel, ``tree``: each rank computes the fp32 sub-tree of its ``L/C`` K-leaves,
   the tree reducer combines them, one rounding.
 * row-parallel, ``column_only``: all-gather the input (exact), compute an N-slice of the
@@ -45,9 +49,10 @@ class ColumnParallelMatmul(torch.autograd.Function):
     """``x @ W_r^T (+ b_r)``; the input's gradient is tree-reduced over the TP group."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, leaves, reduce_dgrad, stride=1):
+    def forward(ctx, x, weight, bias, group, leaves, reduce_dgrad, stride=1, replicas=1, replica_index=0):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.leaves, ctx.reduce_dgrad, ctx.stride = group, leaves, reduce_dgrad, stride
+        ctx.replicas, ctx.replica_index = replicas, replica_index
         ctx.bias_dtype = None if bias is None else bias.dtype
         y = matmul_partial(x, weight, 1).to(x.dtype)
         return y if bias is None else y + bias
@@ -60,8 +65,12 @@ class ColumnParallelMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # With stride s (Megatron's interleaved [gate_r; up_r] shards) N is s blocks of
             # L leaves each: reduce each block by the contract, then add the blocks by the tree.
-            n = weight.shape[0] // ctx.stride
-            parts = torch.stack([matmul_partial(dy.narrow(-1, j * n, n), weight.narrow(0, j * n, n).t(),
+            # With ``replicas`` R (KV-head replication) the R ranks holding the same rows each
+            # take their own 1/R of them: rank r's N-leaves, as without replication.
+            n = weight.shape[0] // (ctx.stride * ctx.replicas)
+            off = ctx.replica_index * n
+            parts = torch.stack([matmul_partial(dy.narrow(-1, off + j * n, n),
+                                                weight.narrow(0, off + j * n, n).t(),
                                                 ctx.leaves // tp) for j in range(ctx.stride)], dim=-1)
             if tp > 1:
                 parts = tree_all_reduce(parts, ctx.group, leaves=ctx.leaves)
@@ -70,7 +79,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
             dw = _weight_grad(dy, x, weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(dy, ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class RowParallelTreeMatmul(torch.autograd.Function):

@@ -34,11 +34,15 @@ def _reject_config(layer: str, config: Any) -> None:
     )
 
 
-def _mark(param: torch.nn.Parameter, dim: int) -> None:
-    """Megatron's tensor-parallel attributes, read by its optimizer and checkpoint code."""
+def _mark(param: torch.nn.Parameter, dim: int, replicas: int = 1, replica_index: int = 0) -> None:
+    """Megatron's tensor-parallel attributes, read by its optimizer and checkpoint code, and
+    tpinv's replica count (``tpinv_replicas`` ranks hold the same shard; this is copy
+    ``tpinv_replica_index``)."""
     param.tensor_model_parallel = True
     param.partition_dim = dim
     param.partition_stride = 1
+    param.tpinv_replicas = replicas
+    param.tpinv_replica_index = replica_index
 
 
 def _make_bias(size: int, config: Any, device: torch.device) -> torch.nn.Parameter:
@@ -69,6 +73,7 @@ class ColumnParallelLinear(torch.nn.Module):
         disable_grad_reduce: bool = False,
         tp_group: Optional[dist.ProcessGroup] = None,
         leaves: Optional[int] = None,
+        replicas: int = 1,
     ):
         super().__init__()
         name = type(self).__name__
@@ -89,19 +94,25 @@ class ColumnParallelLinear(torch.nn.Module):
             raise NotImplementedError(f"{name}: stride={stride} is not supported (1, 2 or 4)")
         self.stride = stride
         check_layer_sizes(name, "output_size", output_size, self.tp_size * stride, self.leaves * stride)
-        self.output_size_per_partition = output_size // self.tp_size
+        # replicas R (tpinv's KV-head replication): R consecutive ranks hold the same 1/(TP/R) of the rows
+        if not isinstance(replicas, int) or replicas < 1 or self.tp_size % replicas or (replicas > 1 and stride != 1):
+            raise NotImplementedError(f"{name}: replicas={replicas!r} must be a positive int dividing "
+                                      f"TP={self.tp_size} (with stride=1)")
+        self.replicas, self.replica_index = replicas, self.tp_rank % replicas
+        shards, shard = self.tp_size // replicas, self.tp_rank // replicas
+        self.output_size_per_partition = output_size // shards
         device = _device(config)
         if skip_weight_param_allocation:
             self.weight = None
         else:
             self.weight = init_sharded_weight(
-                (output_size, input_size), init_method, 0, self.tp_size, self.tp_rank, params_dtype(config),
+                (output_size, input_size), init_method, 0, shards, shard, params_dtype(config),
                 device, getattr(config, "perform_initialization", True), stride)
-            _mark(self.weight, 0)
+            _mark(self.weight, 0, replicas, self.replica_index)
             self.weight.partition_stride = stride
         if bias:
             self.bias = _make_bias(self.output_size_per_partition, config, device)
-            _mark(self.bias, 0)
+            _mark(self.bias, 0, replicas, self.replica_index)
         else:
             self.register_parameter("bias", None)
 
@@ -119,7 +130,8 @@ class ColumnParallelLinear(torch.nn.Module):
             raise ValueError(f"input has last dim {input_.shape[-1]}, expected {self.input_size}")
         bias = None if self.skip_bias_add else self.bias
         y = ColumnParallelMatmul.apply(input_, weight, bias, self.tp_group, self.leaves,
-                                       not self.disable_grad_reduce, self.stride)
+                                       not self.disable_grad_reduce, self.stride, self.replicas,
+                                       self.replica_index)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and self.tp_size > 1:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
@@ -127,7 +139,8 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, TP={self.tp_size}, leaves={self.leaves}")
+                f"bias={self.bias is not None}, TP={self.tp_size}, leaves={self.leaves}"
+                + (f", replicas={self.replicas}" if self.replicas > 1 else ""))
 
 
 class RowParallelLinear(torch.nn.Module):

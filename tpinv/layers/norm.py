@@ -42,9 +42,9 @@ class _HeadRMSNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, group):
+    def forward(ctx, x, weight, eps, group, replicas=1):
         ctx.save_for_backward(x, weight)
-        ctx.eps, ctx.group = eps, group
+        ctx.eps, ctx.group, ctx.replicas = eps, group, replicas
         return rms_norm_op(x, weight, eps)
 
     @staticmethod
@@ -53,22 +53,25 @@ class _HeadRMSNorm(torch.autograd.Function):
         grad_x, per_head = rms_norm_backward_heads_op(grad.contiguous(), x, weight, ctx.eps)
         if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
             per_head = all_gather(per_head.contiguous(), ctx.group, dim=0)
-        return grad_x, halving_sum(per_head.float().t()).to(weight.dtype), None, None
+        if ctx.replicas > 1:  # replicated KV heads: R identical consecutive rows per head, keep one
+            per_head = per_head.view(-1, ctx.replicas, per_head.shape[-1])[:, 0]
+        return grad_x, halving_sum(per_head.float().t()).to(weight.dtype), None, None, None
 
 
-def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group) -> torch.Tensor:
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group, replicas: int = 1) -> torch.Tensor:
     """RMSNorm over the last dim of every head of ``x [..., heads, D]`` (one shared weight),
-    with a weight gradient that is the same at every TP size (``group``: the TP group)."""
+    with a weight gradient that is the same at every TP size (``group``: the TP group;
+    ``replicas``: ranks holding each head, for replicated KV heads)."""
     check_rms_norm_inputs(x, weight, eps)
-    return _HeadRMSNorm.apply(x.contiguous(), weight, float(eps), group)
+    return _HeadRMSNorm.apply(x.contiguous(), weight, float(eps), group, replicas)
 
 
 class HeadRMSNorm(RMSNorm):
     """RMSNorm over head_dim applied to each head of ``x [B, S, heads, D]`` (Qwen3 q/k norm)."""
 
-    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype, group):
+    def __init__(self, head_dim: int, eps: float, dtype: torch.dtype, group, replicas: int = 1):
         super().__init__(head_dim, eps, dtype)
-        self.group = group
+        self.group, self.replicas = group, replicas
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return head_rms_norm(x, self.weight, self.eps, self.group)
+        return head_rms_norm(x, self.weight, self.eps, self.group, self.replicas)
