@@ -22,7 +22,8 @@ from tpinv.layers import (ColumnParallelLinear, HeadRMSNorm, RMSNorm, RowParalle
                           vocab_parallel_cross_entropy)
 from tpinv.layers.common import ROW_STRATEGIES, group_size_rank
 from tpinv.layers.kv_replication import gather_replica_heads, split_replica_heads
-from tpinv.distributed.mappings import gather_from_tensor_model_parallel_region
+from tpinv.distributed.mappings import (gather_from_tensor_model_parallel_region,
+                                       scatter_to_sequence_parallel_region)
 from tpinv.models.args import ModelArgs
 from tpinv.models.kv_cache import KVCache
 from tpinv.ops import apply_rope, attention, rope_cos_sin, silu_mul
@@ -40,6 +41,8 @@ class LayerConfig:
     tpinv_row_strategy: str
     perform_initialization: bool = True
     use_cpu_initialization: bool = True
+    sequence_parallel: bool = False
+    tpinv_sequence_dim: int = 1  # activations are [B, S, H]
 
 
 def normal_init(tensor: torch.Tensor) -> None:
@@ -110,12 +113,17 @@ class MLP(torch.nn.Module):
         return self.down_proj(silu_mul(self.gate_proj(x)[0], self.up_proj(x)[0]))[0]
 
 
+def _norm(args: ModelArgs, config: LayerConfig, tp_group) -> RMSNorm:
+    return RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype,
+                   sequence_parallel_group=tp_group if config.sequence_parallel else None)
+
+
 class DecoderLayer(torch.nn.Module):
     def __init__(self, args: ModelArgs, config: LayerConfig, tp_group, tp_size: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype)
+        self.input_layernorm = _norm(args, config, tp_group)
         self.self_attn = Attention(args, config, tp_group, tp_size)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype)
+        self.post_attention_layernorm = _norm(args, config, tp_group)
         self.mlp = MLP(args, config, tp_group)
 
     def forward(self, x, cos, sin, positions, mask, cache, layer):
@@ -153,19 +161,25 @@ class Transformer(torch.nn.Module):
     """Decoder-only LM; ``forward`` returns this rank's vocabulary shard of the logits."""
 
     def __init__(self, args: ModelArgs, *, tp_group: Optional[dist.ProcessGroup] = None,
-                 leaves: int = DEFAULT_LEAVES, row_strategy: str = "tree"):
+                 leaves: int = DEFAULT_LEAVES, row_strategy: str = "tree", sequence_parallel: bool = False):
         super().__init__()
         if row_strategy not in ROW_STRATEGIES:
             raise ValueError(f"row_strategy={row_strategy!r}: expected one of {ROW_STRATEGIES}")
         self.args, self.tp_group, self.leaves = args, tp_group, leaves
         self.tp_size, self.tp_rank = group_size_rank(tp_group)
         check_model_sizes(args, self.tp_size, leaves)
-        config = LayerConfig(params_dtype=args.dtype, tpinv_leaves=leaves, tpinv_row_strategy=row_strategy)
+        # Megatron's sequence_parallel: norms and residuals on sequence chunks (a no-op at TP=1)
+        self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
+        if self.sequence_parallel and args.attention_bias:
+            raise NotImplementedError("sequence_parallel=True with attention_bias=True is not supported "
+                                      "(the o_proj bias would be added on sequence chunks)")
+        config = LayerConfig(params_dtype=args.dtype, tpinv_leaves=leaves, tpinv_row_strategy=row_strategy,
+                             sequence_parallel=self.sequence_parallel)
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, init_method=normal_init,
                                                    config=config, tp_group=tp_group)
         self.layers = torch.nn.ModuleList(
             DecoderLayer(args, config, tp_group, self.tp_size) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype)
+        self.norm = _norm(args, config, tp_group)
         self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size, config=config,
                                             init_method=normal_init, bias=False, gather_output=False,
                                             skip_weight_param_allocation=args.tie_word_embeddings,
@@ -216,6 +230,13 @@ class Transformer(torch.nn.Module):
         positions = self._positions(tokens, positions, cache)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
         h = self.embed_tokens(tokens)
+        if self.sequence_parallel:
+            if cache is not None:
+                raise NotImplementedError("sequence_parallel=True is for training: build the model without it "
+                                          "to decode with a KV cache")
+            check_divisible("sequence length", tokens.shape[1], self.tp_size, "tensor-parallel size "
+                            "(sequence_parallel=True)")
+            h = scatter_to_sequence_parallel_region(h, self.tp_group, dim=1)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, positions, mask, cache, i)
         h = self.norm(h)

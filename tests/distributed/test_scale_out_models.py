@@ -3,6 +3,8 @@
 ``qwen3-kv8-tiny`` splits its 8 KV heads 8 ways; ``qwen3-kv2-tiny`` has 2 KV heads, held by
 2 ranks each at TP=4 and by 4 at TP=8.  Logits, per-token losses and every parameter
 gradient (the full tensor, one copy of each replicated shard) equal TP=1's bytes.
+Sequence parallelism (norms and residuals on sequence chunks, the row layers' tree
+reduce-scatter, the column layers' all-gather) gives the bits of SP off at TP 2, 4 and 8.
 Negative control: the same weights on the vanilla path (:mod:`tpinv.models.vanilla`: BLAS,
 row-parallel partials rounded and added by a plain all_reduce) give other logits at TP 4
 and 8 than at TP=1.
@@ -39,12 +41,13 @@ def full_tensor(t, p, group):
     return torch.cat(chunks[::r], dim=p.partition_dim)
 
 
-def run_model(rank, world_size, names, dtype, tokens, targets, weights):
+def run_model(rank, world_size, names, dtype, tokens, targets, weights, sequence_parallel=False):
     group = dist.group.WORLD if world_size > 1 else None
     out = []
     for name in names:
         torch.manual_seed(0)
-        model = Transformer(get_config(name, dtype=dtype), tp_group=group)
+        model = Transformer(get_config(name, dtype=dtype), tp_group=group, sequence_parallel=sequence_parallel)
+        assert model.sequence_parallel == (sequence_parallel and world_size > 1)
         with record_ops() as log:
             logits = model(tokens, gather_logits=True).detach()
             loss = model.loss(tokens, targets)
@@ -92,3 +95,31 @@ def test_tp_not_a_multiple_of_kv_heads_is_refused():
     args = get_config("qwen3-tiny").replace(num_heads=12, num_kv_heads=3)
     with pytest.raises(InvarianceError, match="num_kv_heads=3"):
         check_model_sizes(args, 4, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", (2, 4, 8))
+def test_sequence_parallel_equals_sp_off(tp):
+    tokens, targets, weights = inputs()
+    dtype = torch.float32
+    tp1 = run_model(0, 1, ("qwen3-kv2-tiny",), dtype, tokens, targets, weights)[0]
+    ranks = run_ranks(run_model, tp, ("qwen3-kv2-tiny",), dtype, tokens, targets, weights, True, timeout=300)
+    for rank in (0, tp - 1):
+        check_same(ranks[rank][0], tp1, f"SP on, TP={tp} rank {rank}")
+
+
+def test_sequence_parallel_control_norm_grad_split_by_rank_differs():
+    """Negative control: the norm weight gradient as Megatron's SP forms it -- each rank's token
+    sum over its sequence chunk, the partials then added in rank order -- differs from the
+    whole-sequence token chain that tpinv's SP norm keeps."""
+    from tpinv.ops.norm import rms_norm_backward_op
+    gen = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(2, 8, 64, generator=gen), torch.randn(2, 8, 64, generator=gen)
+    w = 1.0 + 0.1 * torch.randn(64, generator=gen)
+    whole = rms_norm_backward_op(dy, x, w, 1e-6)[1]
+    parts = [rms_norm_backward_op(d.contiguous(), c.contiguous(), w, 1e-6)[1]
+             for c, d in zip(x.chunk(8, dim=1), dy.chunk(8, dim=1))]
+    split = parts[0]
+    for p in parts[1:]:
+        split = split + p
+    assert_bits_differ(split, whole, "per-chunk norm weight gradients added in rank order vs the whole chain")

@@ -40,7 +40,7 @@ from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size, 
 from tpinv.core.capture import capturing
 
 __all__ = ["ALGORITHMS", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
-           "all_gather", "algorithms_for", "choose_algorithm"]
+           "all_gather", "gather_shards", "algorithms_for", "choose_algorithm"]
 
 ALGORITHMS = ("all_to_all", "halving", "all_gather", "pair_sum")
 
@@ -322,6 +322,17 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, *, dim: in
             _all_gather_single(out, raw, group)
     out = out.view(tensor.dtype).reshape((size * moved.shape[0],) + tuple(moved.shape[1:]))
     return out.movedim(0, dim).contiguous()
+
+
+def gather_shards(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int,
+                  replicas: int = 1) -> torch.Tensor:
+    """The full tensor of a TP shard: :func:`all_gather` along ``dim``, keeping one copy of each
+    shard when ``replicas`` consecutive ranks hold the same one (replicated KV heads)."""
+    full = all_gather(tensor.detach().contiguous(), group, dim=dim)
+    if replicas == 1 or full is tensor:
+        return full
+    size = dist.get_world_size(dist.group.WORLD if group is None else group)
+    return torch.cat(full.chunk(size, dim=dim)[::replicas], dim=dim)
 
 
 def _check_dim(op: str, t: torch.Tensor, dim: int) -> int:

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.io.checkpoint import META_FILE, load_shard, param_meta_from_module, read_info, shard_index
+from tpinv.io.checkpoint import (META_FILE, load_shard, param_meta_from_module, param_replicas_from_module, read_info,
+                                 shard_index)
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.models.configs import CONFIGS, get_config
 from tpinv.io.hf_keys import args_from_dict
@@ -69,7 +70,8 @@ def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = Non
         args = args_from_dict(info.model_args)
         args = args.replace(dtype=dtype) if dtype is not None else args
         model = Transformer(args, tp_group=tp_group, leaves=leaves or info.leaves, row_strategy=row_strategy)
-        state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype)
+        state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype,
+                           replicas=param_replicas_from_module(model))
         model.load_state_dict(state, strict=True)
         return model.eval(), _tokenizer_in(source)
     from tpinv.io.hf_convert import HFWeights, plan_import, read_hf_config
@@ -77,6 +79,8 @@ def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = Non
     args = args.replace(dtype=dtype) if dtype is not None else args
     model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
     sources = plan_import(HFWeights(source), args, args.dtype, row_strategy)
-    state = {s.name: s.read(shard_index(s.shape, s.partition_dim, tp, rank, s.name)).to(s.dtype) for s in sources}
+    reps = param_replicas_from_module(model)
+    state = {s.name: s.read(shard_index(s.shape, s.partition_dim, tp, rank, s.name, reps.get(s.name, 1))).to(s.dtype)
+             for s in sources}
     model.load_state_dict(state, strict=True)
     return model.eval(), _tokenizer_in(source)

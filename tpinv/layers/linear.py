@@ -29,9 +29,16 @@ def _device(config: Any) -> torch.device:
 def _reject_config(layer: str, config: Any) -> None:
     reject_unsupported(
         layer,
-        sequence_parallel=(bool(getattr(config, "sequence_parallel", False)), False),
         gradient_accumulation_fusion=(bool(getattr(config, "gradient_accumulation_fusion", False)), False),
     )
+
+
+def _seq_dim(config: Any) -> Optional[int]:
+    """The sequence dim split by ``config.sequence_parallel`` (Megatron's ``[s, b, h]``: 0;
+    ``config.tpinv_sequence_dim`` for other layouts), or ``None`` when SP is off."""
+    if not getattr(config, "sequence_parallel", False):
+        return None
+    return int(getattr(config, "tpinv_sequence_dim", 0))
 
 
 def _mark(param: torch.nn.Parameter, dim: int, replicas: int = 1, replica_index: int = 0) -> None:
@@ -87,6 +94,9 @@ class ColumnParallelLinear(torch.nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.disable_grad_reduce = disable_grad_reduce
+        self.seq_dim = _seq_dim(config)
+        if self.seq_dim is not None and disable_grad_reduce:
+            raise NotImplementedError(f"{name}: sequence_parallel=True with disable_grad_reduce=True is not supported")
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = group_size_rank(tp_group)
         self.leaves = config_leaves(config, leaves)
@@ -131,7 +141,7 @@ class ColumnParallelLinear(torch.nn.Module):
         bias = None if self.skip_bias_add else self.bias
         y = ColumnParallelMatmul.apply(input_, weight, bias, self.tp_group, self.leaves,
                                        not self.disable_grad_reduce, self.stride, self.replicas,
-                                       self.replica_index)
+                                       self.replica_index, self.seq_dim)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and self.tp_size > 1:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
@@ -179,6 +189,11 @@ class RowParallelLinear(torch.nn.Module):
         self.tp_size, self.tp_rank = group_size_rank(tp_group)
         self.leaves = config_leaves(config, leaves)
         self.strategy = config_row_strategy(config, strategy)
+        self.seq_dim = _seq_dim(config)
+        if self.seq_dim is not None and (self.strategy != "tree" or bias or not input_is_parallel):
+            raise NotImplementedError(f"{name}: sequence_parallel=True needs strategy='tree', bias=False and "
+                                      f"input_is_parallel=True (got {self.strategy!r}, bias={bias}, "
+                                      f"input_is_parallel={input_is_parallel})")
         self.input_size_per_partition = check_layer_sizes(name, "input_size", input_size, self.tp_size, self.leaves)
         device = _device(config)
         # tree: W[:, K_r] (Megatron's layout); column_only: W[N_r, :].
@@ -203,8 +218,10 @@ class RowParallelLinear(torch.nn.Module):
             raise ValueError(f"input has last dim {x.shape[-1]}, expected {self.input_size_per_partition} "
                              f"(input_size={self.input_size} / TP={self.tp_size}, input_is_parallel="
                              f"{self.input_is_parallel})")
-        fn = RowParallelTreeMatmul if self.strategy == "tree" else RowParallelColumnOnlyMatmul
-        y = fn.apply(x, self.weight, self.tp_group, self.leaves)
+        if self.strategy == "tree":
+            y = RowParallelTreeMatmul.apply(x, self.weight, self.tp_group, self.leaves, self.seq_dim)
+        else:
+            y = RowParallelColumnOnlyMatmul.apply(x, self.weight, self.tp_group, self.leaves)
         if self.skip_bias_add:
             return y, self.bias
         return (y if self.bias is None else y + self.bias), None

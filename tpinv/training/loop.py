@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from tpinv.core.contract import InvarianceError
 from tpinv.ops import tree_sum
-from tpinv.distributed.reduce import all_gather, tree_all_reduce
+from tpinv.distributed.reduce import gather_shards, tree_all_reduce
 from tpinv.training.train_state import load_train_state, save_train_state
 from tpinv.training.data import dp_slice, make_dataset, micro_batches
 from tpinv.training.metrics import PLOT_FILE, MetricsLogger, plot_loss_curve, read_metrics
@@ -241,16 +241,16 @@ class Trainer:
         c = counts.tolist()
         return {"heldout_exact": c[0] / c[1], "heldout_token_acc": c[2] / c[3]}
 
-    def _full(self, t: torch.Tensor, dim) -> torch.Tensor:
+    def _full(self, t: torch.Tensor, dim, replicas: int = 1) -> torch.Tensor:
         return t.detach() if dim is None or self.tp_group is None else \
-            all_gather(t.detach().contiguous(), self.tp_group, dim=dim)
+            gather_shards(t, self.tp_group, dim, replicas)
 
     def weights_sha256(self, which: str = "model") -> str:
         """sha256 of the full tensors (names, dtypes, shapes, bytes) of the model or the fp32 masters."""
         h = hashlib.sha256()
         for s in self.layout.slots:
             t = self.layout.params[s.name] if which == "model" else self.optimizer.tensors(s.name)["master"]
-            full = self._full(t, s.partition_dim).cpu().contiguous()
+            full = self._full(t, s.partition_dim, s.replicas).cpu().contiguous()
             h.update(f"{s.name}|{full.dtype}|{tuple(full.shape)}|".encode())
             h.update(full.reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
