@@ -77,8 +77,9 @@ class Attention(torch.nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, positions, mask, cache: Optional[KVCache], layer: int):
-        B, S, _ = x.shape
-        q = self.q_proj(x)[0].view(B, S, self.local_heads, self.head_dim)
+        q = self.q_proj(x)[0]
+        B, S, _ = q.shape  # the whole sequence (x is a sequence chunk under sequence parallelism)
+        q = q.view(B, S, self.local_heads, self.head_dim)
         k = self.k_proj(x)[0].view(B, S, self.local_kv_heads, self.head_dim)
         v = self.v_proj(x)[0].view(B, S, self.local_kv_heads, self.head_dim)
         if self.q_norm is not None:
