@@ -20,7 +20,7 @@ from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward
 from tpinv.testing import assert_bits_differ, assert_same_bits, record_ops, run_ranks
 
-B, S = 2, 6
+B, S = 2, 8
 
 
 def inputs():

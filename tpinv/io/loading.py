@@ -52,24 +52,27 @@ def _tokenizer_in(directory: str):
 
 
 def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = None, row_strategy: str = "tree",
-               leaves: Optional[int] = None, init_seed: int = 0):
+               leaves: Optional[int] = None, init_seed: int = 0, sequence_parallel: bool = False):
     """``(model, tokenizer or None)`` for ``source`` at the TP size of ``tp_group`` (eval mode).
 
-    ``leaves`` defaults to the checkpoint's (tpinv) or :data:`~tpinv.core.contract.DEFAULT_LEAVES`.
+    ``leaves`` defaults to the checkpoint's (tpinv) or :data:`~tpinv.core.contract.DEFAULT_LEAVES`;
+    ``sequence_parallel`` builds the model with Megatron's sequence parallelism (training).
     """
+    sp = {"sequence_parallel": sequence_parallel}
     tp, rank = _rank(tp_group)
     kind = source_kind(source)
     if kind == "config":
         args = get_config(source, **({"dtype": dtype} if dtype is not None else {}))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(init_seed)
-            model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
+            model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy,
+                                **sp)
         return model.eval(), None
     if kind == "tpinv":
         info = read_info(source)
         args = args_from_dict(info.model_args)
         args = args.replace(dtype=dtype) if dtype is not None else args
-        model = Transformer(args, tp_group=tp_group, leaves=leaves or info.leaves, row_strategy=row_strategy)
+        model = Transformer(args, tp_group=tp_group, leaves=leaves or info.leaves, row_strategy=row_strategy, **sp)
         state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype,
                            replicas=param_replicas_from_module(model))
         model.load_state_dict(state, strict=True)
@@ -77,7 +80,7 @@ def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = Non
     from tpinv.io.hf_convert import HFWeights, plan_import, read_hf_config
     _, args = read_hf_config(source)
     args = args.replace(dtype=dtype) if dtype is not None else args
-    model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
+    model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy, **sp)
     sources = plan_import(HFWeights(source), args, args.dtype, row_strategy)
     reps = param_replicas_from_module(model)
     state = {s.name: s.read(shard_index(s.shape, s.partition_dim, tp, rank, s.name, reps.get(s.name, 1))).to(s.dtype)
