@@ -52,6 +52,16 @@ CONFIGS: dict[str, ModelArgs] = {
         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         max_position_embeddings=131072, tie_word_embeddings=True),
+    # Qwen3-8B's shape (memory table: tools/memory_table.py).
+    "qwen3-8b": ModelArgs(
+        family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True),
+    # Llama-3-70B's shape (memory table).
+    "llama3-70b": ModelArgs(
+        family="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500_000.0,
+        max_position_embeddings=8192),
 }
 
 #: Other names for the same shapes.
