@@ -5,16 +5,21 @@
 gradient (the full tensor, one copy of each replicated shard) equal TP=1's bytes.
 Sequence parallelism (norms and residuals on sequence chunks, the row layers' tree
 reduce-scatter, the column layers' all-gather) gives the bits of SP off at TP 2, 4 and 8.
-Negative control: the same weights on the vanilla path (:mod:`tpinv.models.vanilla`: BLAS,
+No weight is all-gathered: every all-gather's input is checked against the parameters'
+storage.  Negative control: the same weights on the vanilla path (:mod:`tpinv.models.vanilla`: BLAS,
 row-parallel partials rounded and added by a plain all_reduce) give other logits at TP 4
 and 8 than at TP=1.
 """
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from tpinv.distributed import reduce
 from tpinv.distributed.reduce import all_gather
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward
@@ -41,6 +46,30 @@ def full_tensor(t, p, group):
     return torch.cat(chunks[::r], dim=p.partition_dim)
 
 
+@contextlib.contextmanager
+def gathers_of(model):
+    """Record every exact all-gather the model runs; ``weights`` lists those whose input shares a
+    parameter's storage (a weight all-gathered), ``count`` all of them."""
+    orig = reduce.all_gather
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {"count": 0, "weights": []}
+
+    def recording(t, group, **kw):
+        seen["count"] += 1
+        if t.untyped_storage().data_ptr() in storages:
+            seen["weights"].append(tuple(t.shape))
+        return orig(t, group, **kw)
+
+    users = [m for m in list(sys.modules.values()) if getattr(m, "all_gather", None) is orig]
+    for m in users:
+        m.all_gather = recording
+    try:
+        yield seen
+    finally:
+        for m in users:
+            m.all_gather = orig
+
+
 def run_model(rank, world_size, names, dtype, tokens, targets, weights, sequence_parallel=False):
     group = dist.group.WORLD if world_size > 1 else None
     out = []
@@ -48,11 +77,13 @@ def run_model(rank, world_size, names, dtype, tokens, targets, weights, sequence
         torch.manual_seed(0)
         model = Transformer(get_config(name, dtype=dtype), tp_group=group, sequence_parallel=sequence_parallel)
         assert model.sequence_parallel == (sequence_parallel and world_size > 1)
-        with record_ops() as log:
+        with record_ops() as log, gathers_of(model) as gathers:
             logits = model(tokens, gather_logits=True).detach()
             loss = model.loss(tokens, targets)
             loss.backward(weights)
         assert any(op.startswith("tpinv::attention") for op in log.names), log.names
+        assert not gathers["weights"], f"{name}: weights all-gathered: {gathers['weights']}"
+        assert world_size == 1 or gathers["count"] > 0, "no all-gather recorded: the check saw nothing"
         grads = {n: full_tensor(p.grad, p, group) for n, p in model.named_parameters()}
         with torch.no_grad():
             vanilla = vanilla_forward(model, tokens, gather_logits=True)
