@@ -79,3 +79,18 @@ def test_micro_batch_count_must_be_a_power_of_two():
     with pytest.raises(InvarianceError, match="3 micro-batches"):
         TrainConfig(**dict(BASE, global_batch=6)).check(1)
     TrainConfig(**dict(BASE, global_batch=6, vanilla=True)).check(1)  # the control has no tree
+
+
+@pytest.mark.slow
+def test_replicated_kv_checkpoint_resumes_at_any_tp(tmp_path):
+    """Saved at TP=4 (KV heads on 2 ranks each: one copy stored), resumed at TP=4 and TP=1:
+    the rest of the uninterrupted TP=1 curve and its final weights."""
+    ckpt = str(tmp_path / "ckpt")
+    kv2 = dict(model="qwen3-kv2-tiny")
+    stopped, resumed4 = run_ranks(run_configs, 4, [(4, dict(kv2, save=ckpt, save_every=1, stop_after=1)),
+                                                   (4, dict(kv2, load=ckpt))], timeout=600)[0]
+    full, resumed1 = run_ranks(run_configs, 1, [(1, kv2), (1, dict(kv2, load=ckpt))], timeout=300)[0]
+    assert stopped["curve"] == full["curve"][:1]
+    tail = {**full, "curve": full["curve"][1:]}
+    _same(resumed4, tail, "resumed at TP=4")
+    _same(resumed1, tail, "resumed at TP=1")
