@@ -7,7 +7,6 @@ Negative control: the plain TP split (``shard_index`` without ``replicas``) give
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from tpinv.io.checkpoint import param_meta_from_module, save_checkpoint, shard_index
