@@ -34,11 +34,20 @@ def _reject_config(layer: str, config: Any) -> None:
 
 
 def _seq_dim(config: Any) -> Optional[int]:
-    """The sequence dim split by ``config.sequence_parallel`` (Megatron's ``[s, b, h]``: 0;
-    ``config.tpinv_sequence_dim`` for other layouts), or ``None`` when SP is off."""
+    """The sequence dim split by ``config.sequence_parallel`` (``config.tpinv_sequence_dim``:
+    0 for Megatron's ``[s, b, h]``, 1 for tpinv's ``[b, s, h]``), or ``None`` when SP is off.
+
+    The dim must be named: a megatron-core model with sequence parallelism is refused, as its
+    norms' weight gradients are partial token sums added across ranks outside the contract."""
     if not getattr(config, "sequence_parallel", False):
         return None
-    return int(getattr(config, "tpinv_sequence_dim", 0))
+    dim = getattr(config, "tpinv_sequence_dim", None)
+    if dim is None:
+        raise NotImplementedError(
+            "sequence_parallel=True needs config.tpinv_sequence_dim (tpinv's Transformer sets it); "
+            "megatron-core models with sequence_parallel are not supported (their norm weight gradients "
+            "are per-rank token sums all-reduced out of the contract's order)")
+    return int(dim)
 
 
 def _mark(param: torch.nn.Parameter, dim: int, replicas: int = 1, replica_index: int = 0) -> None:
