@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--dp", type=int, default=None, help="data-parallel size (default world / tp)")
     m.add_argument("--leaves", type=int, default=DEFAULT_LEAVES, help="leaf count of the contract (TP_MAX)")
     m.add_argument("--row-strategy", default=d.row_strategy, choices=("tree", "column_only"))
+    m.add_argument("--sequence-parallel", action="store_true", help="Megatron's sequence parallelism: norms "
+                   "and residuals on sequence chunks (the same bits as without it)")
     m.add_argument("--backend", default=None, choices=("gloo", "nccl"), help="default: nccl with GPUs, else gloo")
     m.add_argument("--vanilla", action="store_true", help="the control: plain torch/BLAS/all_reduce path")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads per rank (results do not "
@@ -73,6 +75,7 @@ def config_from_args(args: argparse.Namespace):
                        digits=args.digits, heldout_size=args.heldout_size, eval_every=args.eval_every,
                        save=args.save, save_every=args.save_every, load=args.load, stop_after=args.stop_after,
                        vanilla=args.vanilla, leaves=args.leaves, row_strategy=args.row_strategy,
+                       sequence_parallel=args.sequence_parallel,
                        log_dir=args.log_dir, progress=args.progress)
 
 

@@ -22,7 +22,9 @@ from tpinv.layers import (ColumnParallelLinear, HeadRMSNorm, RMSNorm, RowParalle
                           vocab_parallel_cross_entropy)
 from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.common import ROW_STRATEGIES
-from tpinv.distributed.mappings import gather_from_tensor_model_parallel_region
+from tpinv.layers.kv_replication import gather_replica_heads, split_replica_heads
+from tpinv.distributed.mappings import (gather_from_tensor_model_parallel_region,
+                                        scatter_to_sequence_parallel_region)
 from tpinv.models.args import ModelArgs
 from tpinv.models.kv_cache import KVCache
 from tpinv.ops import apply_rope, attention, rope_cos_sin, silu_mul
@@ -40,6 +42,8 @@ class LayerConfig:
     tpinv_row_strategy: str
     perform_initialization: bool = True
     use_cpu_initialization: bool = True
+    sequence_parallel: bool = False
+    tpinv_sequence_dim: int = 1  # activations are [B, S, H]
 
 
 def normal_init(tensor: torch.Tensor) -> None:
@@ -50,30 +54,33 @@ class Attention(torch.nn.Module):
     def __init__(self, args: ModelArgs, config: LayerConfig, tp_group, tp_size: int):
         super().__init__()
         self.head_dim = args.head_dim
+        self.tp_group = tp_group
+        self.replicas = kv_replicas(args, tp_size)  # ranks holding each KV head (1: heads split)
         self.local_heads = args.num_heads // tp_size
-        self.local_kv_heads = args.num_kv_heads // tp_size
+        self.local_kv_heads = args.num_kv_heads * self.replicas // tp_size
         self.window = args.sliding_window
         hd, kvd = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
 
-        def column(out_size, bias):
+        def column(out_size, bias, replicas=1):
             return ColumnParallelLinear(args.hidden_size, out_size, config=config, init_method=normal_init,
-                                        bias=bias, gather_output=False, tp_group=tp_group)
+                                        bias=bias, gather_output=False, tp_group=tp_group, replicas=replicas)
 
         self.q_proj = column(hd, args.attention_bias)
-        self.k_proj = column(kvd, args.attention_bias)
-        self.v_proj = column(kvd, args.attention_bias)
+        self.k_proj = column(kvd, args.attention_bias, self.replicas)
+        self.v_proj = column(kvd, args.attention_bias, self.replicas)
         self.o_proj = RowParallelLinear(hd, args.hidden_size, config=config, init_method=normal_init,
                                         bias=args.attention_bias,
                                         input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
         if args.qk_norm:
             self.q_norm = HeadRMSNorm(args.head_dim, args.rms_norm_eps, args.dtype, tp_group)
-            self.k_norm = HeadRMSNorm(args.head_dim, args.rms_norm_eps, args.dtype, tp_group)
+            self.k_norm = HeadRMSNorm(args.head_dim, args.rms_norm_eps, args.dtype, tp_group, self.replicas)
         else:
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, positions, mask, cache: Optional[KVCache], layer: int):
-        B, S, _ = x.shape
-        q = self.q_proj(x)[0].view(B, S, self.local_heads, self.head_dim)
+        q = self.q_proj(x)[0]
+        B, S, _ = q.shape  # the whole sequence (x is a sequence chunk under sequence parallelism)
+        q = q.view(B, S, self.local_heads, self.head_dim)
         k = self.k_proj(x)[0].view(B, S, self.local_kv_heads, self.head_dim)
         v = self.v_proj(x)[0].view(B, S, self.local_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -83,7 +90,9 @@ class Attention(torch.nn.Module):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(layer, k, v, positions, check=False)  # checked once per step
+        q = gather_replica_heads(q, self.tp_group, self.replicas)  # no-op unless KV heads are replicated
         out = attention(q, k, v, positions, causal=True, window=self.window, mask=mask)
+        out = split_replica_heads(out, self.tp_group, self.replicas)
         out = out.transpose(1, 2).reshape(B, S, self.local_heads * self.head_dim)
         return self.o_proj(out)[0]
 
@@ -106,12 +115,17 @@ class MLP(torch.nn.Module):
         return self.down_proj(silu_mul(self.gate_proj(x)[0], self.up_proj(x)[0]))[0]
 
 
+def _norm(args: ModelArgs, config: LayerConfig, tp_group) -> RMSNorm:
+    return RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype,
+                   sequence_parallel_group=tp_group if config.sequence_parallel else None)
+
+
 class DecoderLayer(torch.nn.Module):
     def __init__(self, args: ModelArgs, config: LayerConfig, tp_group, tp_size: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype)
+        self.input_layernorm = _norm(args, config, tp_group)
         self.self_attn = Attention(args, config, tp_group, tp_size)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype)
+        self.post_attention_layernorm = _norm(args, config, tp_group)
         self.mlp = MLP(args, config, tp_group)
 
     def forward(self, x, cos, sin, positions, mask, cache, layer):
@@ -119,15 +133,25 @@ class DecoderLayer(torch.nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def kv_replicas(args: ModelArgs, tp_size: int) -> int:
+    """Ranks holding each KV head: 1 while TP <= num_kv_heads, else ``TP / num_kv_heads``."""
+    if tp_size <= args.num_kv_heads:
+        return 1
+    if tp_size % args.num_kv_heads:
+        raise InvarianceError(f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads} and is not a multiple "
+                              f"of it: KV heads are replicated TP/num_kv_heads times; use a TP that "
+                              f"num_kv_heads divides or that divides num_kv_heads")
+    return tp_size // args.num_kv_heads
+
+
 def check_model_sizes(args: ModelArgs, tp_size: int, leaves: int) -> None:
     """Raise InvarianceError naming the field that does not split into ``leaves`` / ``tp_size``."""
     check_tp_size(tp_size, leaves)
-    if tp_size > args.num_kv_heads:
-        raise InvarianceError(
-            f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads}: replicating KV heads across "
-            f"ranks is not supported yet; use TP <= {args.num_kv_heads}")
-    for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+    kv_replicas(args, tp_size)
+    for name in ("num_heads", "intermediate_size", "vocab_size"):
         check_divisible(name, getattr(args, name), tp_size, "tensor-parallel size")
+    if tp_size <= args.num_kv_heads:
+        check_divisible("num_kv_heads", args.num_kv_heads, tp_size, "tensor-parallel size")
     for name in ("hidden_size", "intermediate_size", "vocab_size"):
         check_divisible(name, getattr(args, name), leaves, "leaves")
     for name, size in (("num_heads*head_dim", args.num_heads * args.head_dim),
@@ -139,19 +163,25 @@ class Transformer(torch.nn.Module):
     """Decoder-only LM; ``forward`` returns this rank's vocabulary shard of the logits."""
 
     def __init__(self, args: ModelArgs, *, tp_group: Optional[dist.ProcessGroup] = None,
-                 leaves: int = DEFAULT_LEAVES, row_strategy: str = "tree"):
+                 leaves: int = DEFAULT_LEAVES, row_strategy: str = "tree", sequence_parallel: bool = False):
         super().__init__()
         if row_strategy not in ROW_STRATEGIES:
             raise ValueError(f"row_strategy={row_strategy!r}: expected one of {ROW_STRATEGIES}")
         self.args, self.tp_group, self.leaves = args, tp_group, leaves
         self.tp_size, self.tp_rank = group_size_rank(tp_group)
         check_model_sizes(args, self.tp_size, leaves)
-        config = LayerConfig(params_dtype=args.dtype, tpinv_leaves=leaves, tpinv_row_strategy=row_strategy)
+        # Megatron's sequence_parallel: norms and residuals on sequence chunks (a no-op at TP=1)
+        self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
+        if self.sequence_parallel and args.attention_bias:
+            raise NotImplementedError("sequence_parallel=True with attention_bias=True is not supported "
+                                      "(the o_proj bias would be added on sequence chunks)")
+        config = LayerConfig(params_dtype=args.dtype, tpinv_leaves=leaves, tpinv_row_strategy=row_strategy,
+                             sequence_parallel=self.sequence_parallel)
         self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, init_method=normal_init,
                                                    config=config, tp_group=tp_group)
         self.layers = torch.nn.ModuleList(
             DecoderLayer(args, config, tp_group, self.tp_size) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, args.dtype)
+        self.norm = _norm(args, config, tp_group)
         self.lm_head = ColumnParallelLinear(args.hidden_size, args.vocab_size, config=config,
                                             init_method=normal_init, bias=False, gather_output=False,
                                             skip_weight_param_allocation=args.tie_word_embeddings,
@@ -163,7 +193,7 @@ class Transformer(torch.nn.Module):
 
     def new_cache(self, batch: int, max_len: int, device: Optional[torch.device] = None) -> KVCache:
         """An empty KV cache for this rank's KV heads."""
-        return KVCache(batch, max_len, self.args.num_layers, self.args.num_kv_heads // self.tp_size,
+        return KVCache(batch, max_len, self.args.num_layers, self.layers[0].self_attn.local_kv_heads,
                        self.args.head_dim, dtype=self.args.dtype, device=device)
 
     def _positions(self, tokens, positions, cache):
@@ -202,6 +232,13 @@ class Transformer(torch.nn.Module):
         positions = self._positions(tokens, positions, cache)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
         h = self.embed_tokens(tokens)
+        if self.sequence_parallel:
+            if cache is not None:
+                raise NotImplementedError("sequence_parallel=True is for training: build the model without it "
+                                          "to decode with a KV cache")
+            check_divisible("sequence length", tokens.shape[1], self.tp_size, "tensor-parallel size "
+                            "(sequence_parallel=True)")
+            h = scatter_to_sequence_parallel_region(h, self.tp_group, dim=1)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, positions, mask, cache, i)
         h = self.norm(h)

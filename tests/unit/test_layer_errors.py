@@ -41,11 +41,19 @@ def test_unsupported_keywords_name_the_keyword(kw):
         ColumnParallelLinear(16, 16, config=cfg(), init_method=init, **kw)
 
 
-@pytest.mark.parametrize("field", ["sequence_parallel", "gradient_accumulation_fusion"])
+@pytest.mark.parametrize("field", ["gradient_accumulation_fusion", "sequence_parallel"])
 def test_unsupported_config_fields(field):
     with pytest.raises(NotImplementedError, match=field):
         RowParallelLinear(16, 16, config=cfg(**{field: True}), init_method=init, bias=False,
                           input_is_parallel=True, skip_bias_add=False)
+
+
+@pytest.mark.parametrize("kw", [dict(bias=True), dict(strategy="column_only"), dict(input_is_parallel=False)])
+def test_sequence_parallel_row_layer_limits(kw):
+    args = {**dict(bias=False, input_is_parallel=True, skip_bias_add=False), **kw}
+    with pytest.raises(NotImplementedError, match="sequence_parallel=True"):
+        RowParallelLinear(16, 16, config=cfg(sequence_parallel=True, tpinv_sequence_dim=0), init_method=init,
+                          **args)
 
 
 def test_unknown_row_strategy():

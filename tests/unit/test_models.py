@@ -246,8 +246,9 @@ def test_size_errors_name_the_field():
         check_model_sizes(args.replace(intermediate_size=100), 1, 8)
     with pytest.raises(InvarianceError, match="hidden_size"):
         check_model_sizes(args.replace(hidden_size=60), 1, 8)
-    with pytest.raises(InvarianceError, match="num_kv_heads=4.*not supported"):
-        check_model_sizes(args, 8, 8)
+    check_model_sizes(args, 8, 8)  # TP above the 4 KV heads: each replicated on 2 ranks
+    with pytest.raises(InvarianceError, match="num_kv_heads=3 and is not a multiple"):
+        check_model_sizes(args.replace(num_heads=12, num_kv_heads=3), 4, 8)
     with pytest.raises(InvarianceError, match="num_kv_heads=6 is not divisible"):
         check_model_sizes(args.replace(num_heads=12, num_kv_heads=6), 4, 8)
     with pytest.raises(InvarianceError, match="leaves"):

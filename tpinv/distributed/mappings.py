@@ -94,13 +94,13 @@ class _GatherFromTP(torch.autograd.Function):
 
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, group, 0)
+    def forward(ctx, x, group, dim=0):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather(grad.contiguous(), ctx.group, dim=0), None
+        return all_gather(grad.contiguous(), ctx.group, dim=ctx.dim), None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -158,9 +158,9 @@ def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Te
     return _GatherFromTP.apply(x, _group(group))
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    """Forward: this rank's chunk of dim 0.  Backward: all-gather of dim 0."""
-    return _ScatterToSP.apply(x, _group(group))
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group, *, dim: int = 0) -> torch.Tensor:
+    """Forward: this rank's chunk of dim 0 (``dim``: for ``[b, s, h]`` layouts).  Backward: all-gather of it."""
+    return _ScatterToSP.apply(x, _group(group), dim % x.dim())
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group, *,

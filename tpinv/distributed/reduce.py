@@ -39,10 +39,10 @@ import torch.distributed as dist
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size, tree_combine_list
 from tpinv.core.capture import capturing
 from tpinv.core.dtypes import NAMES
-from tpinv.distributed.groups import LOCAL, group_size_rank
+from tpinv.distributed.groups import LOCAL, group_size, group_size_rank
 
 __all__ = ["ALGORITHMS", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
-           "all_gather", "algorithms_for", "choose_algorithm"]
+           "all_gather", "gather_shards", "algorithms_for", "choose_algorithm"]
 
 ALGORITHMS = ("all_to_all", "halving", "all_gather", "pair_sum")
 
@@ -322,6 +322,16 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, *, dim: in
             _all_gather_single(out, raw, group)
     out = out.view(tensor.dtype).reshape((size * moved.shape[0],) + tuple(moved.shape[1:]))
     return out.movedim(0, dim).contiguous()
+
+
+def gather_shards(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int,
+                  replicas: int = 1) -> torch.Tensor:
+    """The full tensor of a TP shard: :func:`all_gather` along ``dim``, keeping one copy of each
+    shard when ``replicas`` consecutive ranks hold the same one (replicated KV heads)."""
+    full = all_gather(tensor.detach().contiguous(), group, dim=dim)
+    if replicas == 1 or full is tensor:
+        return full
+    return torch.cat(full.chunk(group_size(group), dim=dim)[::replicas], dim=dim)
 
 
 def _check_dim(op: str, t: torch.Tensor, dim: int) -> int:

@@ -114,7 +114,8 @@ def validate(model: nn.Module, tp_size: int, plan: str = "invariant",
         return layout
     if tp_size > args.num_kv_heads:
         raise InvarianceError(f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads}: each rank "
-                              f"needs whole KV heads; use TP <= {args.num_kv_heads}")
+                              f"needs whole KV heads in the DTensor plans; use TP <= {args.num_kv_heads}, "
+                              f"or tpinv's Transformer, which replicates KV heads (docs/scale-out.md)")
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "hidden_size"):
         check_divisible(name, getattr(args, name), tp_size, "tensor-parallel size")
     return layout

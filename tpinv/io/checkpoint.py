@@ -54,8 +54,14 @@ def shard_file_name(tp: int, rank: int) -> str:
     return FULL_FILE if tp == 1 else f"model-tp{tp}-rank{rank:02d}.safetensors"
 
 
-def shard_index(shape: Sequence[int], dim: Optional[int], tp: int, rank: int, name: str = "tensor") -> tuple:
-    """The slices selecting rank ``rank``'s piece of a tensor of ``shape`` split ``tp`` ways along ``dim``."""
+def shard_index(shape: Sequence[int], dim: Optional[int], tp: int, rank: int, name: str = "tensor",
+                replicas: int = 1) -> tuple:
+    """The slices selecting rank ``rank``'s piece of a tensor of ``shape`` split ``tp`` ways along ``dim``.
+
+    With ``replicas`` R (replicated KV heads) the tensor is split ``tp / R`` ways and ranks
+    ``[R*j, R*(j+1))`` all hold piece ``j``."""
+    if replicas > 1:
+        tp, rank = tp // replicas, rank // replicas
     index = [slice(None)] * len(shape)
     if dim is not None and tp > 1:
         n = check_divisible(f"{name} dim {dim} (shape {tuple(shape)})", shape[dim], tp, "tp size")
@@ -71,6 +77,11 @@ def param_meta_from_module(module: torch.nn.Module) -> dict[str, Optional[int]]:
         p = params.get(name)
         meta[name] = int(p.partition_dim) if p is not None and getattr(p, "tensor_model_parallel", False) else None
     return meta
+
+
+def param_replicas_from_module(module: torch.nn.Module) -> dict[str, int]:
+    """``{name: replicas}`` of the parameters that several TP ranks hold the same shard of."""
+    return {n: p.tpinv_replicas for n, p in module.named_parameters() if getattr(p, "tpinv_replicas", 1) > 1}
 
 
 def _jsonable_args(model_args: Any) -> dict:
@@ -261,7 +272,7 @@ class CheckpointReader:
 
 def load_shard(ckpt_dir: str, tp: int = 1, rank: int = 0, row_strategy: Optional[str] = None,
                param_meta: Optional[ParamMeta] = None, *, dtype: Optional[torch.dtype] = None,
-               verify: bool = False) -> dict[str, torch.Tensor]:
+               verify: bool = False, replicas: Optional[dict[str, int]] = None) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s state dict at TP size ``tp`` from a checkpoint of any layout.
 
     ``param_meta`` gives the partition dim of each tensor in the model being loaded (e.g.
@@ -269,9 +280,10 @@ def load_shard(ckpt_dir: str, tp: int = 1, rank: int = 0, row_strategy: Optional
     needs ``row_strategy`` (if given) to match the one the checkpoint was written with.
     Each tensor is assembled from the slices of the files that hold its piece (concatenated
     along the files' partition dim, then sliced along the target's), one tensor at a time.
-    ``verify=True`` checks the sha256 of every file tensor read in full.
+    ``verify=True`` checks the sha256 of every file tensor read in full.  ``replicas`` names
+    the tensors held whole by several ranks (:func:`param_replicas_from_module`).
     """
-    return dict(_iter_shard(ckpt_dir, tp, rank, row_strategy, param_meta, dtype, verify))
+    return dict(_iter_shard(ckpt_dir, tp, rank, row_strategy, param_meta, dtype, verify, replicas))
 
 
 def load_full(ckpt_dir: str, *, dtype: Optional[torch.dtype] = None, verify: bool = False) -> dict:
@@ -286,7 +298,8 @@ def iter_full_tensors(ckpt_dir: str, *, dtype: Optional[torch.dtype] = None,
 
 
 def _iter_shard(ckpt_dir: str, tp: int, rank: int, row_strategy: Optional[str],
-                param_meta: Optional[ParamMeta], dtype: Optional[torch.dtype], verify: bool):
+                param_meta: Optional[ParamMeta], dtype: Optional[torch.dtype], verify: bool,
+                replicas: Optional[dict[str, int]] = None):
     with CheckpointReader(ckpt_dir, verify) as reader:
         info = reader.info
         check_tp_size(tp, info.leaves)
@@ -300,5 +313,6 @@ def _iter_shard(ckpt_dir: str, tp: int, rank: int, row_strategy: Optional[str],
             param_meta = info.partition_dims()
         _check_names(set(param_meta), set(info.tensors), f"the tensors of {info.path}", "param_meta")
         for name in info.tensors:
-            t = reader.read(name, shard_index(info.tensors[name]["shape"], param_meta[name], tp, rank, name))
+            t = reader.read(name, shard_index(info.tensors[name]["shape"], param_meta[name], tp, rank, name,
+                                              (replicas or {}).get(name, 1)))
             yield name, t if dtype is None else t.to(dtype)

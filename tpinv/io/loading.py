@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from tpinv.distributed.groups import group_size_rank
-from tpinv.io.checkpoint import META_FILE, load_shard, param_meta_from_module, read_info, shard_index
+from tpinv.io.checkpoint import (META_FILE, load_shard, param_meta_from_module, param_replicas_from_module, read_info,
+                                 shard_index)
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.models.configs import CONFIGS, get_config
 from tpinv.io.hf_keys import args_from_dict
@@ -61,26 +62,33 @@ def _tokenizer_in(directory: str):
 
 
 def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = None, row_strategy: str = "tree",
-               leaves: Optional[int] = None, init_seed: int = 0):
+               leaves: Optional[int] = None, init_seed: int = 0, sequence_parallel: bool = False):
     """``(model, tokenizer or None)`` for ``source`` at the TP size of ``tp_group`` (eval mode).
 
-    ``leaves`` defaults to the checkpoint's (tpinv) or :data:`~tpinv.core.contract.DEFAULT_LEAVES`.
+    ``leaves`` defaults to the checkpoint's (tpinv) or :data:`~tpinv.core.contract.DEFAULT_LEAVES`;
+    ``sequence_parallel`` builds the model with Megatron's sequence parallelism (training).
     """
+    sp = {"sequence_parallel": sequence_parallel}
     tp, rank = group_size_rank(tp_group)
     args, kind = source_model_args(source, dtype)
     if kind == "config":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(init_seed)
-            model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
+            model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy,
+                                **sp)
         return model.eval(), None
     if kind == "tpinv":
-        model = Transformer(args, tp_group=tp_group, leaves=leaves or read_info(source).leaves, row_strategy=row_strategy)
-        state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype)
+        model = Transformer(args, tp_group=tp_group, leaves=leaves or read_info(source).leaves, row_strategy=row_strategy,
+                            **sp)
+        state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype,
+                           replicas=param_replicas_from_module(model))
         model.load_state_dict(state, strict=True)
         return model.eval(), _tokenizer_in(source)
     from tpinv.io.hf_convert import HFWeights, plan_import
-    model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy)
+    model = Transformer(args, tp_group=tp_group, leaves=leaves or DEFAULT_LEAVES, row_strategy=row_strategy, **sp)
     sources = plan_import(HFWeights(source), args, args.dtype, row_strategy)
-    state = {s.name: s.read(shard_index(s.shape, s.partition_dim, tp, rank, s.name)).to(s.dtype) for s in sources}
+    reps = param_replicas_from_module(model)
+    state = {s.name: s.read(shard_index(s.shape, s.partition_dim, tp, rank, s.name, reps.get(s.name, 1))).to(s.dtype)
+             for s in sources}
     model.load_state_dict(state, strict=True)
     return model.eval(), _tokenizer_in(source)

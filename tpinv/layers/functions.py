@@ -3,11 +3,21 @@
 * column-parallel: ``y_r = x @ W_r^T`` (K whole, fixed order); ``dX`` is a reduction over
   the TP-split N, so each rank computes the fp32 sub-tree of its ``L/C`` N-leaves and the
   tree reducer combines them.
+* column-parallel with ``replicas`` R (TP above the KV-head count): R consecutive ranks
+  hold the same rows and get the same full ``dY`` for them, so ``dW`` is already whole on
+  each; for ``dX`` each of the R ranks takes its own ``1/R`` of the rows -- exactly the
+  N-leaves it would own without replication -- so the tree is unchanged.
 * row-parallel, ``tree``: each rank computes the fp32 sub-tree of its ``L/C`` K-leaves,
   the tree reducer combines them, one rounding.
 * row-parallel, ``column_only``: all-gather the input (exact), compute an N-slice of the
   full ``L``-leaf tree, all-gather the output (exact).  Backward reduce-scatters the
   ``dX`` partials over the rank's N-leaves.  Same bits as ``tree`` by construction.
+
+Sequence parallelism (``seq_dim``): the column layer all-gathers its input along the
+sequence (exact) and keeps its sequence chunk of the full ``dX``; the row-parallel ``tree``
+layer tree-reduce-scatters its fp32 partials along the sequence (chunk ``r`` of the very
+tree the all-reduce computes) and all-gathers ``dY`` in backward.  Every matmul then sees
+the whole sequence, so every output and gradient has the bits of SP off.
 
 ``dW`` and ``dbias`` reduce over tokens, which TP never splits: a fixed order
 (``leaves=1``) on every rank.
@@ -40,9 +50,14 @@ class ColumnParallelMatmul(torch.autograd.Function):
     """``x @ W_r^T (+ b_r)``; the input's gradient is tree-reduced over the TP group."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, leaves, reduce_dgrad, stride=1):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, bias, group, leaves, reduce_dgrad, stride=1, replicas=1, replica_index=0,
+                seq_dim=None):
+        ctx.seq_dim = seq_dim if group_size(group) > 1 else None
+        ctx.save_for_backward(x, weight)  # with SP: the chunk (gathered again in backward, as Megatron)
+        if ctx.seq_dim is not None:  # sequence parallel: the whole sequence, gathered exactly
+            x = all_gather(x, group, dim=seq_dim)
         ctx.group, ctx.leaves, ctx.reduce_dgrad, ctx.stride = group, leaves, reduce_dgrad, stride
+        ctx.replicas, ctx.replica_index = replicas, replica_index
         ctx.bias_dtype = None if bias is None else bias.dtype
         y = matmul_partial(x, weight, 1).to(x.dtype)
         return y if bias is None else y + bias
@@ -50,47 +65,61 @@ class ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        if ctx.seq_dim is not None:
+            x = all_gather(x, ctx.group, dim=ctx.seq_dim)
         tp = group_size(ctx.group) if ctx.reduce_dgrad else 1
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             # With stride s (Megatron's interleaved [gate_r; up_r] shards) N is s blocks of
             # L leaves each: reduce each block by the contract, then add the blocks by the tree.
-            n = weight.shape[0] // ctx.stride
-            parts = torch.stack([matmul_partial(dy.narrow(-1, j * n, n), weight.narrow(0, j * n, n).t(),
+            # With ``replicas`` R (KV-head replication) the R ranks holding the same rows each
+            # take their own 1/R of them: rank r's N-leaves, as without replication.
+            n = weight.shape[0] // (ctx.stride * ctx.replicas)
+            off = ctx.replica_index * n
+            parts = torch.stack([matmul_partial(dy.narrow(-1, off + j * n, n),
+                                                weight.narrow(0, off + j * n, n).t(),
                                                 ctx.leaves // tp) for j in range(ctx.stride)], dim=-1)
             if tp > 1:
                 parts = tree_all_reduce(parts, ctx.group, leaves=ctx.leaves)
             dx = tree_combine(parts).to(x.dtype)
+            if ctx.seq_dim is not None:  # this rank's sequence chunk of the (identical) full dX
+                n = dx.shape[ctx.seq_dim] // group_size(ctx.group)
+                dx = dx.narrow(ctx.seq_dim, group_size_rank(ctx.group)[1] * n, n).contiguous()
         if ctx.needs_input_grad[1]:
             dw = _weight_grad(dy, x, weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(dy, ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 class RowParallelTreeMatmul(torch.autograd.Function):
     """``tree_all_reduce(x_r @ W_r^T over the rank's K-leaves)``, rounded once."""
 
     @staticmethod
-    def forward(ctx, x, weight, group, leaves):
+    def forward(ctx, x, weight, group, leaves, seq_dim=None):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.leaves = group, leaves
         tp = group_size(group)
+        ctx.seq_dim = seq_dim if tp > 1 else None
         part = matmul_partial(x, weight, leaves // tp)
-        if tp > 1:
+        if ctx.seq_dim is not None:  # sequence parallel: the same tree, each rank keeps its chunk
+            part = tree_reduce_scatter(part, group, dim=seq_dim, leaves=leaves)
+        elif tp > 1:
             part = tree_all_reduce(part, group, leaves=leaves)
         return part.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
+        if ctx.seq_dim is not None:
+            dy = all_gather(dy.contiguous(), ctx.group, dim=ctx.seq_dim)
         dx = dw = None
         if ctx.needs_input_grad[0]:
             # N (the output) is whole on every rank: the full L-leaf tree, locally.
             dx = matmul_partial(dy, weight.t(), ctx.leaves).to(x.dtype)
         if ctx.needs_input_grad[1]:
             dw = _weight_grad(dy, x, weight.dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class RowParallelColumnOnlyMatmul(torch.autograd.Function):

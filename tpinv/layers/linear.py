@@ -30,16 +30,36 @@ def _device(config: Any) -> torch.device:
 def _reject_config(layer: str, config: Any) -> None:
     reject_unsupported(
         layer,
-        sequence_parallel=(bool(getattr(config, "sequence_parallel", False)), False),
         gradient_accumulation_fusion=(bool(getattr(config, "gradient_accumulation_fusion", False)), False),
     )
 
 
-def _mark(param: torch.nn.Parameter, dim: int) -> None:
-    """Megatron's tensor-parallel attributes, read by its optimizer and checkpoint code."""
+def _seq_dim(config: Any) -> Optional[int]:
+    """The sequence dim split by ``config.sequence_parallel`` (``config.tpinv_sequence_dim``:
+    0 for Megatron's ``[s, b, h]``, 1 for tpinv's ``[b, s, h]``), or ``None`` when SP is off.
+
+    The dim must be named: a megatron-core model with sequence parallelism is refused, as its
+    norms' weight gradients are partial token sums added across ranks outside the contract."""
+    if not getattr(config, "sequence_parallel", False):
+        return None
+    dim = getattr(config, "tpinv_sequence_dim", None)
+    if dim is None:
+        raise NotImplementedError(
+            "sequence_parallel=True needs config.tpinv_sequence_dim (tpinv's Transformer sets it); "
+            "megatron-core models with sequence_parallel are not supported (their norm weight gradients "
+            "are per-rank token sums all-reduced out of the contract's order)")
+    return int(dim)
+
+
+def _mark(param: torch.nn.Parameter, dim: int, replicas: int = 1, replica_index: int = 0) -> None:
+    """Megatron's tensor-parallel attributes, read by its optimizer and checkpoint code, and
+    tpinv's replica count (``tpinv_replicas`` ranks hold the same shard; this is copy
+    ``tpinv_replica_index``)."""
     param.tensor_model_parallel = True
     param.partition_dim = dim
     param.partition_stride = 1
+    param.tpinv_replicas = replicas
+    param.tpinv_replica_index = replica_index
 
 
 def _make_bias(size: int, config: Any, device: torch.device) -> torch.nn.Parameter:
@@ -70,6 +90,7 @@ class ColumnParallelLinear(torch.nn.Module):
         disable_grad_reduce: bool = False,
         tp_group: Optional[dist.ProcessGroup] = None,
         leaves: Optional[int] = None,
+        replicas: int = 1,
     ):
         super().__init__()
         name = type(self).__name__
@@ -83,6 +104,9 @@ class ColumnParallelLinear(torch.nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.disable_grad_reduce = disable_grad_reduce
+        self.seq_dim = _seq_dim(config)
+        if self.seq_dim is not None and disable_grad_reduce:
+            raise NotImplementedError(f"{name}: sequence_parallel=True with disable_grad_reduce=True is not supported")
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = group_size_rank(tp_group)
         self.leaves = config_leaves(config, leaves)
@@ -90,19 +114,25 @@ class ColumnParallelLinear(torch.nn.Module):
             raise NotImplementedError(f"{name}: stride={stride} is not supported (1, 2 or 4)")
         self.stride = stride
         check_layer_sizes(name, "output_size", output_size, self.tp_size * stride, self.leaves * stride)
-        self.output_size_per_partition = output_size // self.tp_size
+        # replicas R (tpinv's KV-head replication): R consecutive ranks hold the same 1/(TP/R) of the rows
+        if not isinstance(replicas, int) or replicas < 1 or self.tp_size % replicas or (replicas > 1 and stride != 1):
+            raise NotImplementedError(f"{name}: replicas={replicas!r} must be a positive int dividing "
+                                      f"TP={self.tp_size} (with stride=1)")
+        self.replicas, self.replica_index = replicas, self.tp_rank % replicas
+        shards, shard = self.tp_size // replicas, self.tp_rank // replicas
+        self.output_size_per_partition = output_size // shards
         device = _device(config)
         if skip_weight_param_allocation:
             self.weight = None
         else:
             self.weight = init_sharded_weight(
-                (output_size, input_size), init_method, 0, self.tp_size, self.tp_rank, params_dtype(config),
+                (output_size, input_size), init_method, 0, shards, shard, params_dtype(config),
                 device, getattr(config, "perform_initialization", True), stride)
-            _mark(self.weight, 0)
+            _mark(self.weight, 0, replicas, self.replica_index)
             self.weight.partition_stride = stride
         if bias:
             self.bias = _make_bias(self.output_size_per_partition, config, device)
-            _mark(self.bias, 0)
+            _mark(self.bias, 0, replicas, self.replica_index)
         else:
             self.register_parameter("bias", None)
 
@@ -120,7 +150,8 @@ class ColumnParallelLinear(torch.nn.Module):
             raise ValueError(f"input has last dim {input_.shape[-1]}, expected {self.input_size}")
         bias = None if self.skip_bias_add else self.bias
         y = ColumnParallelMatmul.apply(input_, weight, bias, self.tp_group, self.leaves,
-                                       not self.disable_grad_reduce, self.stride)
+                                       not self.disable_grad_reduce, self.stride, self.replicas,
+                                       self.replica_index, self.seq_dim)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and self.tp_size > 1:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
@@ -128,7 +159,8 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
-                f"bias={self.bias is not None}, TP={self.tp_size}, leaves={self.leaves}")
+                f"bias={self.bias is not None}, TP={self.tp_size}, leaves={self.leaves}"
+                + (f", replicas={self.replicas}" if self.replicas > 1 else ""))
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -167,6 +199,11 @@ class RowParallelLinear(torch.nn.Module):
         self.tp_size, self.tp_rank = group_size_rank(tp_group)
         self.leaves = config_leaves(config, leaves)
         self.strategy = config_row_strategy(config, strategy)
+        self.seq_dim = _seq_dim(config)
+        if self.seq_dim is not None and (self.strategy != "tree" or bias or not input_is_parallel):
+            raise NotImplementedError(f"{name}: sequence_parallel=True needs strategy='tree', bias=False and "
+                                      f"input_is_parallel=True (got {self.strategy!r}, bias={bias}, "
+                                      f"input_is_parallel={input_is_parallel})")
         self.input_size_per_partition = check_layer_sizes(name, "input_size", input_size, self.tp_size, self.leaves)
         device = _device(config)
         # tree: W[:, K_r] (Megatron's layout); column_only: W[N_r, :].
@@ -191,8 +228,10 @@ class RowParallelLinear(torch.nn.Module):
             raise ValueError(f"input has last dim {x.shape[-1]}, expected {self.input_size_per_partition} "
                              f"(input_size={self.input_size} / TP={self.tp_size}, input_is_parallel="
                              f"{self.input_is_parallel})")
-        fn = RowParallelTreeMatmul if self.strategy == "tree" else RowParallelColumnOnlyMatmul
-        y = fn.apply(x, self.weight, self.tp_group, self.leaves)
+        if self.strategy == "tree":
+            y = RowParallelTreeMatmul.apply(x, self.weight, self.tp_group, self.leaves, self.seq_dim)
+        else:
+            y = RowParallelColumnOnlyMatmul.apply(x, self.weight, self.tp_group, self.leaves)
         if self.skip_bias_add:
             return y, self.bias
         return (y if self.bias is None else y + self.bias), None

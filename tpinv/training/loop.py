@@ -8,10 +8,12 @@ Per step, the order of every sum is fixed and independent of the TP size:
   cross-entropy, times the loss mask, summed over the flattened tokens by ``tree_sum(.., 1)``)
   is back-propagated; each parameter's gradient (rounded once by the layers to the parameter
   dtype) is widened into an fp32 buffer, together with the loss sum;
-* the micro-batch buffers are combined by the adjacent-pair tree in micro-batch order
-  (zero-padded to a power of two), then across DP ranks by the tree reducer -- the same tree
-  over the global micro-batch axis, so with a power-of-two number of micro-batches per DP rank
-  the result does not depend on the DP size either;
+* the micro-batch buffers are combined by the adjacent-pair tree in micro-batch order, then
+  across DP ranks by the tree reducer -- one tree over the ``M = global_batch / micro_batch``
+  micro-batch leaves of the global batch.  ``M`` must be a power of two (checked), so every
+  DP size ``D`` (a power of two dividing ``M``) gives each rank ``M / D`` whole, contiguous
+  sub-trees, and how micro-batches map to ranks and accumulation steps never changes the
+  tree: TP x DP layouts of any world (TP2xDP2, TP4xDP1, TP1xDP4, TP1xDP1) agree bitwise;
 * the sum is divided (elementwise) by the number of loss tokens in the global batch, the
   gradient norm is taken by :func:`~tpinv.training.optim.global_grad_norm`, clipped, and
   :class:`~tpinv.training.optim.InvariantAdamW` updates the fp32 masters and the model.
@@ -32,7 +34,7 @@ import torch.distributed as dist
 
 from tpinv.core.contract import InvarianceError
 from tpinv.ops import tree_sum
-from tpinv.distributed.reduce import all_gather, tree_all_reduce
+from tpinv.distributed.reduce import gather_shards, tree_all_reduce
 from tpinv.training.train_state import load_train_state, save_train_state
 from tpinv.training.data import dp_slice, make_dataset, micro_batches
 from tpinv.training.metrics import PLOT_FILE, MetricsLogger, plot_loss_curve, read_metrics
@@ -77,6 +79,7 @@ class TrainConfig:
     vanilla: bool = False
     leaves: int = 8
     row_strategy: str = "tree"
+    sequence_parallel: bool = False
     log_dir: Optional[str] = None
     progress: Optional[bool] = None
 
@@ -87,6 +90,14 @@ class TrainConfig:
         if self.global_batch % (self.micro_batch * dp):
             raise ValueError(f"global_batch={self.global_batch} must be a multiple of micro_batch * dp = "
                              f"{self.micro_batch} * {dp} = {self.micro_batch * dp}")
+        leaves = self.global_batch // self.micro_batch
+        if not self.vanilla and leaves & (leaves - 1):
+            raise InvarianceError(
+                f"global_batch / micro_batch = {self.global_batch} / {self.micro_batch} = {leaves} micro-batches: "
+                f"the gradient tree over micro-batches needs a power of two so every data-parallel size (a power "
+                f"of two dividing it) holds whole sub-trees; e.g. global_batch={self.micro_batch * (1 << leaves.bit_length())}")
+        if self.vanilla and self.sequence_parallel:
+            raise NotImplementedError("sequence_parallel=True is not supported by the vanilla control (--vanilla)")
         if self.lr <= 0 or self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("lr must be positive; warmup, save_every and eval_every must be >= 0")
         if self.save_every and not self.save:
@@ -242,16 +253,15 @@ class Trainer:
         c = counts.tolist()
         return {"heldout_exact": c[0] / c[1], "heldout_token_acc": c[2] / c[3]}
 
-    def _full(self, t: torch.Tensor, dim) -> torch.Tensor:
-        return t.detach() if dim is None or self.tp == 1 else \
-            all_gather(t.detach().contiguous(), self.tp_group, dim=dim)
+    def _full(self, t: torch.Tensor, dim, replicas: int = 1) -> torch.Tensor:
+        return t.detach() if dim is None or self.tp == 1 else gather_shards(t, self.tp_group, dim, replicas)
 
     def weights_sha256(self, which: str = "model") -> str:
         """sha256 of the full tensors (names, dtypes, shapes, bytes) of the model or the fp32 masters."""
         h = hashlib.sha256()
         for s in self.layout.slots:
             t = self.layout.params[s.name] if which == "model" else self.optimizer.tensors(s.name)["master"]
-            full = self._full(t, s.partition_dim).cpu().contiguous()
+            full = self._full(t, s.partition_dim, s.replicas).cpu().contiguous()
             h.update(f"{s.name}|{full.dtype}|{tuple(full.shape)}|".encode())
             h.update(full.reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()

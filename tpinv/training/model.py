@@ -32,7 +32,8 @@ def build_model(config, tp_group, tp: int, tp_rank: int):
         raise ValueError(f"seq_len={config.seq_len} exceeds the model's max_position_embeddings="
                          f"{args.max_position_embeddings}")
     model, _ = load_model(config.model, tp_group=tp_group, dtype=args.dtype, row_strategy=config.row_strategy,
-                          leaves=config.leaves, init_seed=config.seed)
+                          leaves=config.leaves, init_seed=config.seed,
+                          sequence_parallel=getattr(config, "sequence_parallel", False))
     if model.tp_size != tp or model.tp_rank != tp_rank:
         raise ValueError(f"the TP group holds rank {model.tp_rank} of {model.tp_size}, expected {tp_rank} of {tp}")
     return model.args, model.train()

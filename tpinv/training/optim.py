@@ -56,6 +56,8 @@ class ParamSlot:
     full_shape: tuple
     partition_dim: Optional[int]
     decay: bool
+    replicas: int = 1          # ranks holding this shard (replicated KV heads)
+    replica_index: int = 0
 
 
 class ParamLayout:
@@ -68,9 +70,11 @@ class ParamLayout:
         for name, p in self.params.items():
             dim = int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
             full = list(p.shape)
+            reps = getattr(p, "tpinv_replicas", 1) if dim is not None else 1
             if dim is not None:
-                full[dim] *= tp_size
-            self.slots.append(ParamSlot(name, offset, p.numel(), tuple(p.shape), tuple(full), dim, p.dim() >= 2))
+                full[dim] *= tp_size // reps
+            self.slots.append(ParamSlot(name, offset, p.numel(), tuple(p.shape), tuple(full), dim, p.dim() >= 2,
+                                        reps, getattr(p, "tpinv_replica_index", 0) if reps > 1 else 0))
             offset += p.numel()
         self.numel = offset
         self.by_name = {s.name: s for s in self.slots}
@@ -127,6 +131,8 @@ def global_grad_norm(grads: torch.Tensor, layout: ParamLayout, tp_group=None,
     for s in layout.slots:
         full_numel = math.prod(s.full_shape)
         flat = _canonical_squares(layout.view(grads, s.name), s.partition_dim)
+        if s.replicas > 1:  # a replicated shard: this rank's 1/R of it, the leaves it would own unreplicated
+            flat = flat.view(s.replicas, -1)[s.replica_index]
         if s.partition_dim is not None and tp > 1:
             if full_numel % leaves:
                 raise InvarianceError(f"{s.name}: {full_numel} elements (shape {s.full_shape}) do not split "

@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from tpinv.io.atomic_dir import atomic_directory, fsync_dir, fsync_file, write_json
-from tpinv.io.checkpoint import load_shard, param_meta_from_module, save_checkpoint, shard_index
+from tpinv.io.checkpoint import (load_shard, param_meta_from_module, param_replicas_from_module, save_checkpoint,
+                                 shard_index)
 from tpinv.distributed.groups import group_size
-from tpinv.distributed.reduce import all_gather
+from tpinv.distributed.reduce import gather_shards
 from tpinv.io.safetensors_stream import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
 
 __all__ = ["CheckpointError", "save_train_state", "load_train_state", "resolve_checkpoint", "read_train_state",
@@ -55,10 +56,10 @@ def _file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _full(t: torch.Tensor, dim: Optional[int], tp_group) -> torch.Tensor:
+def _full(t: torch.Tensor, dim: Optional[int], tp_group, replicas: int = 1) -> torch.Tensor:
     if dim is None or group_size(tp_group) == 1:
         return t.detach().clone()
-    return all_gather(t.detach().contiguous(), tp_group, dim=dim)
+    return gather_shards(t, tp_group, dim, replicas)
 
 
 def _rng_state() -> tuple[dict, torch.Tensor]:
@@ -129,7 +130,7 @@ def save_train_state(root: str, *, step: int, model, optimizer, layout, model_ar
     full = {}
     for s in layout.slots:
         local = dict(optimizer.tensors(s.name), weight=layout.params[s.name])
-        full[s.name] = {k: _full(v, s.partition_dim, tp_group) for k, v in local.items()}
+        full[s.name] = {k: _full(v, s.partition_dim, tp_group, s.replicas) for k, v in local.items()}
     rng, torch_rng = _rng_state()
     state = dict(state, format=FORMAT_NAME, format_version=FORMAT_VERSION, step=step, rng=rng,
                  optimizer=optimizer.state(), model_args=_args_dict(model_args))
@@ -220,12 +221,13 @@ def load_train_state(path: str, *, model, optimizer, layout, model_args, leaves:
     _check_compatible(state, _args_dict(model_args), leaves, step_dir)
     meta = param_meta_from_module(model)
     try:
-        weights = load_shard(os.path.join(step_dir, MODEL_DIR), tp_size, tp_rank, param_meta=meta, verify=True)
+        weights = load_shard(os.path.join(step_dir, MODEL_DIR), tp_size, tp_rank, param_meta=meta, verify=True,
+                             replicas=param_replicas_from_module(model))
     except (KeyError, ValueError, OSError) as e:
         raise CheckpointError(f"{step_dir}/{MODEL_DIR}: {e}") from None
     with SafetensorsReader(os.path.join(step_dir, OPTIM_FILE)) as reader, torch.no_grad():
         for s in layout.slots:
-            index = shard_index(s.full_shape, s.partition_dim, tp_size, tp_rank, s.name)
+            index = shard_index(s.full_shape, s.partition_dim, tp_size, tp_rank, s.name, s.replicas)
             layout.params[s.name].copy_(_checked(weights[s.name], s.shape, f"model {s.name}"))
             local = optimizer.tensors(s.name)
             for k in _MOMENTS:
