@@ -16,8 +16,12 @@ SUPPORTED_RANGE = ((0, 12), (0, 16))
 def _parse(text: str) -> tuple[int, int, int]:
     parts = []
     for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
-        parts.append(int(digits))
+        digits = ""
+        for ch in piece:
+            if not ch.isdigit():
+                break
+            digits += ch
+        parts.append(int(digits or "0"))
     while len(parts) < 3:
         parts.append(0)
     return tuple(parts)  # type: ignore[return-value]
