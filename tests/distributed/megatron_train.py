@@ -73,13 +73,19 @@ def _forward_step(data_iterator, model):
 
 def train(kind, variant, tp, group):
     """Losses, grad norms and the full (gathered) weights after STEPS steps."""
+    gpt = _model(kind, variant, tp, group)
+    losses, norms = run_steps(gpt, variant, group, _batches(), STEPS)
+    return losses, norms, gathered_weights(gpt, group)
+
+
+def run_steps(gpt, variant, group, data, steps):
+    """``steps`` steps of megatron's loop (DDP, get_megatron_optimizer, get_forward_backward_func)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     import tpinv.megatron as tm
 
-    gpt = _model(kind, variant, tp, group)
     model = DistributedDataParallel(config=gpt.config, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=gpt)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, bf16=False, fp16=False,
@@ -87,9 +93,8 @@ def train(kind, variant, tp, group):
     if variant != "stock":
         tm.use_invariant_grad_norm(opt, [model], tp_group=group)
     fbf = get_forward_backward_func()
-    data = _batches()
     losses, norms = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         model.zero_grad_buffer()
         opt.zero_grad()
         out = fbf(forward_step_func=_forward_step, data_iterator=data, model=model, num_microbatches=1,
@@ -98,14 +103,17 @@ def train(kind, variant, tp, group):
         assert ok
         losses.append(out[0]["lm loss"])
         norms.append(norm)
-    return losses, norms, gathered_weights(gpt, group)
+    return losses, norms
 
 
-def gathered_weights(model, group):
+def gathered_weights(model, group, grads=False):
+    """Every parameter (or its ``.grad``) at full shape: TP shards gathered, stride-2 shards re-laid."""
     tp = dist.get_world_size(group)
     out = {}
     for name, p in model.named_parameters():
-        t = p.detach()
+        t = p.detach() if not grads else p.grad
+        if t is None:
+            continue
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
             parts = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(parts, t.contiguous(), group=group)
@@ -131,3 +139,31 @@ def worker(rank, world, kinds=("gpt2", "llama"), variants=("stock", "spec", "swa
     finally:
         parallel_state.destroy_model_parallel()
     return res if rank == 0 else None
+
+
+def checkpoint_worker(rank, world, ckpt_dir, save):
+    """With ``save``: train 2 steps, save with megatron's dist_checkpointing.  Then (either way) a
+    fresh model loads the checkpoint and trains 2 more steps: the loaded weights and that curve."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from tpinv.testing.megatron_cpu import megatron_cpu_shims
+
+    megatron_cpu_shims()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    group = parallel_state.get_tensor_model_parallel_group()
+    try:
+        data = _batches()
+        if save:
+            gpt = _model("gpt2", "spec", world, group)
+            run_steps(gpt, "spec", group, data, 2)
+            dist_checkpointing.save(gpt.sharded_state_dict(), ckpt_dir)
+        else:
+            next(data), next(data)
+        gpt = _model("gpt2", "spec", world, group)
+        gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), ckpt_dir))
+        loaded = gathered_weights(gpt, group)
+        losses, norms = run_steps(gpt, "spec", group, data, 2)
+        out = (loaded, losses, norms, gathered_weights(gpt, group))
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out if rank == 0 else None

@@ -20,9 +20,13 @@ from typing import Any, Optional
 
 import torch
 
-from tpinv.layers import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from tpinv.layers import vocab_parallel_cross_entropy
 from tpinv.megatron.dropout import install_invariant_dropout
-from tpinv.megatron.layers import MegatronColumnParallelLinear, MegatronRowParallelLinear, megatron_tp_group
+from tpinv.core.contract import DEFAULT_LEAVES
+from tpinv.megatron.layers import (
+    LEAVES_FIELD, MegatronColumnParallelLinear, MegatronRowParallelLinear, MegatronVocabParallelEmbedding,
+    megatron_tp_group,
+)
 from tpinv.megatron.version import megatron_version
 
 SUPPORTED = ("megatron.core.tensor_parallel.ColumnParallelLinear", "megatron.core.tensor_parallel.RowParallelLinear",
@@ -111,9 +115,9 @@ def _row_from(old, config, tp_group, where) -> MegatronRowParallelLinear:
         strategy="tree")
 
 
-def _embedding_from(old, config, tp_group, where) -> VocabParallelEmbedding:
-    return VocabParallelEmbedding(old.num_embeddings, old.embedding_dim, init_method=None, config=config,
-                                  tp_group=tp_group)
+def _embedding_from(old, config, tp_group, where) -> MegatronVocabParallelEmbedding:
+    return MegatronVocabParallelEmbedding(old.num_embeddings, old.embedding_dim, init_method=None, config=config,
+                                          tp_group=tp_group)
 
 
 def _copy_params(old: torch.nn.Module, new: torch.nn.Module) -> None:
@@ -165,7 +169,7 @@ def swap_to_tpinv(model: torch.nn.Module, *, tp_group: Optional[torch.distribute
                     break
     if hasattr(model, "compute_language_model_loss"):
         model._tpinv_tp_group = tp_group
-        model._tpinv_leaves = getattr(config, "tpinv_leaves", None) or 8
+        model._tpinv_leaves = getattr(config, LEAVES_FIELD, None) or DEFAULT_LEAVES
         model.compute_language_model_loss = types.MethodType(_tpinv_language_model_loss, model)
     seed = torch.initial_seed() if dropout_seed is None else dropout_seed
     install_invariant_dropout(model, tp_group=tp_group, seed=seed & 0xFFFFFFFF)

@@ -75,7 +75,7 @@ class _CPUTorch:
         return getattr(torch, name)
 
 
-_CUDA_MODULES = ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.distrib_optimizer",
+_CUDA_MODULES = ("megatron.core.utils", "megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.distrib_optimizer",
                  "megatron.core.distributed.param_and_grad_buffer",
                  "megatron.core.distributed.distributed_data_parallel", "megatron.core.pipeline_parallel.schedules",
                  "megatron.core.pipeline_parallel.p2p_communication")
