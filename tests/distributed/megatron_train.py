@@ -16,6 +16,10 @@ def config(kind: str, tp: int):
                   bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
                   persist_layer_norm=False, gradient_accumulation_fusion=False, init_method_std=0.05,
                   params_dtype=torch.float32, pipeline_dtype=torch.float32)
+    if kind == "example":  # megatron's run_simple_mcore_train_loop config, with the documented leaf setting
+        cfg = TransformerConfig(hidden_size=12, num_attention_heads=4, **common)
+        cfg.tpinv_leaves = 4
+        return cfg
     if kind == "gpt2":  # LayerNorm, GeLU, biases, learned positions, dropout 0.1
         cfg = TransformerConfig(hidden_size=48, num_attention_heads=4, ffn_hidden_size=96, normalization="LayerNorm",
                                 activation_func=torch.nn.functional.gelu, add_bias_linear=True,
@@ -35,8 +39,8 @@ def _model(kind, variant, tp, group):
     import tpinv.megatron as tm
 
     cfg = config(kind, tp)
-    norm = "LayerNorm" if kind == "gpt2" else "RMSNorm"
-    pos = "learned_absolute" if kind == "gpt2" else "rope"
+    norm = "RMSNorm" if kind == "llama" else "LayerNorm"
+    pos = "rope" if kind == "llama" else "learned_absolute"
     torch.manual_seed(0)
     if variant == "spec":
         return tm.build_gpt_model(cfg, tp_group=group, vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -126,7 +130,7 @@ def gathered_weights(model, group, grads=False):
     return out
 
 
-def worker(rank, world, kinds=("gpt2", "llama"), variants=("stock", "spec", "swapped")):
+def worker(rank, world, kinds=("gpt2", "llama", "example"), variants=("stock", "spec", "swapped")):
     from megatron.core import parallel_state
 
     from tpinv.testing.megatron_cpu import megatron_cpu_shims

@@ -1,7 +1,8 @@
 """megatron-core's own training loop (megatron DDP, get_megatron_optimizer with clip_grad=1.0,
 get_forward_backward_func) on a tpinv model ends 4 steps with the same losses, grad norms and
 weight bits at TP 1, 2 and 4 -- GPT-2-style (LayerNorm, GeLU, biases, learned positions, dropout
-0.1) and Llama-style (RMSNorm, SwiGLU, GQA, RoPE), spec-built and swapped in place.  The stock
+0.1), Llama-style (RMSNorm, SwiGLU, GQA, RoPE) and megatron's example config (hidden 12, ffn 48,
+biases, dropout 0.1, ``config.tpinv_leaves = 4``), spec-built and swapped in place.  The stock
 model (megatron's layers, RNG dropout and grad norm) is the control that differs."""
 import pytest
 import torch
@@ -19,7 +20,7 @@ def runs():
     return {tp: run_ranks(megatron_train.worker, tp, timeout=600)[0] for tp in (1, 2, 4)}
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "example"])
 @pytest.mark.parametrize("variant", ["spec", "swapped"])
 def test_megatron_training_same_bits_at_every_tp(runs, kind, variant):
     ref_losses, ref_norms, ref_w = runs[1][(kind, variant)]
@@ -32,7 +33,7 @@ def test_megatron_training_same_bits_at_every_tp(runs, kind, variant):
             assert_same_bits(w[name], ref_w[name], f"{kind}/{variant} {name} after 4 steps at TP={tp}")
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "example"])
 def test_spec_and_swapped_train_alike(runs, kind):
     _, _, spec_w = runs[1][(kind, "spec")]
     _, _, swap_w = runs[1][(kind, "swapped")]
@@ -40,7 +41,7 @@ def test_spec_and_swapped_train_alike(runs, kind):
         assert_same_bits(spec_w[name], swap_w[name], f"{kind} {name}: spec vs swapped")
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "example"])
 def test_stock_megatron_training_differs_across_tp(runs, kind):
     # the control: megatron's layers (plain all-reduce), its RNG dropout and its grad norm
     _, _, ref_w = runs[1][(kind, "stock")]
