@@ -152,7 +152,11 @@ def checkpoint_worker(rank, world, ckpt_dir, save):
 
     from tpinv.testing.megatron_cpu import megatron_cpu_shims
 
+    import multiprocessing
+
     megatron_cpu_shims()
+    # torch_dist saving starts a multiprocessing Manager; the test's rank processes are daemonic
+    multiprocessing.current_process()._config["daemon"] = False
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     group = parallel_state.get_tensor_model_parallel_group()
     try:
