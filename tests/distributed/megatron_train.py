@@ -168,10 +168,11 @@ def checkpoint_worker(rank, world, ckpt_dir, save):
         else:
             next(data), next(data)
         gpt = _model("gpt2", "spec", world, group)
+        fresh = gathered_weights(gpt, group)
         gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), ckpt_dir))
         loaded = gathered_weights(gpt, group)
         losses, norms = run_steps(gpt, "spec", group, data, 2)
-        out = (loaded, losses, norms, gathered_weights(gpt, group))
+        out = (loaded, losses, norms, gathered_weights(gpt, group), fresh)
     finally:
         parallel_state.destroy_model_parallel()
     return out if rank == 0 else None
