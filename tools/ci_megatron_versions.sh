@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The megatron-core version matrix: for each supported minor, a venv under .venvs/ that holds
-# only that megatron-core (no dependencies) and sees everything else (torch, numpy, tpinv)
-# through a .pth line pointing at the main venv's site-packages; then the megatron tests run
+# only that megatron-core (no dependencies) and sees everything else (torch, numpy, psutil, tpinv)
+# through a .pth line adding the main venv's site-packages after its own; then the megatron tests run
 # in it.  Reuses a venv whose megatron-core is already the wanted version.
 #   tools/ci_megatron_versions.sh [VERSION ...]    (default: every version below)
 #   MCORE_TESTS="tests/distributed/test_megatron_gpt.py ..." to choose the tests.
@@ -21,7 +21,8 @@ for v in "${VERSIONS[@]}"; do
     python3 -m venv --without-pip "$venv"
   fi
   vsite=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "$SITE" > "$vsite/_tpinv_main_venv.pth"
+  # addsitedir, not a bare path: the main venv's own .pth files (tpinv's editable finder) must run
+  echo "import site; site.addsitedir('$SITE')" > "$vsite/_tpinv_main_venv.pth"
   have=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("megatron-core"))' 2>/dev/null || true)
   if [ "$have" != "$v" ] || ! [ -d "$vsite/megatron/core" ]; then
     "$MAIN/bin/python" -m pip install -q --no-deps --upgrade --target "$vsite" "megatron-core==$v"
