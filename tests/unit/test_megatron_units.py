@@ -97,3 +97,32 @@ def test_grad_norm_equals_the_trainers_norm():
     for v in (flat * flat).tolist():
         chain = chain + torch.tensor(v, dtype=torch.float32)
     assert_bits_differ(ours, torch.sqrt(chain), "left-to-right sum of squares (control)")
+
+
+def test_plain_rng_dropout_is_refused():
+    from tpinv.megatron.dropout import InvariantDropout, install_invariant_dropout
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+    with pytest.raises(NotImplementedError, match=r"1 is a torch.nn.Dropout\(p=0.1\) on megatron's RNG path"):
+        install_invariant_dropout(model, tp_group=None, seed=1)
+    emb = torch.nn.Module()
+    emb.embedding_dropout = torch.nn.Dropout(0.1)
+    assert install_invariant_dropout(emb, tp_group=None, seed=1) == 1
+    assert isinstance(emb.embedding_dropout, InvariantDropout)
+
+
+def test_leaf_error_names_the_config_field():
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from tpinv.core.contract import InvarianceError
+    from tpinv.megatron.layers import MegatronRowParallelLinear
+
+    cfg = SimpleNamespace(params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=True)
+    with pytest.raises(InvarianceError, match=r"input_size=12 is not divisible by leaves=8.*config\.tpinv_leaves"):
+        MegatronRowParallelLinear(12, 12, config=cfg, init_method=torch.nn.init.zeros_, bias=True,
+                                  input_is_parallel=True, skip_bias_add=False)
+    cfg.tpinv_leaves = 4
+    layer = MegatronRowParallelLinear(12, 12, config=cfg, init_method=torch.nn.init.zeros_, bias=True,
+                                      input_is_parallel=True, skip_bias_add=False)
+    assert layer.leaves == 4
