@@ -112,6 +112,9 @@ def use_invariant_grad_norm(optimizer, model_chunks: Sequence[torch.nn.Module], 
     Refuses fp16 loss scaling (the norm is taken from the model's unscaled ``main_grad``) and a
     distributed optimizer over several data-parallel ranks (each keeps only its shard of the grads).
     """
+    from tpinv.megatron.version import megatron_version
+
+    megatron_version()
     if leaves is None:
         leaves = getattr(getattr(optimizer, "config", None), "tpinv_leaves", None) or \
             getattr(getattr(_unwrap(model_chunks[0]), "config", None), "tpinv_leaves", None) or DEFAULT_LEAVES
