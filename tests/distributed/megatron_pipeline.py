@@ -83,6 +83,10 @@ def worker(rank, world, tp, pp):
             assert ok
             losses.append([o["lm loss"] for o in out])
             norms.append(norm)
+        # the control: megatron's own norm of the last step's gradients (the per-tensor norms
+        # of the shards, then a plain all-reduce over the model-parallel group)
+        inner = getattr(opt, "chained_optimizers", [opt])[0]
+        norms.append(("stock", type(inner).get_grad_norm(inner)))
         from megatron_train import gathered_weights
         names = global_parameter_names(gpt)
         local = gathered_weights(gpt, group)
