@@ -45,7 +45,7 @@ def _data():
                "loss_mask": torch.ones(BATCH, SEQ)}
 
 
-def worker(rank, world, tp, pp):
+def worker(rank, world, tp, pp, dropout_seed=7):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -66,7 +66,7 @@ def worker(rank, world, tp, pp):
         gpt = tm.build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=first,
                                  post_process=last, spec_kwargs=dict(normalization="LayerNorm"),
                                  position_embedding_type="learned_absolute",
-                                 share_embeddings_and_output_weights=False, dropout_seed=7)
+                                 share_embeddings_and_output_weights=False, dropout_seed=dropout_seed)
         _init_by_name(gpt, group)
         model = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False), module=gpt)
@@ -83,10 +83,6 @@ def worker(rank, world, tp, pp):
             assert ok
             losses.append([o["lm loss"] for o in out])
             norms.append(norm)
-        # the control: megatron's own norm of the last step's gradients (the per-tensor norms
-        # of the shards, then a plain all-reduce over the model-parallel group)
-        inner = getattr(opt, "chained_optimizers", [opt])[0]
-        norms.append(("stock", type(inner).get_grad_norm(inner)))
         from megatron_train import gathered_weights
         names = global_parameter_names(gpt)
         local = gathered_weights(gpt, group)

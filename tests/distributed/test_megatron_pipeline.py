@@ -1,6 +1,6 @@
 """megatron's pipeline schedule with tpinv layers: PP=2 x TP=2 trains (3 steps of 2 micro-batches,
 megatron DDP and optimizer, clip_grad=1.0, dropout 0.1) to the same losses, grad norms and weight
-bits as PP=1 x TP=1; megatron's own grad norm of the same gradients does not (control)."""
+bits as PP=1 x TP=1; the control changes the dropout masks (another seed) and differs."""
 import pytest
 import torch
 
@@ -17,10 +17,11 @@ def test_pp2_tp2_equals_pp1_tp1():
     losses, norms, w = run_ranks(megatron_pipeline.worker, 4, 2, 2, timeout=400)[0]
     assert_same_bits(torch.stack([torch.stack(s) for s in losses]), torch.stack([torch.stack(s) for s in ref_losses]),
                      "losses of PP=2 x TP=2")
-    (_, stock), (_, ref_stock) = norms.pop(), ref_norms.pop()
     assert norms == ref_norms, f"grad norms {norms} vs {ref_norms}"
-    assert_bits_differ(torch.tensor(stock, dtype=torch.float64), torch.tensor(ref_stock, dtype=torch.float64),
-                       "megatron's own grad norm at PP=2 x TP=2 vs PP=1 x TP=1 (control)")
     assert w.keys() == ref_w.keys() and len(w) > 10
     for name in ref_w:
         assert_same_bits(w[name], ref_w[name], f"{name} after PP=2 x TP=2 training")
+    # control: other dropout masks (another seed) change the weights, so the check above would see them
+    _, _, other_w = run_ranks(megatron_pipeline.worker, 1, 1, 1, 8, timeout=400)[0]
+    name = "decoder.layers.1.mlp.linear_fc2.weight"
+    assert_bits_differ(other_w[name], ref_w[name], f"{name} with another dropout seed (control)")

@@ -6,7 +6,8 @@ replaces, in this process only:
 * the CUDA RNG tracker (``get_cuda_rng_tracker``): ``fork()`` becomes a no-op context -- with
   tpinv's invariant dropout no random generator is drawn from inside it;
 * ``torch.cuda.current_device`` -> ``"cpu"`` (megatron allocates its DDP buffers and scalars there),
-  and, without CUDA, ``torch.cuda.synchronize`` -> no-op (the pipeline schedule's p2p calls it);
+  and, without CUDA, ``torch.cuda.synchronize`` -> no-op and ``Tensor.cuda()`` -> the tensor itself
+  (megatron's pipeline schedules call both);
 * ``device="cuda"`` in the tensor factories (``torch.tensor/zeros/ones/empty/full``) of megatron's
   optimizer and DDP modules -> CPU, through a ``torch`` stand-in bound in those modules only;
 * the ``torch.cuda.FloatTensor`` type assertion of megatron's gradient clipping
@@ -98,8 +99,9 @@ def megatron_cpu_shims() -> None:
         if hasattr(m, "get_cuda_rng_tracker"):
             m.get_cuda_rng_tracker = mrandom.get_cuda_rng_tracker
     torch.cuda.current_device = lambda: "cpu"
-    if not torch.cuda.is_available():  # the pipeline schedule's p2p synchronizes the device
+    if not torch.cuda.is_available():  # the pipeline schedules synchronize and call Tensor.cuda()
         torch.cuda.synchronize = lambda *a, **k: None
+        torch.Tensor.cuda = lambda self, *a, **k: self
     for mod in _CUDA_MODULES:
         try:
             m = __import__(mod, fromlist=["_"])
