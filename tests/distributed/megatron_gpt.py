@@ -1,11 +1,10 @@
 """A tiny megatron-core GPTModel on CPU/gloo, stock or with tpinv layers (run in spawned ranks).
 
-megatron-core assumes CUDA for its RNG tracker and current device; :func:`cpu_shims` replaces
-those two for the test process only (tpinv itself never patches megatron).
+megatron-core assumes CUDA in places; ``tpinv.testing.megatron_cpu`` replaces those for the test
+process only (tpinv itself never patches megatron).  Besides logits and loss, the loss's
+gradients (every parameter, gathered to full shape) are returned.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -14,25 +13,16 @@ VOCAB, SEQ, BATCH = 256, 16, 2
 
 
 def cpu_shims():
-    import megatron.core.tensor_parallel as tensor_parallel
-    import megatron.core.tensor_parallel.random as mrandom
+    from tpinv.testing.megatron_cpu import megatron_cpu_shims
 
-    class _Tracker:
-        def fork(self, *args, **kwargs):
-            return contextlib.nullcontext()
-
-        def add(self, *args, **kwargs):
-            pass
-
-    tensor_parallel.get_cuda_rng_tracker = mrandom.get_cuda_rng_tracker = lambda *a, **k: _Tracker()
-    torch.cuda.current_device = lambda: "cpu"
+    megatron_cpu_shims()
 
 
 def _config(tp, dtype):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=128,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, normalization="RMSNorm",
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
@@ -50,15 +40,20 @@ def _inputs():
 
 
 def _run(model, group):
+    from megatron_train import gathered_weights
+
     tokens, labels, pos, mask = _inputs()
     with torch.no_grad():
         logits = model(tokens, pos, mask)
-        loss = model(tokens, pos, mask, labels=labels)
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, pos, mask, labels=labels)
+    loss.float().mean().backward()
+    grads = gathered_weights(model, group, grads=True)
     if dist.get_world_size(group) > 1:
         parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, logits.contiguous(), group=group)
         logits = torch.cat(parts, dim=-1)
-    return logits, loss
+    return logits, loss.detach(), grads
 
 
 def worker(rank, world):
@@ -91,7 +86,8 @@ def _worker_dtype(rank, world, dtype):
     built = tm.build_gpt_model(cfg, tp_group=group, vocab_size=VOCAB, max_sequence_length=SEQ,
                                spec_kwargs=dict(normalization="RMSNorm"), position_embedding_type="rope")
     kinds = {type(m) for m in built.modules()}
-    assert ColumnParallelLinear in kinds and RowParallelLinear in kinds
+    assert any(issubclass(k, ColumnParallelLinear) for k in kinds)
+    assert any(issubclass(k, RowParallelLinear) for k in kinds)
     out["spec"] = _run(built, group)
     parallel_state.destroy_model_parallel()
     return out if rank == 0 else None

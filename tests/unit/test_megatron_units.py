@@ -1,0 +1,128 @@
+"""Single-process pieces of the megatron-core integration: version range, invariant dropout,
+the fixed-order broadcast-bias gradient, the grad norm equal to tpinv's trainer's."""
+import pytest
+import torch
+
+from tpinv.testing import assert_bits_differ, assert_same_bits
+
+
+def test_version_range_refuses_outside():
+    from tpinv.megatron.version import check_version
+
+    assert check_version("0.12.3") == (0, 12, 3)
+    assert check_version("0.16.1") == (0, 16, 1)
+    assert check_version("0.15.0rc2") == (0, 15, 0)
+    for bad in ("0.11.0", "0.17.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match=rf"megatron-core {bad} is not supported.*0\.12\.x through 0\.16\.x"):
+            check_version(bad)
+
+
+def test_installed_version_is_supported():
+    pytest.importorskip("megatron.core")
+    from tpinv.megatron import megatron_version
+
+    assert (0, 12) <= megatron_version()[:2] <= (0, 16)
+
+
+def test_dropout_mask_of_a_shard_is_the_slice_of_the_full_mask():
+    from tpinv.megatron.dropout import InvariantDropout, keep_mask
+
+    full = keep_mask((2, 8, 5, 5), 0.1, 3, 9, 0)
+    for tp in (2, 4):
+        n = 8 // tp
+        parts = [keep_mask((2, n, 5, 5), 0.1, 3, 9, 0, dim=1, offset=r * n, full=8) for r in range(tp)]
+        assert_same_bits(torch.cat(parts, dim=1), full, f"mask at TP={tp}")
+    keep = full.float().mean().item()
+    assert 0.8 < keep < 0.97
+    # another call, site or seed draws another mask
+    assert_bits_differ(keep_mask((2, 8, 5, 5), 0.1, 3, 9, 1), full, "next call")
+    assert_bits_differ(keep_mask((2, 8, 5, 5), 0.1, 3, 10, 0), full, "next site")
+    # control: torch's RNG dropout on the shards (same seed per rank) is not the slice of the full mask
+    x = torch.ones(2, 8, 5, 5)
+    torch.manual_seed(0)
+    stock_full = torch.nn.functional.dropout(x, 0.1)
+    torch.manual_seed(0)
+    stock_half = torch.nn.functional.dropout(x[:, :4], 0.1)
+    assert_bits_differ(stock_half, stock_full[:, :4], "torch dropout on a shard")
+    d = InvariantDropout(0.1, seed=3, site=9).train()
+    y = d(x)
+    assert_same_bits(y, torch.where(full, x / 0.9, torch.zeros(())), "module output")
+    assert d.calls == 1 and d.eval()(x) is x
+
+
+def test_broadcast_bias_grad_is_width_independent():
+    from tpinv.megatron.layers import BroadcastBias
+    from tpinv.testing import record_ops
+
+    torch.manual_seed(0)
+    dy = torch.randn(37, 3, 24) * 1e3
+    grads = []
+    for width in (24, 12, 6, 3):
+        for j in range(24 // width):
+            b = torch.zeros(width, requires_grad=True)
+            with record_ops() as seen:
+                BroadcastBias.apply(b, (37, 3, width)).backward(dy[..., j * width:(j + 1) * width])
+            assert "tpinv::tree_sum" in seen
+            grads.append(b.grad)
+        assert_same_bits(torch.cat(grads[-(24 // width):]), grads[0] if width == 24 else full, f"width {width}")
+        full = grads[0]
+    # control: the token sum in another order
+    assert_bits_differ(dy.reshape(-1, 24).flip(0).cumsum(0)[-1], full, "reversed token order")
+
+
+def test_grad_norm_equals_the_trainers_norm():
+    from tpinv.megatron.grad_norm import invariant_grad_norm
+    from tpinv.training.optim import ParamLayout, global_grad_norm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.LayerNorm(24), torch.nn.Linear(24, 8))
+    model(torch.randn(5, 16)).square().sum().backward()
+    for p in model.parameters():  # megatron DDP's fp32 main_grad buffers
+        p.main_grad = p.grad.float().clone() * 1e3
+        p.grad = None
+    layout = ParamLayout(model)
+    flat = torch.cat([p.main_grad.reshape(-1) for p in model.parameters()])
+    ours = invariant_grad_norm([model], tp_group=None)
+    assert_same_bits(ours, global_grad_norm(flat, layout, None), "grad norm")
+    # control by construction: 4096**2 = 2**24 first, then ones.  A left-to-right fp32 sum drops
+    # every +1 (2**24 + 1 rounds to 2**24); the leaf tree adds the ones together first.
+    for p in model.parameters():
+        p.main_grad = torch.ones_like(p.main_grad)
+    first = next(model.parameters())
+    first.main_grad.view(-1)[0] = 4096.0
+    flat = torch.cat([p.main_grad.reshape(-1) for p in model.parameters()])
+    ours = invariant_grad_norm([model], tp_group=None)
+    assert_same_bits(ours, global_grad_norm(flat, layout, None), "grad norm, ones")
+    chain = torch.zeros((), dtype=torch.float32)
+    for v in (flat * flat).tolist():
+        chain = chain + torch.tensor(v, dtype=torch.float32)
+    assert_bits_differ(ours, torch.sqrt(chain), "left-to-right sum of squares (control)")
+
+
+def test_plain_rng_dropout_is_refused():
+    from tpinv.megatron.dropout import InvariantDropout, install_invariant_dropout
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1))
+    with pytest.raises(NotImplementedError, match=r"1 is a torch.nn.Dropout\(p=0.1\) on megatron's RNG path"):
+        install_invariant_dropout(model, tp_group=None, seed=1)
+    emb = torch.nn.Module()
+    emb.embedding_dropout = torch.nn.Dropout(0.1)
+    assert install_invariant_dropout(emb, tp_group=None, seed=1) == 1
+    assert isinstance(emb.embedding_dropout, InvariantDropout)
+
+
+def test_leaf_error_names_the_config_field():
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from tpinv.core.contract import InvarianceError
+    from tpinv.megatron.layers import MegatronRowParallelLinear
+
+    cfg = SimpleNamespace(params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=True)
+    with pytest.raises(InvarianceError, match=r"input_size=12 is not divisible by leaves=8.*config\.tpinv_leaves"):
+        MegatronRowParallelLinear(12, 12, config=cfg, init_method=torch.nn.init.zeros_, bias=True,
+                                  input_is_parallel=True, skip_bias_add=False)
+    cfg.tpinv_leaves = 4
+    layer = MegatronRowParallelLinear(12, 12, config=cfg, init_method=torch.nn.init.zeros_, bias=True,
+                                      input_is_parallel=True, skip_bias_add=False)
+    assert layer.leaves == 4

@@ -1,0 +1,117 @@
+"""Run megatron-core on CPU (gloo) for tests: the recipe, applied to the calling process only.
+
+megatron-core assumes CUDA in a few places a CPU test reaches.  :func:`megatron_cpu_shims`
+replaces, in this process only:
+
+* the CUDA RNG tracker (``get_cuda_rng_tracker``): ``fork()`` becomes a no-op context -- with
+  tpinv's invariant dropout no random generator is drawn from inside it;
+* ``torch.cuda.current_device`` -> ``"cpu"`` (megatron allocates its DDP buffers and scalars there),
+  and, without CUDA, ``torch.cuda.synchronize`` -> no-op and ``Tensor.cuda()`` -> the tensor itself
+  (megatron's pipeline schedules call both);
+* ``device="cuda"`` in the tensor factories (``torch.tensor/zeros/ones/empty/full``) of megatron's
+  optimizer and DDP modules -> CPU, through a ``torch`` stand-in bound in those modules only;
+* the ``torch.cuda.FloatTensor`` type assertion of megatron's gradient clipping
+  (``clip_grad_by_total_norm_fp32``): the same elementwise scaling without the assertion.
+
+tpinv itself never patches megatron; only tests and CPU experiments call this.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _CPUTracker:
+    def fork(self, *args, **kwargs):
+        return contextlib.nullcontext()
+
+    def add(self, *args, **kwargs):
+        pass
+
+    def reset(self):
+        pass
+
+    def get_states(self):
+        return {}
+
+    def set_states(self, states):
+        pass
+
+    def is_initialized(self):
+        return True
+
+
+def _clip_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        with torch.no_grad():
+            for p in parameters:
+                g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+                if g is not None:
+                    g.mul_(coeff)
+
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+
+class _CPUTorch:
+    """``torch`` for one megatron module, its factories' ``device="cuda"`` sent to the CPU."""
+
+    def __init__(self):
+        for name in _FACTORIES:
+            setattr(self, name, self._factory(getattr(torch, name)))
+
+    @staticmethod
+    def _factory(fn):
+        def make(*args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and "cuda" in str(device):
+                kwargs["device"] = "cpu"
+            return fn(*args, **kwargs)
+        return make
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_CUDA_MODULES = ("megatron.core.utils", "megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.distrib_optimizer",
+                 "megatron.core.distributed.param_and_grad_buffer",
+                 "megatron.core.distributed.distributed_data_parallel", "megatron.core.pipeline_parallel.schedules",
+                 "megatron.core.pipeline_parallel.p2p_communication")
+
+
+def megatron_cpu_shims() -> None:
+    """Apply the CPU replacements listed in the module docstring (idempotent)."""
+    import megatron.core.tensor_parallel as tensor_parallel
+    import megatron.core.tensor_parallel.random as mrandom
+
+    tracker = _CPUTracker()
+    tensor_parallel.get_cuda_rng_tracker = mrandom.get_cuda_rng_tracker = lambda *a, **k: tracker
+    for mod in ("megatron.core.transformer.attention", "megatron.core.transformer.dot_product_attention",
+                "megatron.core.models.common.embeddings.language_model_embedding"):
+        try:
+            m = __import__(mod, fromlist=["_"])
+        except ImportError:
+            continue
+        if hasattr(m, "get_cuda_rng_tracker"):
+            m.get_cuda_rng_tracker = mrandom.get_cuda_rng_tracker
+    torch.cuda.current_device = lambda: "cpu"
+    if not torch.cuda.is_available():  # the pipeline schedules synchronize and call Tensor.cuda()
+        torch.cuda.synchronize = lambda *a, **k: None
+        torch.Tensor.cuda = lambda self, *a, **k: self
+    for mod in _CUDA_MODULES:
+        try:
+            m = __import__(mod, fromlist=["_"])
+        except ImportError:  # pragma: no cover - depends on the version
+            continue
+        if not isinstance(m.torch, _CPUTorch):
+            m.torch = _CPUTorch()
+    try:
+        import megatron.core.optimizer.clip_grads as clip_grads
+        import megatron.core.optimizer.optimizer as optimizer
+    except ImportError:  # pragma: no cover - depends on the version
+        return
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = _clip_cpu
