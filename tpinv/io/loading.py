@@ -69,7 +69,8 @@ def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = Non
         args = args_from_dict(info.model_args)
         args = args.replace(dtype=dtype) if dtype is not None else args
         model = Transformer(args, tp_group=tp_group, leaves=leaves or info.leaves, row_strategy=row_strategy)
-        state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype)
+        state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype,
+                           verify=True)
         model.load_state_dict(state, strict=True)
         return model.eval(), _tokenizer_in(source)
     from tpinv.io.hf_convert import HFWeights, plan_import, read_hf_config
