@@ -89,10 +89,11 @@ def main(argv=None) -> int:
             torch.set_num_threads(args.threads)
         determinism.enable(args.seed)
         config = config_from_args(args)
+        config.check_numbers()  # before any process group or model is built
         parallel = ParallelDims(tp=args.tp, dp=args.dp, leaves=args.leaves).build(backend=args.backend)
         train(config, parallel)
         return 0
-    except (ValueError, TypeError, KeyError, OSError, RuntimeError, NotImplementedError) as e:
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError, NotImplementedError, ArithmeticError) as e:
         message = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
         sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import time
 from typing import Optional
@@ -40,7 +41,7 @@ from tpinv.training.model import build_model
 from tpinv.training.optim import (InvariantAdamW, ParamLayout, TorchAdamW, clip_coefficient, global_grad_norm,
                                   lr_at, vanilla_grad_norm)
 
-__all__ = ["TrainConfig", "Trainer", "TreeAccumulator", "train"]
+__all__ = ["NonFiniteError", "TrainConfig", "Trainer", "TreeAccumulator", "train"]
 
 #: Rows per forward when measuring held-out accuracy (the model is batch-invariant).
 EVAL_CHUNK = 64
@@ -80,6 +81,25 @@ class TrainConfig:
     log_dir: Optional[str] = None
     progress: Optional[bool] = None
 
+    def check_numbers(self) -> None:
+        """Refuse optimizer settings that are not finite or out of range (before any work is done)."""
+        bad = []
+
+        def need(name: str, ok, what: str) -> None:
+            v = getattr(self, name)
+            if not math.isfinite(v) or not ok(v):
+                bad.append(f"{name}={v} ({what})")
+        need("lr", lambda v: v > 0, "must be finite and > 0")
+        if self.min_lr is not None:
+            need("min_lr", lambda v: 0 <= v <= self.lr, f"must be finite, >= 0 and <= lr={self.lr}")
+        need("weight_decay", lambda v: v >= 0, "must be finite and >= 0")
+        need("clip_grad", lambda v: v >= 0, "must be finite and > 0, or 0 for no clipping")
+        need("beta1", lambda v: 0 <= v < 1, "must be in [0, 1)")
+        need("beta2", lambda v: 0 <= v < 1, "must be in [0, 1)")
+        need("eps", lambda v: v > 0, "must be finite and > 0")
+        if bad:
+            raise ValueError("bad optimizer setting: " + "; ".join(bad))
+
     def check(self, dp: int) -> None:
         for name in ("steps", "global_batch", "micro_batch", "seq_len"):
             if getattr(self, name) < 1:
@@ -87,8 +107,9 @@ class TrainConfig:
         if self.global_batch % (self.micro_batch * dp):
             raise ValueError(f"global_batch={self.global_batch} must be a multiple of micro_batch * dp = "
                              f"{self.micro_batch} * {dp} = {self.micro_batch * dp}")
-        if self.lr <= 0 or self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
-            raise ValueError("lr must be positive; warmup, save_every and eval_every must be >= 0")
+        if self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
+            raise ValueError("warmup, save_every and eval_every must be >= 0")
+        self.check_numbers()
         if self.save_every and not self.save:
             raise ValueError(f"save_every={self.save_every} needs a directory to save to (--save DIR)")
 
@@ -99,6 +120,10 @@ def fp32_hex(x: float) -> str:
         return x.hex()  # "nan", "inf", "-inf"
     mantissa, exponent = x.hex().split("p")
     return (mantissa.rstrip("0").rstrip(".") if "." in mantissa else mantissa) + "p" + exponent
+
+
+class NonFiniteError(FloatingPointError):
+    """A step produced a NaN or infinite loss or gradient norm; the step was not applied."""
 
 
 class TreeAccumulator:
@@ -202,6 +227,7 @@ class Trainer:
         grads, loss = total[:-1] / loss_tokens, total[-1] / loss_tokens
         norm = vanilla_grad_norm(grads, self.layout, self.tp_group) if cfg.vanilla else \
             global_grad_norm(grads, self.layout, self.tp_group, cfg.leaves)
+        self._check_finite(loss, norm)
         coef = clip_coefficient(norm, cfg.clip_grad)
         if coef is not None:
             grads.mul_(coef)
@@ -213,6 +239,16 @@ class Trainer:
                 "grad_norm_hex": fp32_hex(norm_f), "lr": lr, "clipped": coef is not None,
                 "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "loss_tokens": loss_tokens,
                 "consumed_samples": self.consumed, "time_s": elapsed}
+
+    def _check_finite(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
+        """Stop before the update when the loss or the gradient norm is not finite (same on every rank:
+        both are reduced over the whole group), so no non-finite weight is ever made or saved."""
+        loss_f, norm_f = float(loss), float(norm)
+        if math.isfinite(loss_f) and math.isfinite(norm_f):
+            return
+        kept = f"; the last checkpoint in {self.cfg.save} is untouched" if self.cfg.save else ""
+        raise NonFiniteError(f"step {self.step + 1}: the loss is {loss_f} and the gradient norm {norm_f}; the step "
+                             f"was not applied and nothing was saved{kept} (lower --lr or check the data)")
 
     # -- evaluation, weights, checkpoints ------------------------------------------------------
     @torch.no_grad()
