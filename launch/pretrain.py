@@ -29,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--leaves", type=int, default=DEFAULT_LEAVES, help="leaf count of the contract (TP_MAX)")
     m.add_argument("--row-strategy", default=d.row_strategy, choices=("tree", "column_only"))
     m.add_argument("--backend", default=None, choices=("gloo", "nccl"), help="default: nccl with GPUs, else gloo")
+    m.add_argument("--dist-timeout", type=float, default=d.dist_timeout, help="seconds a rank waits for the "
+                   "others before the run stops with an error naming the ranks that did not answer")
     m.add_argument("--vanilla", action="store_true", help="the control: plain torch/BLAS/all_reduce path")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads per rank (results do not "
                    "depend on it; 1 is fastest for the tiny models on a small machine)")
@@ -55,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     c = p.add_argument_group("checkpoints and logs")
     c.add_argument("--save", default=None, help="checkpoint directory")
     c.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end)")
+    c.add_argument("--overwrite", action="store_true", help="a fresh run may replace the checkpoints another run "
+                   "left in --save (without it, and without --load, such a directory is refused)")
     c.add_argument("--load", default=None, help="resume from a checkpoint directory (its 'latest') or a step dir")
     c.add_argument("--stop-after", type=int, default=None, help="stop after this step (the schedule still "
                    "follows --steps); resume later with --load")
@@ -73,7 +77,8 @@ def config_from_args(args: argparse.Namespace):
                        digits=args.digits, heldout_size=args.heldout_size, eval_every=args.eval_every,
                        save=args.save, save_every=args.save_every, load=args.load, stop_after=args.stop_after,
                        vanilla=args.vanilla, leaves=args.leaves, row_strategy=args.row_strategy,
-                       log_dir=args.log_dir, progress=args.progress)
+                       log_dir=args.log_dir, progress=args.progress, overwrite=args.overwrite,
+                       dist_timeout=args.dist_timeout)
 
 
 def main(argv=None) -> int:
@@ -90,7 +95,10 @@ def main(argv=None) -> int:
         determinism.enable(args.seed)
         config = config_from_args(args)
         config.check_numbers()  # before any process group or model is built
-        parallel = ParallelDims(tp=args.tp, dp=args.dp, leaves=args.leaves).build(backend=args.backend)
+        if not args.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout {args.dist_timeout}: expected a number of seconds > 0")
+        parallel = ParallelDims(tp=args.tp, dp=args.dp, leaves=args.leaves).build(backend=args.backend,
+                                                                                 timeout=args.dist_timeout)
         train(config, parallel)
         return 0
     except (ValueError, TypeError, KeyError, OSError, RuntimeError, NotImplementedError, ArithmeticError) as e:

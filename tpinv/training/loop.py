@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import time
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tpinv.core.contract import InvarianceError
+from tpinv.io.run_dir import RunDirError, claim_run_dir, new_run_id
 from tpinv.ops import tree_sum
 from tpinv.distributed.reduce import all_gather, tree_all_reduce
 from tpinv.training.train_state import load_train_state, save_train_state
@@ -80,6 +82,8 @@ class TrainConfig:
     row_strategy: str = "tree"
     log_dir: Optional[str] = None
     progress: Optional[bool] = None
+    overwrite: bool = False             # a fresh run may replace another run's checkpoints in `save`
+    dist_timeout: float = 600.0         # seconds a rank waits for the others (process group, watchdog)
 
     def check_numbers(self) -> None:
         """Refuse optimizer settings that are not finite or out of range (before any work is done)."""
@@ -165,6 +169,38 @@ class Trainer:
         config.check(self.dp)
         if not config.vanilla and self.dp & (self.dp - 1):
             raise InvarianceError(f"dp={self.dp}: the tree reducer needs a power-of-two data-parallel size")
+        self.run_id, self.lock = new_run_id(), None
+        if config.save:  # before any model work: a bad or busy --save fails now, not after the steps
+            self.lock = self._claim(config)
+        try:
+            self._build(config, stream)
+        except BaseException:
+            self.close()
+            raise
+
+    def _claim(self, cfg: TrainConfig):
+        lock, error = None, None
+        if self.rank == 0:
+            try:
+                lock = claim_run_dir(cfg.save, run_id=self.run_id, resume=bool(cfg.load), overwrite=cfg.overwrite)
+            except (RunDirError, OSError) as e:
+                error = str(e)
+        if self.par is not None and dist.get_world_size() > 1:
+            box = [error]
+            dist.broadcast_object_list(box, src=0)
+            error = box[0]
+        if error:
+            raise RunDirError(error)
+        return lock
+
+    def close(self) -> None:
+        """Release the lock of the ``save`` directory (the end of the run)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _build(self, config: TrainConfig, stream) -> None:
+        parallel = self.par
         self.dataset = make_dataset(config.data, config.seq_len, config.seed, tokenizer=config.tokenizer,
                                     digits=config.digits, heldout_size=config.heldout_size)
         # the model takes the TP group even of size 1: tpinv layers never guess a group
@@ -180,12 +216,14 @@ class Trainer:
         opt = TorchAdamW if config.vanilla else InvariantAdamW
         self.optimizer = opt(self.layout, betas=(config.beta1, config.beta2), eps=config.eps,
                              weight_decay=config.weight_decay)
-        self.step, self.consumed, self.history, self.resumed_from = 0, 0, [], None
+        self.step, self.consumed, self.history, self.resumed_from, self.resume_changes = 0, 0, [], None, []
         if config.load:
             st = load_train_state(config.load, model=self.model, optimizer=self.optimizer, layout=self.layout,
                                   model_args=self.model_args, leaves=config.leaves, tp_size=self.tp,
                                   tp_rank=self.tp_rank)
             self.step, self.consumed, self.resumed_from = st["step"], st["consumed_samples"], st["path"]
+            self.run_id = st.get("run_id", self.run_id)
+            self.resume_changes = _changed_on_resume(st.get("config", {}), config)
         self.logger = MetricsLogger(config.steps, log_dir=config.log_dir, enabled=self.rank == 0,
                                     progress=config.progress, stream=stream, start_step=self.step)
 
@@ -293,7 +331,7 @@ class Trainer:
 
     def save(self) -> str:
         cfg = self.cfg
-        state = {"consumed_samples": self.consumed, "leaves": cfg.leaves, "row_strategy": cfg.row_strategy,
+        state = {"run_id": self.run_id, "config_sha256": config_sha256(cfg), "consumed_samples": self.consumed, "leaves": cfg.leaves, "row_strategy": cfg.row_strategy,
                  "data": self.dataset.describe(), "tp_size": self.tp, "dp_size": self.dp, "vanilla": cfg.vanilla,
                  "config": dataclasses.asdict(cfg)}
         path = save_train_state(cfg.save, step=self.step, model=self.model, optimizer=self.optimizer,
@@ -304,9 +342,19 @@ class Trainer:
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict:
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> dict:
         cfg = self.cfg
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
         self.logger.event("start", self.describe(), self.describe()["line"])
+        if self.resume_changes:
+            self.logger.event("warning", {"resume_changes": self.resume_changes},
+                              f"warning: resuming {self.resumed_from} with other settings than it was saved with: "
+                              f"{'; '.join(self.resume_changes)} (the curve will differ from an uninterrupted run)")
         saved_at = start = self.step
         while self.step < end:
             rec = self.train_step()
@@ -347,6 +395,24 @@ class Trainer:
                 + (f" | resumed from {self.resumed_from}" if self.resumed_from else ""))
         return {"tp": self.tp, "dp": self.dp, "vanilla": cfg.vanilla, "start_step": self.step,
                 "config": dataclasses.asdict(cfg), "line": line}
+
+
+#: Settings whose change at resume makes the rest of the run differ from the uninterrupted one.
+RESUME_KEYS = ("data", "tokenizer", "digits", "seed", "global_batch", "seq_len", "steps", "lr", "min_lr", "warmup",
+               "weight_decay", "clip_grad", "beta1", "beta2", "eps", "heldout_size")
+
+
+def _changed_on_resume(saved: dict, cfg: TrainConfig) -> list[str]:
+    now = dataclasses.asdict(cfg)
+    return [f"{k} (checkpoint {saved[k]!r}, this run {now[k]!r})" for k in RESUME_KEYS
+            if k in saved and saved[k] != now[k]]
+
+
+def config_sha256(cfg: TrainConfig) -> str:
+    """sha256 of the settings that define a run (not where it saves, loads, logs or stops)."""
+    d = {k: v for k, v in dataclasses.asdict(cfg).items()
+         if k not in ("save", "load", "stop_after", "log_dir", "progress", "overwrite", "dist_timeout")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
 def train(config: TrainConfig, parallel=None, *, stream=None) -> dict:
