@@ -17,7 +17,7 @@ from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.models.configs import CONFIGS, get_config
 from tpinv.io.hf_keys import args_from_dict
 from tpinv.models.transformer import Transformer
-from tpinv.io.tokenizer import HF_FILE, SENTENCEPIECE_FILE, load_tokenizer
+from tpinv.io.tokenizer import load_tokenizer
 
 __all__ = ["load_model", "source_kind"]
 
@@ -45,9 +45,10 @@ def _rank(tp_group) -> tuple[int, int]:
 
 
 def _tokenizer_in(directory: str):
-    if any(os.path.isfile(os.path.join(directory, f)) for f in (HF_FILE, SENTENCEPIECE_FILE)):
+    try:
         return load_tokenizer(directory)
-    return None
+    except FileNotFoundError:  # a directory without a tokenizer file
+        return None
 
 
 def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = None, row_strategy: str = "tree",
