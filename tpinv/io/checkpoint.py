@@ -255,8 +255,8 @@ class CheckpointReader:
         t = reader.get(name, None)
         want = self.info.files[reader.name].get("sha256", {}).get(name)
         if want is not None and tensor_sha256(t) != want:  # None: written with checksums=False
-            raise CheckpointError(f"{name} in {os.path.join(self.info.path, reader.name)}: sha256 mismatch, "
-                                  f"the file is corrupt")
+            raise CheckpointError(f"{name} in {reader.name}: sha256 mismatch, the file is corrupt "
+                                  f"({os.path.join(self.info.path, reader.name)})")
         self._verified.add((reader.name, name))
         return t if full else t[index]
 
