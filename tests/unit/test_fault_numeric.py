@@ -57,3 +57,15 @@ def test_non_finite_loss_stops_the_step_and_saves_nothing(tmp_path):
     assert open(os.path.join(save, LATEST_FILE)).read() == latest
     for s in tr.layout.slots:  # the update did not run
         assert torch.equal(tr.optimizer.tensors(s.name)["master"], masters[s.name]), s.name
+
+
+def test_cli_run_flags_reach_the_config(capsys):
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "launch", "pretrain.py")
+    spec = importlib.util.spec_from_file_location("pretrain", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.config_from_args(module.parse_args(["--dist-timeout", "5", "--overwrite"]))
+    assert cfg.dist_timeout == 5.0 and cfg.overwrite
+    assert module.main(["--dist-timeout", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --dist-timeout 0.0: expected a number of seconds > 0"

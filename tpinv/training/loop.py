@@ -22,6 +22,7 @@ Per step, the order of every sum is fixed and independent of the TP size:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
 import math
@@ -243,7 +244,18 @@ class Trainer:
             return total
         return tree_all_reduce(total, self.dp_group, leaves=max(self.cfg.leaves, self.dp))
 
+    def _watchdog(self) -> None:
+        """Before each step (gloo): a monitored barrier that names the ranks that did not arrive in time."""
+        if self.par is None or dist.get_world_size() == 1 or dist.get_backend() != "gloo":
+            return
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.cfg.dist_timeout), wait_all_ranks=True)
+        except RuntimeError as e:
+            raise RuntimeError(f"step {self.step + 1}: a rank stopped answering within --dist-timeout "
+                               f"{self.cfg.dist_timeout:g} s: {' '.join(str(e).split())[:400]}") from None
+
     def train_step(self) -> dict:
+        self._watchdog()
         cfg, start = self.cfg, time.perf_counter()
         lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr,
                    warmup=cfg.warmup, total=cfg.steps)
