@@ -122,3 +122,25 @@ def test_tekken_json_is_refused_saying_what_it_is(tmp_path):
         with pytest.raises(ValueError, match="is a Mistral tekken tokenizer .* not supported; pass the model's "
                                              "tokenizer.json"):
             load_tokenizer(str(path))
+
+
+def test_non_finite_logits_end_only_that_request_with_an_error():
+    import torch
+    from tpinv.engine import Engine, Request, SamplingParams
+    from tpinv.io.loading import load_model
+    model, _ = load_model("qwen3-tiny")
+    reqs = [Request(i, [1 + i, 2, 3], max_tokens=3, sampling=SamplingParams(0.0)) for i in range(3)]
+    clean = Engine(model, max_batch=3).generate(reqs)
+    engine = Engine(model, max_batch=3)
+    real = engine._draw
+
+    def draw(state, row):  # request 1's logits turn NaN at its second token
+        if state.request.request_id == 1 and len(state.tokens) == 1:
+            row = torch.full_like(row, float("nan"))
+        return real(state, row)
+    engine._draw = draw
+    out = engine.generate(reqs)
+    assert out[1].finish_reason == "error" and "non-finite logits" in out[1].error and out[1].token_ids == \
+        clean[1].token_ids[:1]
+    for i in (0, 2):  # the others are untouched
+        assert out[i].error is None and out[i].token_ids == clean[i].token_ids
