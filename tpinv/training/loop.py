@@ -22,10 +22,7 @@ Per step, the order of every sum is fixed and independent of the TP size:
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
-import json
-import math
 import os
 import time
 from typing import Optional
@@ -34,10 +31,12 @@ import torch
 import torch.distributed as dist
 
 from tpinv.core.contract import InvarianceError
-from tpinv.io.run_dir import RunDirError, claim_run_dir, new_run_id
+from tpinv.io.run_dir import new_run_id
 from tpinv.ops import tree_sum
 from tpinv.distributed.reduce import all_gather, tree_all_reduce
 from tpinv.training.train_state import load_train_state, save_train_state
+from tpinv.training.guards import (NonFiniteError, changed_on_resume, check_finite, check_optimizer_numbers,
+                                   claim_save_dir, config_sha256, watchdog)
 from tpinv.training.data import dp_slice, make_dataset, micro_batches
 from tpinv.training.metrics import PLOT_FILE, MetricsLogger, plot_loss_curve, read_metrics
 from tpinv.training.model import build_model
@@ -88,22 +87,7 @@ class TrainConfig:
 
     def check_numbers(self) -> None:
         """Refuse optimizer settings that are not finite or out of range (before any work is done)."""
-        bad = []
-
-        def need(name: str, ok, what: str) -> None:
-            v = getattr(self, name)
-            if not math.isfinite(v) or not ok(v):
-                bad.append(f"{name}={v} ({what})")
-        need("lr", lambda v: v > 0, "must be finite and > 0")
-        if self.min_lr is not None:
-            need("min_lr", lambda v: 0 <= v <= self.lr, f"must be finite, >= 0 and <= lr={self.lr}")
-        need("weight_decay", lambda v: v >= 0, "must be finite and >= 0")
-        need("clip_grad", lambda v: v >= 0, "must be finite and > 0, or 0 for no clipping")
-        need("beta1", lambda v: 0 <= v < 1, "must be in [0, 1)")
-        need("beta2", lambda v: 0 <= v < 1, "must be in [0, 1)")
-        need("eps", lambda v: v > 0, "must be finite and > 0")
-        if bad:
-            raise ValueError("bad optimizer setting: " + "; ".join(bad))
+        check_optimizer_numbers(self)
 
     def check(self, dp: int) -> None:
         for name in ("steps", "global_batch", "micro_batch", "seq_len"):
@@ -125,10 +109,6 @@ def fp32_hex(x: float) -> str:
         return x.hex()  # "nan", "inf", "-inf"
     mantissa, exponent = x.hex().split("p")
     return (mantissa.rstrip("0").rstrip(".") if "." in mantissa else mantissa) + "p" + exponent
-
-
-class NonFiniteError(FloatingPointError):
-    """A step produced a NaN or infinite loss or gradient norm; the step was not applied."""
 
 
 class TreeAccumulator:
@@ -172,27 +152,13 @@ class Trainer:
             raise InvarianceError(f"dp={self.dp}: the tree reducer needs a power-of-two data-parallel size")
         self.run_id, self.lock = new_run_id(), None
         if config.save:  # before any model work: a bad or busy --save fails now, not after the steps
-            self.lock = self._claim(config)
+            self.lock = claim_save_dir(config.save, rank=self.rank, distributed=parallel is not None,
+                                       run_id=self.run_id, resume=bool(config.load), overwrite=config.overwrite)
         try:
             self._build(config, stream)
         except BaseException:
             self.close()
             raise
-
-    def _claim(self, cfg: TrainConfig):
-        lock, error = None, None
-        if self.rank == 0:
-            try:
-                lock = claim_run_dir(cfg.save, run_id=self.run_id, resume=bool(cfg.load), overwrite=cfg.overwrite)
-            except (RunDirError, OSError) as e:
-                error = str(e)
-        if self.par is not None and dist.get_world_size() > 1:
-            box = [error]
-            dist.broadcast_object_list(box, src=0)
-            error = box[0]
-        if error:
-            raise RunDirError(error)
-        return lock
 
     def close(self) -> None:
         """Release the lock of the ``save`` directory (the end of the run)."""
@@ -224,7 +190,7 @@ class Trainer:
                                   tp_rank=self.tp_rank)
             self.step, self.consumed, self.resumed_from = st["step"], st["consumed_samples"], st["path"]
             self.run_id = st.get("run_id", self.run_id)
-            self.resume_changes = _changed_on_resume(st.get("config", {}), config)
+            self.resume_changes = changed_on_resume(st.get("config", {}), dataclasses.asdict(config))
         self.logger = MetricsLogger(config.steps, log_dir=config.log_dir, enabled=self.rank == 0,
                                     progress=config.progress, stream=stream, start_step=self.step)
 
@@ -244,18 +210,8 @@ class Trainer:
             return total
         return tree_all_reduce(total, self.dp_group, leaves=max(self.cfg.leaves, self.dp))
 
-    def _watchdog(self) -> None:
-        """Before each step (gloo): a monitored barrier that names the ranks that did not arrive in time."""
-        if self.par is None or dist.get_world_size() == 1 or dist.get_backend() != "gloo":
-            return
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=self.cfg.dist_timeout), wait_all_ranks=True)
-        except RuntimeError as e:
-            raise RuntimeError(f"step {self.step + 1}: a rank stopped answering within --dist-timeout "
-                               f"{self.cfg.dist_timeout:g} s: {' '.join(str(e).split())[:400]}") from None
-
     def train_step(self) -> dict:
-        self._watchdog()
+        watchdog(self.step + 1, self.cfg.dist_timeout)  # gloo: names a rank that stopped answering
         cfg, start = self.cfg, time.perf_counter()
         lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr,
                    warmup=cfg.warmup, total=cfg.steps)
@@ -277,7 +233,7 @@ class Trainer:
         grads, loss = total[:-1] / loss_tokens, total[-1] / loss_tokens
         norm = vanilla_grad_norm(grads, self.layout, self.tp_group) if cfg.vanilla else \
             global_grad_norm(grads, self.layout, self.tp_group, cfg.leaves)
-        self._check_finite(loss, norm)
+        check_finite(self.step + 1, loss, norm, cfg.save)  # before the update: nothing non-finite is applied
         coef = clip_coefficient(norm, cfg.clip_grad)
         if coef is not None:
             grads.mul_(coef)
@@ -289,16 +245,6 @@ class Trainer:
                 "grad_norm_hex": fp32_hex(norm_f), "lr": lr, "clipped": coef is not None,
                 "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed, "loss_tokens": loss_tokens,
                 "consumed_samples": self.consumed, "time_s": elapsed}
-
-    def _check_finite(self, loss: torch.Tensor, norm: torch.Tensor) -> None:
-        """Stop before the update when the loss or the gradient norm is not finite (same on every rank:
-        both are reduced over the whole group), so no non-finite weight is ever made or saved."""
-        loss_f, norm_f = float(loss), float(norm)
-        if math.isfinite(loss_f) and math.isfinite(norm_f):
-            return
-        kept = f"; the last checkpoint in {self.cfg.save} is untouched" if self.cfg.save else ""
-        raise NonFiniteError(f"step {self.step + 1}: the loss is {loss_f} and the gradient norm {norm_f}; the step "
-                             f"was not applied and nothing was saved{kept} (lower --lr or check the data)")
 
     # -- evaluation, weights, checkpoints ------------------------------------------------------
     @torch.no_grad()
@@ -343,7 +289,8 @@ class Trainer:
 
     def save(self) -> str:
         cfg = self.cfg
-        state = {"run_id": self.run_id, "config_sha256": config_sha256(cfg), "consumed_samples": self.consumed, "leaves": cfg.leaves, "row_strategy": cfg.row_strategy,
+        state = {"consumed_samples": self.consumed, "leaves": cfg.leaves, "row_strategy": cfg.row_strategy,
+                 "run_id": self.run_id, "config_sha256": config_sha256(dataclasses.asdict(cfg)),
                  "data": self.dataset.describe(), "tp_size": self.tp, "dp_size": self.dp, "vanilla": cfg.vanilla,
                  "config": dataclasses.asdict(cfg)}
         path = save_train_state(cfg.save, step=self.step, model=self.model, optimizer=self.optimizer,
@@ -407,24 +354,6 @@ class Trainer:
                 + (f" | resumed from {self.resumed_from}" if self.resumed_from else ""))
         return {"tp": self.tp, "dp": self.dp, "vanilla": cfg.vanilla, "start_step": self.step,
                 "config": dataclasses.asdict(cfg), "line": line}
-
-
-#: Settings whose change at resume makes the rest of the run differ from the uninterrupted one.
-RESUME_KEYS = ("data", "tokenizer", "digits", "seed", "global_batch", "seq_len", "steps", "lr", "min_lr", "warmup",
-               "weight_decay", "clip_grad", "beta1", "beta2", "eps", "heldout_size")
-
-
-def _changed_on_resume(saved: dict, cfg: TrainConfig) -> list[str]:
-    now = dataclasses.asdict(cfg)
-    return [f"{k} (checkpoint {saved[k]!r}, this run {now[k]!r})" for k in RESUME_KEYS
-            if k in saved and saved[k] != now[k]]
-
-
-def config_sha256(cfg: TrainConfig) -> str:
-    """sha256 of the settings that define a run (not where it saves, loads, logs or stops)."""
-    d = {k: v for k, v in dataclasses.asdict(cfg).items()
-         if k not in ("save", "load", "stop_after", "log_dir", "progress", "overwrite", "dist_timeout")}
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
 def train(config: TrainConfig, parallel=None, *, stream=None) -> dict:
