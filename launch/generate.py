@@ -52,15 +52,44 @@ def read_requests(path: str, defaults: dict):
     """``(requests, errors)``: errors maps a line index to the message of a line that is not a request."""
     from tpinv.engine.scheduler import request_from_json
     requests, errors = [], {}
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--input {path} is not UTF-8 text (byte {e.start}: {e.reason}); expected one JSON "
+                         f"object per line") from None
     for i, line in enumerate(lines):
         try:
             requests.append(request_from_json(json.loads(line), i, defaults))
-        except (ValueError, json.JSONDecodeError) as e:
+        except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
             requests.append(None)
             errors[i] = f"line {i}: {e}" if isinstance(e, json.JSONDecodeError) else str(e)
     return requests, errors
+
+
+def check_paths(args) -> None:
+    """Refuse a missing or unreadable --input and an unwritable --output before any model work."""
+    if not os.path.isfile(args.input):
+        raise ValueError(f"--input {args.input}: " + ("is a directory" if os.path.isdir(args.input)
+                                                     else "no such file"))
+    if not os.access(args.input, os.R_OK):
+        raise ValueError(f"--input {args.input}: not readable")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output} is a directory; expected a file name")
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"--output {args.output}: the directory {out_dir} does not exist")
+    if not os.access(out_dir, os.W_OK) or (os.path.exists(args.output) and not os.access(args.output, os.W_OK)):
+        raise ValueError(f"--output {args.output}: not writable")
+
+
+def result_line(res, index: int, error_result) -> str:
+    """One standard JSON line (never a bare NaN/Infinity); a non-finite value makes it an error result."""
+    try:
+        return json.dumps(res.to_json(), allow_nan=False)
+    except ValueError:
+        err = error_result(res.request_id, f"line {index}: the result holds a non-finite value (NaN or inf)")
+        return json.dumps(err.to_json(), allow_nan=False)
 
 
 def init_group():
@@ -75,13 +104,22 @@ def init_group():
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_paths(args)
+        return _run(args)
+    except (ValueError, OSError) as e:
+        sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
+        return 1
+
+
+def _run(args) -> int:
     from tpinv.engine import Engine
     from tpinv.engine.scheduler import error_result
     from tpinv.io.tokenizer import load_tokenizer
-    group, rank = init_group()
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed, "top_logprobs": args.top_logprobs}
     requests, errors = read_requests(args.input, defaults)
+    group, rank = init_group()
     engine = Engine.load(args.model, tp_group=group, dtype=cli_dtype(args.dtype), init_seed=args.init_seed,
                          tokenizer=load_tokenizer(args.tokenizer) if args.tokenizer else None,
                          max_batch=args.max_batch, max_context=args.max_context, token_budget=args.token_budget,
@@ -91,7 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(args.output, "w", encoding="utf-8") as f:
             for i, r in enumerate(requests):
                 res = error_result(i, errors[i]) if r is None else next(results)
-                f.write(json.dumps(res.to_json()) + "\n")
+                f.write(result_line(res, i, error_result) + "\n")
         print(f"wrote {len(requests)} results to {args.output} ({len(errors)} unreadable lines)", file=sys.stderr)
     return 0
 

@@ -31,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--sequence-parallel", action="store_true", help="Megatron's sequence parallelism: norms "
                    "and residuals on sequence chunks (the same bits as without it)")
     m.add_argument("--backend", default=None, choices=("gloo", "nccl"), help="default: nccl with GPUs, else gloo")
+    m.add_argument("--dist-timeout", type=float, default=d.dist_timeout, help="seconds a rank waits for the "
+                   "others before the run stops with an error naming the ranks that did not answer")
     m.add_argument("--vanilla", action="store_true", help="the control: plain torch/BLAS/all_reduce path")
     m.add_argument("--threads", type=int, default=None, help="torch CPU threads per rank (results do not "
                    "depend on it; 1 is fastest for the tiny models on a small machine)")
@@ -57,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     c = p.add_argument_group("checkpoints and logs")
     c.add_argument("--save", default=None, help="checkpoint directory")
     c.add_argument("--save-every", type=int, default=0, help="save every K steps (and at the end)")
+    c.add_argument("--overwrite", action="store_true", help="a fresh run may replace the checkpoints another run "
+                   "left in --save (without it, and without --load, such a directory is refused)")
     c.add_argument("--load", default=None, help="resume from a checkpoint directory (its 'latest') or a step dir")
     c.add_argument("--stop-after", type=int, default=None, help="stop after this step (the schedule still "
                    "follows --steps); resume later with --load")
@@ -76,7 +80,8 @@ def config_from_args(args: argparse.Namespace):
                        save=args.save, save_every=args.save_every, load=args.load, stop_after=args.stop_after,
                        vanilla=args.vanilla, leaves=args.leaves, row_strategy=args.row_strategy,
                        sequence_parallel=args.sequence_parallel,
-                       log_dir=args.log_dir, progress=args.progress)
+                       log_dir=args.log_dir, progress=args.progress, overwrite=args.overwrite,
+                       dist_timeout=args.dist_timeout)
 
 
 def main(argv=None) -> int:
@@ -92,10 +97,14 @@ def main(argv=None) -> int:
             torch.set_num_threads(args.threads)
         determinism.enable(args.seed)
         config = config_from_args(args)
-        parallel = ParallelDims(tp=args.tp, dp=args.dp, leaves=args.leaves).build(backend=args.backend)
+        config.check_numbers()  # before any process group or model is built
+        if not args.dist_timeout > 0:
+            raise ValueError(f"--dist-timeout {args.dist_timeout}: expected a number of seconds > 0")
+        parallel = ParallelDims(tp=args.tp, dp=args.dp, leaves=args.leaves).build(backend=args.backend,
+                                                                                 timeout=args.dist_timeout)
         train(config, parallel)
         return 0
-    except (ValueError, TypeError, KeyError, OSError, RuntimeError, NotImplementedError) as e:
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError, NotImplementedError, ArithmeticError) as e:
         message = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
         sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()

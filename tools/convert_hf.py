@@ -67,6 +67,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ValueError, NotImplementedError, FileExistsError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, NotImplementedError, OSError) as e:  # OSError: unreadable input, unwritable output
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)

@@ -137,6 +137,10 @@ def check_edge_cases():
     assert not out[:, :, :20].isnan().any() and out[:, :, 20:].isnan().any(-1).all()
     out, _ = fwd(q, k, v, cases.arange_pos(1, 40), None, True, 5, None)
     assert out[:, :, 20:25].isnan().any(-1).all() and not out[:, :, 25:].isnan().any()
+    q, k, v = cases.qkv(1, 1, 2, 40, 40, 16, FP16)  # a NaN key makes its viewers NaN, as in PyTorch
+    k[:, :, 20, 3] = NAN
+    out, lse = fwd(q, k, v, cases.arange_pos(1, 40), None, True, None, None)
+    assert not out[:, :, :20].isnan().any() and out[:, :, 20:].isnan().all() and lse[:, :, 20:].isnan().all()
     try:
         fwd(*cases.qkv(1, 1, 1, 3, 3, 300, FP32), cases.arange_pos(1, 3), None, True, None, None)
     except ValueError as e:

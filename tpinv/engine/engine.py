@@ -203,6 +203,12 @@ class Engine:
 
     def _draw(self, state: SequenceState, row: torch.Tensor) -> None:
         req = state.request
+        if not bool(torch.isfinite(row).all()):  # never sample from NaN/inf: this request ends in an error
+            bad = int((~torch.isfinite(row)).sum())
+            state.finish_reason = "error"
+            state.error = (f"the model produced non-finite logits ({bad} of {row.numel()} NaN or inf) at position "
+                           f"{state.next_position}; {len(state.tokens)} tokens were generated before it")
+            return
         log_softmax = (lambda t: torch.log_softmax(t, dim=-1)) if self.vanilla else None
         out = sample_row(row, req.sampling, req.request_id, state.next_position, leaves=self.model.leaves,
                          log_softmax=log_softmax)
@@ -244,4 +250,4 @@ class Engine:
                       torch.tensor(state.logprobs, dtype=torch.float32),
                       torch.tensor(state.sampled_logprobs, dtype=torch.float32), state.finish_reason, text=text,
                       top_logprobs=torch.stack(tops) if tops else None,
-                      top_token_ids=torch.stack(state.top_token_ids) if tops else None)
+                      top_token_ids=torch.stack(state.top_token_ids) if tops else None, error=state.error)

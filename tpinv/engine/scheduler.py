@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -104,12 +105,48 @@ def request_from_json(line: dict, index: int, defaults: Optional[dict] = None) -
         raise ValueError(f"line {index}: unknown field(s) {unknown}; expected some of {JSON_FIELDS}")
     if ("prompt" in line) == ("prompt_ids" in line):
         raise ValueError(f"line {index}: expected exactly one of 'prompt' (text) and 'prompt_ids' (token ids)")
+    _check_json_types(line, index)
     d = {**(defaults or {}), **line}
+    if isinstance(d.get("stop"), str):
+        d["stop"] = [d["stop"]]  # one stop string, as in the OpenAI API (not its characters)
     sampling = SamplingParams(d.get("temperature", 1.0), d.get("top_k", 0), d.get("top_p", 1.0), d.get("seed", 0))
     return Request(d.get("id", index), d["prompt"] if "prompt" in line else d["prompt_ids"],
                    max_tokens=d.get("max_tokens", 16), sampling=sampling, stop=tuple(d.get("stop", ())),
                    stop_token_ids=tuple(d.get("stop_token_ids", ())), ignore_eos=bool(d.get("ignore_eos", False)),
                    top_logprobs=d.get("top_logprobs", 0))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+#: field -> (check, what it must be) for the fields of a JSON request line.
+_JSON_TYPES = {
+    "id": (lambda v: _is_int(v) or isinstance(v, str), "an int or a string"),
+    "prompt": (lambda v: isinstance(v, str), "a string"),
+    "prompt_ids": (lambda v: isinstance(v, list) and all(_is_int(t) for t in v), "a list of ints"),
+    "max_tokens": (_is_int, "an int"),
+    "temperature": (_is_number, "a number"),
+    "top_k": (_is_int, "an int"),
+    "top_p": (_is_number, "a number"),
+    "seed": (_is_int, "an int"),
+    "stop": (lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+             "a string or a list of strings"),
+    "stop_token_ids": (lambda v: isinstance(v, list) and all(_is_int(t) for t in v), "a list of ints"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "top_logprobs": (_is_int, "an int"),
+}
+
+
+def _check_json_types(line: dict, index: int) -> None:
+    for key, value in line.items():
+        ok, what = _JSON_TYPES[key]
+        if not ok(value):
+            raise ValueError(f"line {index}: field {key!r} is {json.dumps(value)}; expected {what}")
 
 
 def error_result(request_id: Any, message: str) -> Result:
@@ -170,6 +207,7 @@ class SequenceState:
     top_token_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None
     text: Optional[str] = None
+    error: Optional[str] = None      # why it ended with finish_reason "error"
 
     @property
     def length(self) -> int:

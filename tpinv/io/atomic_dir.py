@@ -25,8 +25,11 @@ def atomic_directory(out_dir: str, overwrite: bool = False) -> Iterator[str]:
     if os.path.exists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} already exists; pass overwrite=True (--overwrite) to replace it")
     parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
+    except OSError as e:
+        raise OSError(f"cannot write the output directory {out_dir}: {e.strerror} ({e.filename})") from None
     try:
         yield tmp
         fsync_dir(tmp)

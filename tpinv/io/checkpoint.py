@@ -223,7 +223,7 @@ class CheckpointReader:
     """Random access to the full tensors of a checkpoint (or any slice of them), whatever its layout."""
 
     def __init__(self, ckpt_dir: str, verify: bool = False):
-        self.info, self.verify = read_info(ckpt_dir), verify
+        self.info, self.verify, self._verified = read_info(ckpt_dir), verify, set()
         self.readers = [SafetensorsReader(os.path.join(self.info.path, shard_file_name(self.info.tp_size, r)))
                         for r in range(self.info.tp_size)]
         for reader in self.readers:
@@ -252,12 +252,18 @@ class CheckpointReader:
     def _read(self, reader: SafetensorsReader, name: str, index: tuple) -> torch.Tensor:
         shape = reader.specs[name].shape
         full = _sliced_shape(shape, index) == tuple(shape)
-        t = reader.get(name, None if full else index)
-        if self.verify and full:
-            want = self.info.files[reader.name].get("sha256", {}).get(name)
-            if want is not None and tensor_sha256(t) != want:
-                raise CheckpointError(f"{name} in {reader.name}: sha256 mismatch, the file is corrupt")
-        return t
+        if not self.verify:
+            return reader.get(name, None if full else index)
+        # a slice cannot be checked against the file tensor's hash: read it whole, check, then cut
+        if (reader.name, name) in self._verified:
+            return reader.get(name, None if full else index)
+        t = reader.get(name, None)
+        want = self.info.files[reader.name].get("sha256", {}).get(name)
+        if want is not None and tensor_sha256(t) != want:  # None: written with checksums=False
+            raise CheckpointError(f"{name} in {reader.name}: sha256 mismatch, the file is corrupt "
+                                  f"({os.path.join(self.info.path, reader.name)})")
+        self._verified.add((reader.name, name))
+        return t if full else t[index]
 
     def close(self) -> None:
         for reader in self.readers:

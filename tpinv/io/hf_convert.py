@@ -74,6 +74,18 @@ class HFWeights:
         return self.readers[self.file_of[key]].get(key, index)
 
 
+def _check_tied_copy(weights: HFWeights, key: str, embed_key: str) -> None:
+    """A tied config's stored ``lm_head`` may be dropped only when it equals the embedding bit for bit."""
+    full = tuple(slice(None) for _ in weights.spec(key).shape)
+    if embed_key not in weights.file_of:
+        return  # the missing embedding is reported with the other missing keys
+    a, b = weights.read(key, full), weights.read(embed_key, full)
+    if a.dtype != b.dtype or not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+        raise CheckpointError(f"{key} in {weights.file_of[key]} differs from {embed_key}, but {CONFIG_FILE} sets "
+                              f"tie_word_embeddings=true, which would drop it; set tie_word_embeddings to false "
+                              f"in {CONFIG_FILE} to keep a separate output layer, or remove {key}")
+
+
 def _shape_error(key: str, fname: str, got, want) -> CheckpointError:
     return CheckpointError(f"{key} in {fname} has shape {tuple(got)}, expected {tuple(want)} from {CONFIG_FILE}")
 
@@ -104,7 +116,8 @@ def plan_import(weights: HFWeights, args: ModelArgs, dtype: Optional[torch.dtype
             want = by_hf[key].shape if key in by_hf else (args.vocab_size, args.hidden_size)
             if shape != want:
                 raise _shape_error(key, fname, shape, want)
-            if key not in by_hf:  # a tied checkpoint that still stores lm_head: the embedding is used
+            if key not in by_hf:  # a tied checkpoint that still stores lm_head: only a copy of the embedding
+                _check_tied_copy(weights, key, "model.embed_tokens.weight")
                 continue
             parts, offsets = (key,), [0]
         else:
@@ -112,6 +125,9 @@ def plan_import(weights: HFWeights, args: ModelArgs, dtype: Optional[torch.dtype
                                   f"described by {CONFIG_FILE} (num_layers={args.num_layers}, qk_norm="
                                   f"{args.qk_norm}, attention_bias={args.attention_bias}, tie_word_embeddings="
                                   f"{args.tie_word_embeddings})")
+        if not weights.spec(key).dtype.is_floating_point:
+            raise CheckpointError(f"{key} in {fname} is {dtype_name(weights.spec(key).dtype)}; model weights must be "
+                                  f"floating point (a cast would change the values silently)")
         for part, offset in zip(parts, offsets):
             if part in found:
                 raise CheckpointError(f"{part} is stored twice in {weights.dir} ({found[part][0]} and {key})")

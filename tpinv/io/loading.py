@@ -18,7 +18,7 @@ from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.models.configs import CONFIGS, get_config
 from tpinv.io.hf_keys import args_from_dict
 from tpinv.models.transformer import Transformer
-from tpinv.io.tokenizer import HF_FILE, SENTENCEPIECE_FILE, load_tokenizer
+from tpinv.io.tokenizer import load_tokenizer
 
 __all__ = ["load_model", "source_kind", "source_model_args"]
 
@@ -56,9 +56,10 @@ def source_model_args(source: str, dtype: Optional[torch.dtype] = None):
 
 
 def _tokenizer_in(directory: str):
-    if any(os.path.isfile(os.path.join(directory, f)) for f in (HF_FILE, SENTENCEPIECE_FILE)):
+    try:
         return load_tokenizer(directory)
-    return None
+    except FileNotFoundError:  # a directory without a tokenizer file
+        return None
 
 
 def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = None, row_strategy: str = "tree",
@@ -81,7 +82,7 @@ def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = Non
         model = Transformer(args, tp_group=tp_group, leaves=leaves or read_info(source).leaves, row_strategy=row_strategy,
                             **sp)
         state = load_shard(source, tp, rank, row_strategy, param_meta_from_module(model), dtype=args.dtype,
-                           replicas=param_replicas_from_module(model))
+                           replicas=param_replicas_from_module(model), verify=True)
         model.load_state_dict(state, strict=True)
         return model.eval(), _tokenizer_in(source)
     from tpinv.io.hf_convert import HFWeights, plan_import

@@ -1,7 +1,7 @@
 """Offline tokenizers behind one small interface: ``encode``, ``decode``, ``bos_id``, ``eos_id``, ``vocab_size``.
 
 ``load_tokenizer(path)`` reads a HF ``tokenizer.json`` with the ``tokenizers`` library or a
-sentencepiece ``tokenizer.model`` with ``sentencepiece``, from a file or a model directory.
+sentencepiece model with ``sentencepiece``, from a file (recognised by its content) or a model directory.
 Nothing is downloaded.  ``encode`` returns the plain token ids of the text (no special
 tokens unless ``add_bos`` / ``add_eos`` ask for them), so the same text gives the same ids
 whatever the backend's defaults for special tokens are.
@@ -96,7 +96,8 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp.Load(path)
         except (OSError, RuntimeError) as e:
-            raise ValueError(f"{path} is not a sentencepiece model: {e}") from None
+            raise ValueError(f"{path} is not a sentencepiece model ({' '.join(str(e).split())}); expected a "
+                             f"{HF_FILE} (tokenizers) or a sentencepiece {SENTENCEPIECE_FILE} file") from None
         self.vocab_size = self._sp.get_piece_size()
         self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
         self.eos_id = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
@@ -116,22 +117,48 @@ def _read_config(directory: str) -> dict:
         return json.load(f)
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer in ``path``: a ``tokenizer.json`` / ``tokenizer.model`` file or a directory holding one.
+TEKKEN_FILE = "tekken.json"
 
-    In a directory ``tokenizer.json`` is preferred; ``tokenizer_config.json`` beside it names
-    the bos/eos tokens of a ``tokenizer.json`` when present.
+
+def _sniff(path: str) -> str:
+    """``"hf"``, ``"tekken"`` or ``"sentencepiece"`` from a file's content (its name does not matter)."""
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip()
+    if not head.startswith(b"{"):
+        return "sentencepiece"  # a protobuf; its loader says so if it is not one
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: looks like JSON but cannot be parsed ({e}); expected a {HF_FILE}") from None
+    if isinstance(obj, dict) and "model" in obj:
+        return "hf"
+    if isinstance(obj, dict) and "vocab" in obj and "config" in obj:
+        return "tekken"
+    raise ValueError(f"{path}: a JSON file that is not a HF {HF_FILE} (no 'model' section)")
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer in ``path``: a ``tokenizer.json`` / sentencepiece model file or a directory holding one.
+
+    A file is recognised by its content, so ``tokenizer.model.v1`` loads; Mistral's
+    ``tekken.json`` (a tiktoken-style rank table) is refused with a message saying so.  In a
+    directory ``tokenizer.json`` is preferred, then ``tokenizer.model`` and ``tokenizer.model.v*``;
+    ``tokenizer_config.json`` beside a ``tokenizer.json`` names its bos/eos tokens when present.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
-        for name in (HF_FILE, SENTENCEPIECE_FILE):
+        versions = sorted(n for n in os.listdir(path) if n.startswith(SENTENCEPIECE_FILE + ".v"))
+        for name in (HF_FILE, SENTENCEPIECE_FILE, *reversed(versions), TEKKEN_FILE):
             if os.path.isfile(os.path.join(path, name)):
                 return load_tokenizer(os.path.join(path, name))
         raise FileNotFoundError(f"{path} holds neither {HF_FILE} nor {SENTENCEPIECE_FILE}")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such tokenizer file or directory")
-    if path.endswith(".json"):
+    kind = _sniff(path)
+    if kind == "hf":
         return HFTokenizer(path, _read_config(os.path.dirname(path)))
-    if path.endswith(".model"):
-        return SentencePieceTokenizer(path)
-    raise ValueError(f"{path}: expected a {HF_FILE} (tokenizers) or a {SENTENCEPIECE_FILE} (sentencepiece) file")
+    if kind == "tekken":
+        raise ValueError(f"{path} is a Mistral tekken tokenizer (a tiktoken-style byte-pair rank table), which "
+                         f"is not supported; pass the model's {HF_FILE} or sentencepiece {SENTENCEPIECE_FILE} instead")
+    return SentencePieceTokenizer(path)

@@ -220,7 +220,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     """Invariant attention: ``(out [B, Hq, S, D] in q.dtype, lse [B, Hq, S] fp32)``.
 
     ``chunk_bytes``, ``query_chunk`` and ``skip_blocks`` change speed and memory only,
-    never the bits.  A query that sees no key gets ``out = 0`` and ``lse = -inf``.
+    never the bits.  A query that sees no key gets ``out = 0`` and ``lse = -inf``; one that sees a
+    NaN key gets NaN ``out`` and ``lse`` (as in PyTorch's attention).
     """
     g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     B, Hq, S, D = q.shape
@@ -244,7 +245,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
                 q_c = qg[b0:b1, h0:h1, :, s0:s1].float()
                 o, l, m = _forward_rows(q_c, k[b0:b1, h0:h1], v[b0:b1, h0:h1], pos, mask_c,
                                         causal, window, scale, skip_blocks, chunk_bytes)
-                seen = l > 0
+                seen = l != 0  # 0: no visible key; NaN (a NaN key or value seen) propagates as in PyTorch
                 l_safe = torch.where(seen, l, 1.0)
                 res = torch.where(seen[..., None], o / l_safe[..., None], 0.0)
                 out[b0:b1, h0:h1, :, s0:s1] = (res + 0.0).to(q.dtype)

@@ -239,7 +239,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, out_ptr, lse_ptr,
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
                                    mask_row_ptr, s_mt, T, D, window, scale, True, CAUSAL,
                                    WINDOW, HAS_MASK, KB, DP)
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # 0: no visible key; NaN (a NaN key or value seen) propagates as in PyTorch
     l_safe = tl.where(seen, l_i, 1.0)
     res = tl.where(seen[:, None], tl.math.div_rn(acc, l_safe[:, None]), 0.0) + 0.0
     lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))

@@ -14,7 +14,6 @@ that is below 1, as megatron does: elementwise, so sharding cannot change it.
 """
 from __future__ import annotations
 
-import math
 import re
 import types
 from typing import Optional, Sequence

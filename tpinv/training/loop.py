@@ -33,16 +33,19 @@ import torch
 import torch.distributed as dist
 
 from tpinv.core.contract import InvarianceError
+from tpinv.io.run_dir import new_run_id
 from tpinv.ops import tree_sum
 from tpinv.distributed.reduce import gather_shards, tree_all_reduce
 from tpinv.training.train_state import load_train_state, save_train_state
+from tpinv.training.guards import (NonFiniteError, changed_on_resume, check_finite, check_optimizer_numbers,
+                                   claim_save_dir, config_sha256, watchdog)
 from tpinv.training.data import dp_slice, make_dataset, micro_batches
 from tpinv.training.metrics import PLOT_FILE, MetricsLogger, plot_loss_curve, read_metrics
 from tpinv.training.model import build_model
 from tpinv.training.optim import (InvariantAdamW, ParamLayout, TorchAdamW, clip_coefficient, global_grad_norm,
                                   lr_at, vanilla_grad_norm)
 
-__all__ = ["TrainConfig", "Trainer", "TreeAccumulator", "train"]
+__all__ = ["NonFiniteError", "TrainConfig", "Trainer", "TreeAccumulator", "train"]
 
 #: Rows per forward when measuring held-out accuracy (the model is batch-invariant).
 EVAL_CHUNK = 64
@@ -82,6 +85,12 @@ class TrainConfig:
     sequence_parallel: bool = False
     log_dir: Optional[str] = None
     progress: Optional[bool] = None
+    overwrite: bool = False             # a fresh run may replace another run's checkpoints in `save`
+    dist_timeout: float = 600.0         # seconds a rank waits for the others (process group, watchdog)
+
+    def check_numbers(self) -> None:
+        """Refuse optimizer settings that are not finite or out of range (before any work is done)."""
+        check_optimizer_numbers(self)
 
     def check(self, dp: int) -> None:
         for name in ("steps", "global_batch", "micro_batch", "seq_len"):
@@ -98,8 +107,9 @@ class TrainConfig:
                 f"of two dividing it) holds whole sub-trees; e.g. global_batch={self.micro_batch * (1 << leaves.bit_length())}")
         if self.vanilla and self.sequence_parallel:
             raise NotImplementedError("sequence_parallel=True is not supported by the vanilla control (--vanilla)")
-        if self.lr <= 0 or self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
-            raise ValueError("lr must be positive; warmup, save_every and eval_every must be >= 0")
+        if self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
+            raise ValueError("warmup, save_every and eval_every must be >= 0")
+        self.check_numbers()
         if self.save_every and not self.save:
             raise ValueError(f"save_every={self.save_every} needs a directory to save to (--save DIR)")
 
@@ -152,6 +162,24 @@ class Trainer:
         config.check(self.dp)
         if not config.vanilla and self.dp & (self.dp - 1):
             raise InvarianceError(f"dp={self.dp}: the tree reducer needs a power-of-two data-parallel size")
+        self.run_id, self.lock = new_run_id(), None
+        if config.save:  # before any model work: a bad or busy --save fails now, not after the steps
+            self.lock = claim_save_dir(config.save, rank=self.rank, distributed=parallel is not None,
+                                       run_id=self.run_id, resume=bool(config.load), overwrite=config.overwrite)
+        try:
+            self._build(config, stream)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the lock of the ``save`` directory (the end of the run)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _build(self, config: TrainConfig, stream) -> None:
+        parallel = self.par
         self.dataset = make_dataset(config.data, config.seq_len, config.seed, tokenizer=config.tokenizer,
                                     digits=config.digits, heldout_size=config.heldout_size)
         # the model takes the TP group even of size 1: tpinv layers never guess a group
@@ -167,12 +195,14 @@ class Trainer:
         opt = TorchAdamW if config.vanilla else InvariantAdamW
         self.optimizer = opt(self.layout, betas=(config.beta1, config.beta2), eps=config.eps,
                              weight_decay=config.weight_decay)
-        self.step, self.consumed, self.history, self.resumed_from = 0, 0, [], None
+        self.step, self.consumed, self.history, self.resumed_from, self.resume_changes = 0, 0, [], None, []
         if config.load:
             st = load_train_state(config.load, model=self.model, optimizer=self.optimizer, layout=self.layout,
                                   model_args=self.model_args, leaves=config.leaves, tp_size=self.tp,
                                   tp_rank=self.tp_rank)
             self.step, self.consumed, self.resumed_from = st["step"], st["consumed_samples"], st["path"]
+            self.run_id = st.get("run_id", self.run_id)
+            self.resume_changes = changed_on_resume(st.get("config", {}), dataclasses.asdict(config))
         self.logger = MetricsLogger(config.steps, log_dir=config.log_dir, enabled=self.rank == 0,
                                     progress=config.progress, stream=stream, start_step=self.step)
 
@@ -193,6 +223,7 @@ class Trainer:
         return tree_all_reduce(total, self.dp_group, leaves=max(self.cfg.leaves, self.dp))
 
     def train_step(self) -> dict:
+        watchdog(self.step + 1, self.cfg.dist_timeout)  # gloo: names a rank that stopped answering
         cfg, start = self.cfg, time.perf_counter()
         lr = lr_at(self.step, lr=cfg.lr, min_lr=cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr,
                    warmup=cfg.warmup, total=cfg.steps)
@@ -214,6 +245,7 @@ class Trainer:
         grads, loss = total[:-1] / loss_tokens, total[-1] / loss_tokens
         norm = vanilla_grad_norm(grads, self.layout, self.tp_group) if cfg.vanilla else \
             global_grad_norm(grads, self.layout, self.tp_group, cfg.leaves)
+        check_finite(self.step + 1, loss, norm, cfg.save)  # before the update: nothing non-finite is applied
         coef = clip_coefficient(norm, cfg.clip_grad)
         if coef is not None:
             grads.mul_(coef)
@@ -269,6 +301,7 @@ class Trainer:
     def save(self) -> str:
         cfg = self.cfg
         state = {"consumed_samples": self.consumed, "leaves": cfg.leaves, "row_strategy": cfg.row_strategy,
+                 "run_id": self.run_id, "config_sha256": config_sha256(dataclasses.asdict(cfg)),
                  "data": self.dataset.describe(), "tp_size": self.tp, "dp_size": self.dp, "vanilla": cfg.vanilla,
                  "config": dataclasses.asdict(cfg)}
         path = save_train_state(cfg.save, step=self.step, model=self.model, optimizer=self.optimizer,
@@ -280,9 +313,19 @@ class Trainer:
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict:
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def _run(self) -> dict:
         cfg = self.cfg
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
         self.logger.event("start", self.describe(), self.describe()["line"])
+        if self.resume_changes:
+            self.logger.event("warning", {"resume_changes": self.resume_changes},
+                              f"warning: resuming {self.resumed_from} with other settings than it was saved with: "
+                              f"{'; '.join(self.resume_changes)} (the curve will differ from an uninterrupted run)")
         saved_at = start = self.step
         while self.step < end:
             rec = self.train_step()

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tpinv.io.atomic_dir import atomic_directory, fsync_dir, fsync_file, write_json
+from tpinv.io.run_dir import clean_stale_temps
 from tpinv.io.checkpoint import (load_shard, param_meta_from_module, param_replicas_from_module, save_checkpoint,
                                  shard_index)
 from tpinv.distributed.groups import group_size
@@ -138,6 +139,7 @@ def save_train_state(root: str, *, step: int, model, optimizer, layout, model_ar
     if is_writer:
         try:
             os.makedirs(root, exist_ok=True)
+            clean_stale_temps(root)  # what a killed save left (the caller holds the directory's lock)
             path = _write(os.path.abspath(root), step, model_args, meta, full, state, torch_rng)
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             previous = _latest_name(root) if os.path.isdir(root) else None
