@@ -43,10 +43,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--rollout-tp", type=int, default=2, choices=(1, 2))
     p.add_argument("--trainer-tp", type=int, default=1, choices=(1, 2))
-    p.add_argument("--steps", type=int, default=20, help="GRPO steps per run")
+    p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    p.add_argument("--group", type=int, default=4, help="samples per prompt")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--pool", type=int, default=16, help="distinct problems the prompts cycle through")
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--sft-steps", type=int, default=60, help="supervised warm-start steps")
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -96,7 +97,7 @@ def rl_run(rank: int, world: int, args, vanilla: bool, log) -> list[dict]:
     history = []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        pairs = [task.pair(step * args.prompts + i) for i in range(args.prompts)]
+        pairs = [task.pair((step * args.prompts + i) % args.pool) for i in range(args.prompts)]
         prompts = [arithmetic_prompt(a, b) for a, b in pairs for _ in range(args.group)]
         payload = [None]
         if engine_model is not None:
