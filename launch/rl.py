@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--rollout-tp", type=int, default=2, choices=(1, 2))
     p.add_argument("--trainer-tp", type=int, default=1, choices=(1, 2))
-    p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
+    p.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--pool", type=int, default=16, help="distinct problems the prompts cycle through")
