@@ -88,3 +88,34 @@ def test_bad_k_pos_raises():
     q, k, v, _ = _doc_inputs(4, 1, 1, 8, torch.float32, 0)
     with pytest.raises(ValueError, match="k_pos must be an int64"):
         attention(q, k, v, torch.arange(4)[None], k_pos=torch.arange(4))
+
+
+def test_two_contexts_sharing_a_prefix_match_each_context_alone():
+    """A row holding prefix P, then R (context 1 = P+R) and A at R's positions (context 2 = P+A).
+
+    Every query's output and dq equal its context alone; the keys of A (seen by context 2 only,
+    whose queries share positions with R's and so sit on the second layer of the virtual query
+    axis) get the dk/dv of context 2 alone.
+    """
+    Hkv, g, D, p, r, a = 1, 2, 8, 70, 9, 5
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(n):
+        return [torch.randn(1, h, n, D, generator=gen) for h in (Hkv * g, Hkv, Hkv, Hkv * g)]
+
+    P, R, A = rand(p), rand(r), rand(a)
+    row = [torch.cat([x, y, z], 2) for x, y, z in zip(P, R, A)]
+    pos = torch.cat([torch.arange(p + r), torch.arange(p, p + a)])[None]
+    ctx = torch.cat([torch.zeros(p), torch.ones(r), 2 * torch.ones(a)])
+    mask = (ctx[:, None] == ctx[None, :]) | (ctx[None, :] == 0)
+    packed = _run(*row, pos, mask=mask[None], k_pos=pos)
+    alone2 = _run(*[torch.cat([x, z], 2) for x, z in zip(P, A)], torch.arange(p + a)[None])
+    alone1 = _run(*[torch.cat([x, y], 2) for x, y in zip(P, R)], torch.arange(p + r)[None])
+    tail = slice(p + r, p + r + a)
+    for i, name in ((0, "out"), (1, "dq"), (4, "lse")):
+        assert_same_bits(packed[i][:, :, tail], alone2[i][:, :, p:], f"context 2 {name}")
+        assert_same_bits(packed[i][:, :, p:p + r], alone1[i][:, :, p:], f"context 1 {name}")
+    for i, name in ((2, "dk"), (3, "dv")):
+        assert_same_bits(packed[i][:, :, tail], alone2[i][:, :, p:], f"context 2 keys {name}")
+    # Control: the prefix keys gather gradient from both contexts, so they differ from either alone.
+    assert_bits_differ(packed[2][:, :, :p], alone2[2][:, :, :p], "shared prefix dk vs context 2 alone")
