@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 
@@ -32,7 +33,6 @@ from tpinv.engine.metrics import mismatch_metrics
 from tpinv.models import Transformer, get_config
 from tpinv.rl.grpo import (arithmetic_prompt, arithmetic_reward, full_weights, group_advantages, policy_loss,
                            sequence_log_probs, sync_weights)
-from tpinv.testing import free_port
 from tpinv.training.data import ArithmeticTask
 from tpinv.training.optim import InvariantAdamW, ParamLayout, TorchAdamW
 
@@ -178,6 +178,12 @@ def worker(rank: int, world: int, port: int, args) -> None:
              f"GRPO, {args.model}: rollout TP={args.rollout_tp}, trainer TP={args.trainer_tp}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main(argv=None) -> int:
