@@ -3,8 +3,11 @@
 The CPU kernels (:mod:`tpinv.kernels.reference_attention_packed`) place each key a query
 sees at the slot of its own position, so a document packed at any offset of a row, or a
 turn of a conversation packed with a 2D visibility mask, gets the bits of the same tokens
-alone, forward and backward.  The CUDA slot has no kernel yet: a CUDA tensor raises
-(never a silent fallback).  Reached through :func:`tpinv.ops.attention` with ``k_pos``.
+alone, forward and backward.  On CUDA the forward gathers each query's keys into its virtual
+row and runs ``tpinv::attention`` (the Triton kernel, batch- and call-invariant) with one
+query per batch row, so a packed query gets the Triton bits of the same query alone; the
+CUDA backward has no kernel yet and raises (never a silent fallback).  Reached through
+:func:`tpinv.ops.attention` with ``k_pos``.
 """
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ import torch
 
 from tpinv.kernels.reference_attention import check_attention_inputs
 from tpinv.kernels.reference_attention_packed import (check_key_positions, packed_attention_backward,
-                                                      packed_attention_forward)
-from tpinv.ops.registry import define_op
+                                                      packed_attention_forward, virtual_slots, visible)
+from tpinv.ops.registry import define_op, register_cuda_kernel
 
 __all__ = ["attention_packed_op", "attention_packed_backward_op"]
 
@@ -69,6 +72,31 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 attention_packed_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def packed_forward_by_rows(q, k, v, q_pos, k_pos, mask, causal, window, scale, *, max_rows: int = 4096):
+    """The packed forward through ``tpinv::attention``: each query alone against its virtual row."""
+    from tpinv.ops.attention import attention_op  # the module that imports this one
+    B, Hq, S, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    for b in range(B):
+        slots = virtual_slots(visible(q_pos[b], k_pos[b], None if mask is None else mask[b], causal, window),
+                              k_pos[b])
+        for s0 in range(0, S, max_rows):
+            sl = slots[s0:s0 + max_rows]
+            idx = sl.clamp(min=0)
+            k_v = k[b][:, idx].permute(1, 0, 2, 3).contiguous()  # [n, Hkv, Tv, D]
+            v_v = v[b][:, idx].permute(1, 0, 2, 3).contiguous()
+            q_r = q[b, :, s0:s0 + max_rows].permute(1, 0, 2)[:, :, None].contiguous()  # [n, Hq, 1, D]
+            o, l = attention_op(q_r, k_v, v_v, q_pos[b, s0:s0 + max_rows, None].contiguous(),
+                                (sl >= 0)[:, None].contiguous(), causal, window, scale)
+            out[b, :, s0:s0 + max_rows] = o[:, :, 0].permute(1, 0, 2)
+            lse[b, :, s0:s0 + max_rows] = l[:, :, 0].permute(1, 0)
+    return out, lse
+
+
+register_cuda_kernel(attention_packed_op, packed_forward_by_rows)
 
 
 def attention_packed(q, k, v, q_pos, k_pos, *, causal, window, mask, scale):
