@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from tpinv.engine import Engine, Request, SamplingParams
 from tpinv.engine.metrics import mismatch_metrics
 from tpinv.models import Transformer, get_config
+from tpinv.rl.mismatch import correct, importance_weights
 from tpinv.rl.grpo import (arithmetic_prompt, arithmetic_reward, full_weights, group_advantages, policy_loss,
                            sequence_log_probs, sync_weights)
 from tpinv.training.data import ArithmeticTask
@@ -51,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sft-steps", type=int, default=60, help="supervised warm-start steps")
     p.add_argument("--sft-lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--correction", default="none", choices=("none", "tis", "mis"),
+                   help="mismatch correction of the loss (tpinv.rl.mismatch): token-level TIS (cap 2) or "
+                        "MIS (drop tokens with weight outside [0.5, 2]); the identity on the invariant path")
     p.add_argument("--runs", default="tpinv,vanilla", help="comma-separated: tpinv, vanilla")
     p.add_argument("--out", default="rl_out")
     args = p.parse_args(argv)
@@ -119,8 +123,14 @@ def rl_run(rank: int, world: int, args, vanilla: bool, log) -> list[dict]:
             m = mismatch_metrics(rollout_lp[mask], train_lp.detach()[mask])
             rec.update(k3_kl=m["k3_kl"], token_mult_prob_error=m["token_mult_prob_error"],
                        frac_bitwise_equal=m["fraction_bitwise_equal"], max_abs_diff=m["max_abs_logprob_diff"])
+            w = importance_weights(train_lp.detach(), rollout_lp, mask)
+            rec.update(is_weight_min=float(w[mask].min()), is_weight_max=float(w[mask].max()))
+            weights, loss_mask = None, mask
+            if args.correction != "none":
+                weights, loss_mask = correct(train_lp.detach(), rollout_lp, mask,
+                                             mode="truncate" if args.correction == "tis" else "mask")
             adv = group_advantages(rewards.view(args.prompts, args.group)).reshape(-1)
-            loss = policy_loss(train_lp, rollout_lp, adv, mask.float())
+            loss = policy_loss(train_lp, rollout_lp, adv, loss_mask.float(), weights=weights)
             loss.backward()
             grads = layout.flatten_grads(torch.empty(layout.numel))
             policy.zero_grad(set_to_none=True)
@@ -165,7 +175,8 @@ def worker(rank: int, world: int, port: int, args) -> None:
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         extra = (f" KL={rec['k3_kl']:.3e} tmpe={rec['token_mult_prob_error']:.9f} "
-                 f"bitwise={rec['frac_bitwise_equal']:.3f}") if "k3_kl" in rec else ""
+                 f"bitwise={rec['frac_bitwise_equal']:.3f} "
+                 f"IS weights [{rec['is_weight_min']:.6f}, {rec['is_weight_max']:.6f}]") if "k3_kl" in rec else ""
         print(f"[{rec['run']:7s}] step {rec['step']:3d} reward={rec['reward']:.3f}{extra} ({rec['time_s']}s)",
               flush=True)
 
@@ -195,9 +206,11 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "metrics.jsonl")) as f:
         history = [json.loads(line) for line in f]
     tp = [r for r in history if r["run"] == "tpinv"]
-    ok = all(r["k3_kl"] == 0.0 and r["token_mult_prob_error"] == 1.0 and r["frac_bitwise_equal"] == 1.0 for r in tp)
+    ok = all(r["k3_kl"] == 0.0 and r["token_mult_prob_error"] == 1.0 and r["frac_bitwise_equal"] == 1.0
+             and r["is_weight_min"] == r["is_weight_max"] == 1.0 for r in tp)
     if tp:
-        print(f"tpinv: KL exactly 0 and token_mult_prob_error exactly 1.0 at every step: {ok}; reward "
+        print(f"tpinv: KL exactly 0, token_mult_prob_error and every importance weight exactly 1.0 at every "
+              f"step: {ok}; reward "
               f"{tp[0]['reward']:.3f} -> {tp[-1]['reward']:.3f}")
     van = [r for r in history if r["run"] == "vanilla"]
     if van:

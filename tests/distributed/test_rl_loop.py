@@ -23,7 +23,7 @@ RL = os.path.join(ROOT, "launch", "rl.py")
 def test_rl_loop_is_on_policy_at_different_tp_sizes(tmp_path, rollout_tp, trainer_tp):
     out = tmp_path / "rl"
     proc = subprocess.run([sys.executable, RL, "--steps", "2", "--sft-steps", "3", "--prompts", "3", "--group", "2",
-                           "--rollout-tp", str(rollout_tp), "--trainer-tp", str(trainer_tp), "--out", str(out)],
+                           "--correction", "mis", "--rollout-tp", str(rollout_tp), "--trainer-tp", str(trainer_tp), "--out", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -32,5 +32,7 @@ def test_rl_loop_is_on_policy_at_different_tp_sizes(tmp_path, rollout_tp, traine
     assert len(tp) == len(van) == 2
     for r in tp:
         assert r["k3_kl"] == 0.0 and r["token_mult_prob_error"] == 1.0 and r["frac_bitwise_equal"] == 1.0, r
+        assert r["is_weight_min"] == r["is_weight_max"] == 1.0, r  # the corrections are the identity
     assert all(r["token_mult_prob_error"] > 1.0 and r["frac_bitwise_equal"] < 1.0 for r in van), van
+    assert all(r["is_weight_min"] < 1.0 < r["is_weight_max"] for r in van), van
     assert (out / "rl_curves.png").stat().st_size > 0

@@ -44,15 +44,19 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def policy_loss(train_lp: torch.Tensor, rollout_lp: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip_eps: float = 0.2) -> torch.Tensor:
+                mask: torch.Tensor, clip_eps: float = 0.2, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
     """PPO-clipped surrogate with the rollout as behaviour policy, mean over valid tokens.
 
-    ``train_lp``, ``rollout_lp``, ``mask`` ``[B, T]``; ``advantages`` ``[B]``.  On the
-    invariant path the ratio is exactly 1 and this is the plain policy gradient.
+    ``train_lp``, ``rollout_lp``, ``mask`` ``[B, T]``; ``advantages`` ``[B]``; ``weights``
+    (optional, ``[B, T]``, no grad) multiply each token's term: a mismatch correction from
+    :mod:`tpinv.rl.mismatch`.  On the invariant path the ratio is exactly 1 and this is the
+    plain policy gradient.
     """
     ratio = torch.exp(train_lp - rollout_lp)
     adv = advantages[:, None]
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    if weights is not None:
+        surrogate = surrogate * weights
     return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
 
 
