@@ -77,7 +77,7 @@ class Attention(torch.nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, positions, mask, cache: Optional[KVCache], layer: int):
+    def forward(self, x, cos, sin, positions, mask, cache: Optional[KVCache], layer: int, k_pos=None):
         q = self.q_proj(x)[0]
         B, S, _ = q.shape  # the whole sequence (x is a sequence chunk under sequence parallelism)
         q = q.view(B, S, self.local_heads, self.head_dim)
@@ -91,7 +91,7 @@ class Attention(torch.nn.Module):
         if cache is not None:
             k, v = cache.append(layer, k, v, positions, check=False)  # checked once per step
         q = gather_replica_heads(q, self.tp_group, self.replicas)  # no-op unless KV heads are replicated
-        out = attention(q, k, v, positions, causal=True, window=self.window, mask=mask)
+        out = attention(q, k, v, positions, causal=True, window=self.window, mask=mask, k_pos=k_pos)
         out = split_replica_heads(out, self.tp_group, self.replicas)
         out = out.transpose(1, 2).reshape(B, S, self.local_heads * self.head_dim)
         return self.o_proj(out)[0]
@@ -128,8 +128,8 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = _norm(args, config, tp_group)
         self.mlp = MLP(args, config, tp_group)
 
-    def forward(self, x, cos, sin, positions, mask, cache, layer):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache, layer)
+    def forward(self, x, cos, sin, positions, mask, cache, layer, k_pos=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache, layer, k_pos)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -157,6 +157,17 @@ def check_model_sizes(args: ModelArgs, tp_size: int, leaves: int) -> None:
     for name, size in (("num_heads*head_dim", args.num_heads * args.head_dim),
                        ("num_kv_heads*head_dim", args.num_kv_heads * args.head_dim)):
         check_divisible(name, size, leaves, "leaves")
+
+
+def packed_key_positions(tokens: torch.Tensor, positions: Optional[torch.Tensor],
+                         cache: Optional[KVCache]) -> Optional[torch.Tensor]:
+    """The key positions of a packed row (no cache, positions other than ``arange(S)``), else None."""
+    if cache is not None or positions is None or positions.shape != tokens.shape:
+        return None
+    S = tokens.shape[1]
+    if torch.equal(positions, torch.arange(S, device=positions.device).expand_as(positions)):
+        return None
+    return positions
 
 
 class Transformer(torch.nn.Module):
@@ -208,9 +219,6 @@ class Transformer(torch.nn.Module):
         if positions.dtype != torch.int64 or tuple(positions.shape) != (B, S):
             raise ValueError(f"positions must be int64 of shape [B, S] = [{B}, {S}], got "
                              f"{positions.dtype} {list(positions.shape)}")
-        if cache is None and not torch.equal(positions, torch.arange(S, device=positions.device).expand(B, S)):
-            raise ValueError("without a KV cache key slot j is token j, so positions must be arange(S) "
-                             "in every row; pass a KVCache to place tokens at other positions")
         if cache is not None:
             cache.check_positions(positions)
         return positions
@@ -226,9 +234,13 @@ class Transformer(torch.nn.Module):
         ``num_valid[b]`` tokens (default ``S``; right-padded rows pass their lengths).
         ``mask`` is a bool ``[B, S, T]`` visibility mask over key slots (``T = S`` without a
         cache, ``T = cache.max_len`` with one), combined with the causal (and window) mask.
+        Without a cache, ``positions`` other than ``arange(S)`` make a packed row: token ``j``'s
+        key sits at ``positions[:, j]`` (:func:`tpinv.ops.attention` with ``k_pos``), causality
+        follows positions, and ``mask`` separates the documents or turns packed in the row.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape [B, S], got {list(tokens.shape)}")
+        k_pos = packed_key_positions(tokens, positions, cache)
         positions = self._positions(tokens, positions, cache)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta, self.args.rope_scaling)
         h = self.embed_tokens(tokens)
@@ -240,7 +252,7 @@ class Transformer(torch.nn.Module):
                             "(sequence_parallel=True)")
             h = scatter_to_sequence_parallel_region(h, self.tp_group, dim=1)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, positions, mask, cache, i)
+            h = layer(h, cos, sin, positions, mask, cache, i, k_pos)
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.args.tie_word_embeddings else None
         logits = self.lm_head(h, weight=weight)[0]

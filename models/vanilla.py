@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from tpinv.core.capture import capturing
 from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.models.kv_cache import KVCache
+from tpinv.models.transformer import packed_key_positions
 from tpinv.ops import rope_cos_sin
 from tpinv.ops.attention import block_visibility
+from tpinv.ops.attention_packed import packed_visible
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -134,7 +136,7 @@ def _fast_cuda_attention(q, k, v, positions, cached: bool, gqa: bool):
     return None
 
 
-def _attention(attn, x, cos, sin, positions, mask, cache, layer, group):
+def _attention(attn, x, cos, sin, positions, mask, cache, layer, group, k_pos=None):
     B, S, _ = x.shape
     q = _column(x, attn.q_proj, group).view(B, S, attn.local_heads, attn.head_dim)
     k = _column(x, attn.k_proj, group).view(B, S, attn.local_kv_heads, attn.head_dim)
@@ -146,11 +148,15 @@ def _attention(attn, x, cos, sin, positions, mask, cache, layer, group):
     gqa = attn.local_heads != attn.local_kv_heads
     if cache is not None:
         k, v = cache.append(layer, k, v, positions, check=False)  # checked once per step
-    if q.is_cuda and mask is None and attn.window is None:
+    if q.is_cuda and mask is None and attn.window is None and k_pos is None:
         out = _fast_cuda_attention(q, k, v, positions, cache is not None, gqa)
         if out is not None:
             return _row(out.transpose(1, 2).reshape(B, S, -1), attn.o_proj, group)
-    visible = block_visibility(positions, 0, k.shape[2], True, attn.window, mask).unsqueeze(1)
+    if k_pos is not None:  # a packed row: causality follows the keys' positions
+        visible = torch.stack([packed_visible(positions[b], k_pos[b], None if mask is None else mask[b],
+                                              True, attn.window) for b in range(B)]).unsqueeze(1)
+    else:
+        visible = block_visibility(positions, 0, k.shape[2], True, attn.window, mask).unsqueeze(1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
     return _row(out.transpose(1, 2).reshape(B, S, -1), attn.o_proj, group)
 
@@ -162,6 +168,7 @@ def vanilla_forward(model, tokens: torch.Tensor, positions: Optional[torch.Tenso
     if getattr(model.layers[0].mlp.down_proj, "strategy", "tree") != "tree":
         raise NotImplementedError("the vanilla control needs the 'tree' row layout (Megatron's weight shards)")
     args, group = model.args, model.tp_group
+    k_pos = packed_key_positions(tokens, positions, cache)
     positions = model._positions(tokens, positions, cache)
     cos, sin = rope_cos_sin(positions, args.head_dim, args.rope_theta, args.rope_scaling)
     emb = model.embed_tokens
@@ -172,7 +179,7 @@ def vanilla_forward(model, tokens: torch.Tensor, positions: Optional[torch.Tenso
     for i, layer in enumerate(model.layers):
         a = layer.self_attn
         h = h + _attention(a, plain_rms_norm(h, layer.input_layernorm.weight, layer.input_layernorm.eps),
-                           cos, sin, positions, mask, cache, i, group)
+                           cos, sin, positions, mask, cache, i, group, k_pos)
         x = plain_rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
         mlp = layer.mlp
         h = h + _row(F.silu(_column(x, mlp.gate_proj, group)) * _column(x, mlp.up_proj, group), mlp.down_proj, group)

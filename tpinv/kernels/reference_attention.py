@@ -16,8 +16,8 @@ zero padding of a halving sum is exact.  Hence the same bits in a full prefill, 
 prefill or a decode step against a KV cache, at any batch size or padding length, and
 blocks no query of a call can see may be skipped.  Zeros are returned as ``+0``.
 
-Positions are slots: a document packed after others matches the document alone only when
-it starts at a multiple of ``KV_BLOCK`` (the block grid is absolute).
+Positions are slots here (the block grid is absolute); for packed rows
+:mod:`tpinv.kernels.reference_attention_packed` places keys by their own positions.
 """
 from __future__ import annotations
 

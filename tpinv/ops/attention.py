@@ -19,6 +19,7 @@ import torch
 
 from tpinv.kernels.reference_attention import attention_forward, block_visibility, check_attention_inputs
 from tpinv.kernels.reference_attention_bwd import attention_backward
+from tpinv.ops.attention_packed import attention_packed
 from tpinv.ops.registry import define_op, register_fake
 
 #: which keys a query sees (causal, window, mask): the rule every attention kernel applies,
@@ -89,7 +90,7 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, *,
               causal: bool = True, window: Optional[int] = None,
               mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-              return_lse: bool = False):
+              k_pos: Optional[torch.Tensor] = None, return_lse: bool = False):
     """Batch-, chunk- and padding-invariant attention (GQA, causal, sliding window, mask).
 
     ``q [B, Hq, S, D]``, ``k, v [B, Hkv, T, D]`` share one dtype (fp32/bf16/fp16),
@@ -102,6 +103,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     Returns ``out [B, Hq, S, D]`` in q's dtype, or ``(out, lse)`` with the fp32
     log-sum-exp ``[B, Hq, S]`` when ``return_lse``.  Differentiable in q, k, v (and
     through ``lse``).
+
+    ``k_pos`` int64 ``[B, T]`` gives key slot ``j`` the position ``k_pos[:, j]`` instead
+    (packed rows): causality, window and the key-block grid then follow positions, so a
+    document packed anywhere in a row gets the bits it gets alone (``tpinv::attention_packed``).
     """
     if scale is None:  # the op checks the inputs; a shape-less q reaches that check with scale 1
         dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() else 1
@@ -109,5 +114,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
-    out, lse = attention_op(q, k, v, q_pos, mask, bool(causal), window, scale)
+    if k_pos is not None:
+        out, lse = attention_packed(q, k, v, q_pos, k_pos, causal=bool(causal), window=window,
+                                    mask=mask, scale=scale)
+    else:
+        out, lse = attention_op(q, k, v, q_pos, mask, bool(causal), window, scale)
     return (out, lse) if return_lse else out

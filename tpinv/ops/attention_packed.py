@@ -1,0 +1,115 @@
+"""``tpinv::attention_packed``: invariant attention whose key-block grid follows key positions.
+
+The CPU kernels (:mod:`tpinv.kernels.reference_attention_packed`) place each key a query
+sees at the slot of its own position, so a document packed at any offset of a row, or a
+turn of a conversation packed with a 2D visibility mask, gets the bits of the same tokens
+alone, forward and backward.  On CUDA the forward gathers each query's keys into its virtual
+row and runs ``tpinv::attention`` (the Triton kernel, batch- and call-invariant) with one
+query per batch row, so a packed query gets the Triton bits of the same query alone; the
+CUDA backward has no kernel yet and raises (never a silent fallback).  Reached through
+:func:`tpinv.ops.attention` with ``k_pos``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tpinv.kernels.reference_attention import check_attention_inputs
+from tpinv.kernels.reference_attention_packed import (check_key_positions, packed_attention_backward,
+                                                      packed_attention_forward, virtual_slots, visible)
+from tpinv.ops.registry import define_op, register_fake
+
+#: which keys a packed query sees (positions, causal, window, mask), for code above the ops (the
+#: vanilla control) that builds its own mask.
+packed_visible = visible
+
+__all__ = ["attention_packed_op", "attention_packed_backward_op", "packed_visible"]
+
+
+def _check_packed(q, k, v, q_pos, k_pos, mask, causal, window, scale) -> None:
+    check_attention_inputs(q, k, v, q_pos, mask, causal, window)
+    check_key_positions(k_pos, k)
+
+
+def _check_packed_backward(grad_out, grad_lse, q, k, v, out, lse, q_pos, k_pos, mask, causal, window,
+                           scale) -> None:
+    _check_packed(q, k, v, q_pos, k_pos, mask, causal, window, scale)
+
+
+def packed_forward_by_rows(q, k, v, q_pos, k_pos, mask, causal, window, scale, *, max_rows: int = 4096):
+    """The packed forward through ``tpinv::attention``: each query alone against its virtual row."""
+    from tpinv.ops.attention import attention_op  # the module that imports this one
+    B, Hq, S, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    for b in range(B):
+        slots = virtual_slots(visible(q_pos[b], k_pos[b], None if mask is None else mask[b], causal, window),
+                              k_pos[b])
+        for s0 in range(0, S, max_rows):
+            sl = slots[s0:s0 + max_rows]
+            idx = sl.clamp(min=0)
+            k_v = k[b][:, idx].permute(1, 0, 2, 3).contiguous()  # [n, Hkv, Tv, D]
+            v_v = v[b][:, idx].permute(1, 0, 2, 3).contiguous()
+            q_r = q[b, :, s0:s0 + max_rows].permute(1, 0, 2)[:, :, None].contiguous()  # [n, Hq, 1, D]
+            o, l = attention_op(q_r, k_v, v_v, q_pos[b, s0:s0 + max_rows, None].contiguous(),
+                                (sl >= 0)[:, None].contiguous(), causal, window, scale)
+            out[b, :, s0:s0 + max_rows] = o[:, :, 0].permute(1, 0, 2)
+            lse[b, :, s0:s0 + max_rows] = l[:, :, 0].permute(1, 0)
+    return out, lse
+
+
+@define_op("attention_packed", cuda=packed_forward_by_rows, check=_check_packed)
+def attention_packed_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                        k_pos: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,
+                        window: Optional[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, S, D] in q.dtype, lse [B, Hq, S] fp32)`` with key ``j`` at ``k_pos[:, j]``."""
+    return packed_attention_forward(q, k, v, q_pos, k_pos, mask, causal, window, scale)
+
+
+@define_op("attention_packed_backward", cuda=None, check=_check_packed_backward)
+def attention_packed_backward_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                 lse: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                                 mask: Optional[torch.Tensor], causal: bool, window: Optional[int],
+                                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`attention_packed_op`."""
+    return packed_attention_backward(grad_out, grad_lse, q, k, v, out, lse, q_pos, k_pos, mask,
+                                     causal, window, scale)
+
+
+@register_fake(attention_packed_op)
+def _fake(q, k, v, q_pos, k_pos, mask, causal, window, scale):
+    B, Hq, S, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, Hq, S), dtype=torch.float32)
+
+
+@register_fake(attention_packed_backward_op)
+def _backward_fake(grad_out, grad_lse, q, k, v, out, lse, q_pos, k_pos, mask, causal, window, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_pos, k_pos, mask, causal, window, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos, mask)
+    ctx.causal, ctx.window, ctx.scale = causal, window, scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, q_pos, k_pos, mask = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = attention_packed_backward_op(grad_out, grad_lse, q, k, v, out, lse, q_pos, k_pos,
+                                              mask, ctx.causal, ctx.window, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+attention_packed_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+
+def attention_packed(q, k, v, q_pos, k_pos, *, causal, window, mask, scale):
+    """Checked entry used by :func:`tpinv.ops.attention` when ``k_pos`` is given."""
+    _check_packed(q, k, v, q_pos, k_pos, mask, causal, window, scale)
+    return attention_packed_op(q, k, v, q_pos, k_pos, mask, causal, window, scale)
