@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from tpinv.models import ModelArgs, Transformer  # noqa: E402
 from tpinv.testing import assert_bits_differ, assert_same_bits
+from tpinv.testing.hf import rope_config_kwargs  # noqa: E402
 
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, rms_norm_eps=1e-6,
             max_position_embeddings=512, initializer_range=0.1, attn_implementation="eager")
@@ -28,13 +29,12 @@ def hf_config(family: str):
     if family == "qwen3":
         return transformers.Qwen3Config(**TINY, intermediate_size=192, num_attention_heads=8,
                                         num_key_value_heads=4, head_dim=16, tie_word_embeddings=True,
-                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+                                        **rope_config_kwargs(1e6))
     if family == "llama":
         return transformers.LlamaConfig(**TINY, intermediate_size=176, num_attention_heads=4,
-                                        num_key_value_heads=2, rope_parameters={
-                                            "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 16})
+                                        num_key_value_heads=2, **rope_config_kwargs(
+                                            5e5, "llama3", factor=8.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0, original_max_position_embeddings=16))
     return transformers.MistralConfig(**TINY, intermediate_size=160, num_attention_heads=8,
                                       num_key_value_heads=4, head_dim=8, sliding_window=4)
 

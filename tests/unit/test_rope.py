@@ -16,6 +16,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads, same_bits
+from tpinv.testing.hf import rope_config_kwargs, rope_init_function
 from tpinv.core.contract import InvarianceError
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.ops.rope import apply_rope, apply_rope_backward_op, apply_rope_op, rope_cos_sin, rope_inv_freq
@@ -39,8 +40,14 @@ def randn(*shape, dtype=torch.float32, seed=0):
 
 def hf_rotary(rope_parameters: dict, head_dim: int, max_positions: int = 131072) -> LlamaRotaryEmbedding:
     config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
-                         max_position_embeddings=max_positions, rope_parameters=rope_parameters)
+                         max_position_embeddings=max_positions, **hf_rope(rope_parameters))
     return LlamaRotaryEmbedding(config)
+
+
+def hf_rope(rope_parameters: dict) -> dict:
+    """HF config arguments for ``rope_parameters`` (transformers 5's form) under the installed version."""
+    params = dict(rope_parameters)
+    return rope_config_kwargs(params.pop("rope_theta"), params.pop("rope_type"), **params)
 
 
 def complex_rope(x, positions):
@@ -116,11 +123,9 @@ def test_table_parity_with_hf(scaling):
 
 
 def test_llama3_parity_with_transformers_init_function():
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     config = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, max_position_embeddings=131072,
-                         rope_parameters={**LLAMA3, "rope_theta": 500000.0})
-    hf_inv_freq, scale = ROPE_INIT_FUNCTIONS["llama3"](config)
+                         **hf_rope({**LLAMA3, "rope_theta": 500000.0}))
+    hf_inv_freq, scale = rope_init_function("llama3")(config)
     assert scale == 1.0
     torch.testing.assert_close(rope_inv_freq(128, 500000.0, LLAMA3), hf_inv_freq, rtol=1e-6, atol=0)
 
