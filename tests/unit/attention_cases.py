@@ -38,10 +38,40 @@ def visibility(q_pos: torch.Tensor, T: int, causal: bool = True, window: Optiona
     return vis
 
 
-def sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
-    """Vanilla attention (torch SDPA) with a boolean visibility ``[B, S, T]``."""
+def torch_sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
+    """torch SDPA with a boolean visibility ``[B, S, T]`` (parity only: its bits may or may
+    not move with the shape, depending on the CPU kernel set)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=vis[:, None],
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def split_kv_splits(S: int) -> int:
+    """How many key chunks the control cuts a call's keys into: more for a decode step (one
+    query) than for a prefill, as split-KV (flash-decoding) kernels pick their split by shape."""
+    return 4 if S == 1 else 2
+
+
+def sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
+    """Vanilla attention, the negative control: plain torch ops (BLAS scores, masked softmax),
+    with the keys cut into :func:`split_kv_splits` contiguous chunks of ``ceil(T / splits)``
+    whose sums are added one after another.  The chunk borders move with the number of queries
+    and keys, so the order of the softmax sums changes with prefill vs decode, padding and
+    batch composition by construction, on every CPU kernel set.  Differentiable."""
+    B, Hq, S, D = q.shape
+    T, g = k.shape[2], Hq // k.shape[1]
+    kf = k.float().repeat_interleave(g, 1)
+    vf = v.float().repeat_interleave(g, 1)
+    s = (q.float() @ kf.transpose(-1, -2)) * D ** -0.5
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()
+    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m))
+    chunk = max(1, -(-T // split_kv_splits(S)))
+    l = q.new_zeros((B, Hq, S, 1), dtype=torch.float32)
+    o = q.new_zeros((B, Hq, S, D), dtype=torch.float32)
+    for j0 in range(0, T, chunk):
+        l = l + p[..., j0:j0 + chunk].sum(-1, keepdim=True)
+        o = o + p[..., j0:j0 + chunk] @ vf[:, :, j0:j0 + chunk]
+    return torch.where(l > 0, o / torch.where(l > 0, l, 1.0), 0.0).to(q.dtype)
 
 
 def sdpa_decode_differs(q, k, v, vis: torch.Tensor, steps: int, attend=sdpa) -> bool:
