@@ -45,16 +45,15 @@ def torch_sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def split_kv_splits(S: int) -> int:
-    """How many key chunks the control cuts a call's keys into: more for a decode step (one
-    query) than for a prefill, as split-KV (flash-decoding) kernels pick their split by shape."""
-    return 4 if S == 1 else 2
+def split_kv_chunk(S: int, T: int) -> int:
+    """Keys per chunk of the control: pairs for a decode step (one query), halves of the keys
+    for a prefill -- split-KV (flash-decoding) kernels pick their split by shape like this."""
+    return 2 if S == 1 else max(1, -(-T // 2))
 
 
 def sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
     """Vanilla attention, the negative control: plain torch ops (BLAS scores, masked softmax),
-    with the keys cut into :func:`split_kv_splits` contiguous chunks of ``ceil(T / splits)``
-    whose sums are added one after another.  The chunk borders move with the number of queries
+    with the keys cut into contiguous chunks of :func:`split_kv_chunk` keys whose sums are added one after another.  The chunk borders move with the number of queries
     and keys, so the order of the softmax sums changes with prefill vs decode, padding and
     batch composition by construction, on every CPU kernel set.  Differentiable."""
     B, Hq, S, D = q.shape
@@ -65,7 +64,7 @@ def sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
     s = s.masked_fill(~vis[:, None], float("-inf"))
     m = s.amax(-1, keepdim=True).detach()
     p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m))
-    chunk = max(1, -(-T // split_kv_splits(S)))
+    chunk = split_kv_chunk(S, T)
     l = q.new_zeros((B, Hq, S, 1), dtype=torch.float32)
     o = q.new_zeros((B, Hq, S, D), dtype=torch.float32)
     for j0 in range(0, T, chunk):
