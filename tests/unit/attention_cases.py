@@ -53,7 +53,8 @@ def split_kv_chunk(S: int, T: int) -> int:
 
 def sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
     """Vanilla attention, the negative control: plain torch ops (BLAS scores, masked softmax),
-    with the keys cut into contiguous chunks of :func:`split_kv_chunk` keys whose sums are added one after another.  The chunk borders move with the number of queries
+    with the keys cut into contiguous chunks of :func:`split_kv_chunk` keys whose sums are
+    added one after another.  The chunk borders move with the number of queries
     and keys, so the order of the softmax sums changes with prefill vs decode, padding and
     batch composition by construction, on every CPU kernel set.  Differentiable."""
     B, Hq, S, D = q.shape
