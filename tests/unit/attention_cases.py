@@ -54,7 +54,7 @@ def split_kv_chunk(S: int, T: int) -> int:
 def sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
     """Vanilla attention, the negative control: plain torch ops (BLAS scores, masked softmax),
     with the keys cut into contiguous chunks of :func:`split_kv_chunk` keys whose sums are
-    added one after another.  The chunk borders move with the number of queries
+    added one after another (each chunk's ``p @ v`` rounded to the input dtype first).  The chunk borders move with the number of queries
     and keys, so the order of the softmax sums changes with prefill vs decode, padding and
     batch composition by construction, on every CPU kernel set.  Differentiable."""
     B, Hq, S, D = q.shape
@@ -70,7 +70,8 @@ def sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
     o = q.new_zeros((B, Hq, S, D), dtype=torch.float32)
     for j0 in range(0, T, chunk):
         l = l + p[..., j0:j0 + chunk].sum(-1, keepdim=True)
-        o = o + p[..., j0:j0 + chunk] @ vf[:, :, j0:j0 + chunk]
+        # each chunk's partial output is stored in the activation dtype, as split-KV kernels do
+        o = o + (p[..., j0:j0 + chunk] @ vf[:, :, j0:j0 + chunk]).to(q.dtype).float()
     return torch.where(l > 0, o / torch.where(l > 0, l, 1.0), 0.0).to(q.dtype)
 
 
