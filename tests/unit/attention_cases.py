@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
+
+from tpinv.models.vanilla import split_kv_attention
 
 #: Fresh draws a control may take before it must have seen the vanilla path differ.
 CONTROL_TRIES = 10
@@ -38,41 +39,12 @@ def visibility(q_pos: torch.Tensor, T: int, causal: bool = True, window: Optiona
     return vis
 
 
-def torch_sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
-    """torch SDPA with a boolean visibility ``[B, S, T]`` (parity only: its bits may or may
-    not move with the shape, depending on the CPU kernel set)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=vis[:, None],
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
-def split_kv_chunk(S: int, T: int) -> int:
-    """Keys per chunk of the control: pairs for a decode step (one query), halves of the keys
-    for a prefill -- split-KV (flash-decoding) kernels pick their split by shape like this."""
-    return 2 if S == 1 else max(1, -(-T // 2))
-
-
 def sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
-    """Vanilla attention, the negative control: plain torch ops (BLAS scores, masked softmax),
-    with the keys cut into contiguous chunks of :func:`split_kv_chunk` keys whose sums are
-    added one after another (each chunk's ``p @ v`` rounded to the input dtype first).  The chunk borders move with the number of queries
-    and keys, so the order of the softmax sums changes with prefill vs decode, padding and
-    batch composition by construction, on every CPU kernel set.  Differentiable."""
-    B, Hq, S, D = q.shape
-    T, g = k.shape[2], Hq // k.shape[1]
-    kf = k.float().repeat_interleave(g, 1)
-    vf = v.float().repeat_interleave(g, 1)
-    s = (q.float() @ kf.transpose(-1, -2)) * D ** -0.5
-    s = s.masked_fill(~vis[:, None], float("-inf"))
-    m = s.amax(-1, keepdim=True).detach()
-    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m))
-    chunk = split_kv_chunk(S, T)
-    l = q.new_zeros((B, Hq, S, 1), dtype=torch.float32)
-    o = q.new_zeros((B, Hq, S, D), dtype=torch.float32)
-    for j0 in range(0, T, chunk):
-        l = l + p[..., j0:j0 + chunk].sum(-1, keepdim=True)
-        # each chunk's partial output is stored in the activation dtype, as split-KV kernels do
-        o = o + (p[..., j0:j0 + chunk] @ vf[:, :, j0:j0 + chunk]).to(q.dtype).float()
-    return torch.where(l > 0, o / torch.where(l > 0, l, 1.0), 0.0).to(q.dtype)
+    """Vanilla attention, the negative control, with a boolean visibility ``[B, S, T]``: the
+    vanilla model's CPU attention (:func:`tpinv.models.vanilla.split_kv_attention`: plain torch
+    ops whose key chunks, and so the order of the softmax sums, follow the call's shape), which
+    changes with prefill vs decode, padding and batch composition on every CPU kernel set."""
+    return split_kv_attention(q, k, v, vis[:, None])
 
 
 def sdpa_decode_differs(q, k, v, vis: torch.Tensor, steps: int, attend=sdpa) -> bool:
