@@ -10,6 +10,8 @@ bits depend on the position by construction (a running sum along the tensor).
 """
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -32,10 +34,13 @@ def test_checker_catches_a_position_dependent_op(monkeypatch):
 def test_checker_catches_sigmoid_where_its_paths_differ(monkeypatch):
     monkeypatch.setitem(PRIMITIVES, "sigmoid", (torch.sigmoid, ("signed",), torch.float32))
     bad = primitive_differences("sigmoid")
-    if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2"):
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX512", "AVX2"):
         assert "slice" in bad
-    else:  # the generic set runs one scalar formula for every element
-        assert bad == []
+    elif capability == "DEFAULT" and platform.machine().lower() in ("x86_64", "amd64"):
+        assert bad == []  # x86's generic set runs one scalar formula for every element
+    else:
+        pytest.skip(f"no known sigmoid behaviour on {capability} ({platform.machine()})")
 
 
 @pytest.mark.slow
