@@ -64,7 +64,9 @@ def main(argv=None) -> int:
             if cap is not None:
                 env.update(ATEN_CPU_CAPABILITY=cap, OPENBLAS_CORETYPE="Haswell")
             print(f"== tests under {cap or 'native'}", flush=True)
-            rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "not slow", *CRITICAL_TESTS], env=env)
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", "not slow", *CRITICAL_TESTS],
+                                 env=env, cwd=root)
             ok &= rc == 0
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
