@@ -186,11 +186,24 @@ def bits_digest() -> dict[str, int]:
     return out
 
 
+def _cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 def kernel_sets() -> list[str]:
-    """The ``ATEN_CPU_CAPABILITY`` values worth forcing on this machine (besides native)."""
+    """The ``ATEN_CPU_CAPABILITY`` values below this CPU's best that can be forced here
+    (native runs without the variable): ``avx2`` on an AVX-512 x86 CPU, and ``default``."""
     import platform
-    arm = platform.machine().lower() in ("aarch64", "arm64")
-    return ["default"] if arm else ["avx2", "default"]
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["default"]
+    flags = _cpu_flags()
+    native = torch.backends.cpu.get_cpu_capability()
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags or native == "AVX512"
+    return (["avx2"] if avx512 and "avx2" in flags else []) + ["default"]
 
 
 _CHILD = """
