@@ -76,6 +76,7 @@ PRIMITIVES: dict[str, tuple[Callable, tuple[str, ...], torch.dtype]] = {
     "log": (torch.log, ("positive",), torch.float32),
     "cos": (torch.cos, ("signed",), torch.float32),
     "sin": (torch.sin, ("signed",), torch.float32),
+    "theta**x (rope inv_freq)": (lambda x: 10000.0 ** x, ("signed",), torch.float32),
     "sqrt": (torch.sqrt, ("positive",), torch.float32),
     "rsqrt": (torch.rsqrt, ("positive",), torch.float32),
     "reciprocal": (torch.reciprocal, ("positive",), torch.float32),
