@@ -15,7 +15,6 @@ import platform
 import pytest
 import torch
 
-from tpinv.testing import kernel_sets
 from tpinv.testing.kernel_sets import PRIMITIVES, kernel_sets as forced_sets, position_dependent, \
     primitive_differences, run_in_kernel_set
 
@@ -52,6 +51,3 @@ def test_primitives_position_independent_under_forced_set(capability):
     assert result["position_dependent"] == {}
     assert set(result["digest"]) == set(PRIMITIVES)
 
-
-def test_kernel_sets_module_names_its_sets():
-    assert "default" in kernel_sets.kernel_sets()
