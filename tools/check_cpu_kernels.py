@@ -22,7 +22,7 @@ import time
 CRITICAL_TESTS = ["tests/unit/test_cpu_kernel_sets.py", "tests/unit/test_elementwise_primitives.py",
                   "tests/unit/test_activation.py", "tests/unit/test_rope.py", "tests/unit/test_norm.py",
                   "tests/unit/test_softmax.py", "tests/unit/test_attention_op.py",
-                  "tests/unit/test_attention_fwd.py", "tests/unit/test_models.py", "tests/unit/test_engine.py",
+                  "tests/unit/test_attention_fwd.py", "tests/unit/test_attention_bwd.py", "tests/unit/test_models.py", "tests/unit/test_engine.py",
                   "tests/unit/test_training_units.py", "tests/unit/test_matmul.py"]
 
 
