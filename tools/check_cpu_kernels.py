@@ -19,11 +19,9 @@ import sys
 import time
 
 #: The invariance-critical test files (the ones CI also runs under forced kernel sets).
-CRITICAL_TESTS = ["tests/unit/test_cpu_kernel_sets.py", "tests/unit/test_elementwise_primitives.py",
-                  "tests/unit/test_activation.py", "tests/unit/test_rope.py", "tests/unit/test_norm.py",
-                  "tests/unit/test_softmax.py", "tests/unit/test_attention_op.py",
-                  "tests/unit/test_attention_fwd.py", "tests/unit/test_attention_bwd.py", "tests/unit/test_models.py", "tests/unit/test_engine.py",
-                  "tests/unit/test_training_units.py", "tests/unit/test_matmul.py"]
+CRITICAL_TESTS = [f"tests/unit/test_{name}.py" for name in (
+    "cpu_kernel_sets", "elementwise_primitives", "activation", "rope", "norm", "softmax", "attention_op",
+    "attention_fwd", "attention_bwd", "models", "engine", "training_units", "matmul")]
 
 
 def parse_args(argv=None):
