@@ -2,7 +2,8 @@
 
 ``vanilla_forward(model, ...)`` reads the parameters of a :class:`~tpinv.models.transformer.
 Transformer` and computes the same function with plain PyTorch: ``F.linear`` (BLAS),
-``F.scaled_dot_product_attention``, ``F.silu``, ``torch.mean`` RMSNorm, and Megatron's
+``F.scaled_dot_product_attention`` on CUDA and its split-KV order written out on CPU
+(:func:`split_kv_attention`), ``F.silu``, ``torch.mean`` RMSNorm, and Megatron's
 tensor parallelism (row-parallel partials rounded to the model dtype and added by
 ``dist.all_reduce``).  It keeps no invariant -- it exists to show, on the same inputs, that
 the vanilla path changes bits with TP size, batch composition and prefill vs decode while
@@ -136,6 +137,33 @@ def _fast_cuda_attention(q, k, v, positions, cached: bool, gqa: bool):
     return None
 
 
+def split_kv_attention(q, k, v, visible):
+    """Masked attention the way split-KV (flash-decoding) kernels order it, written out for CPU.
+
+    The keys are cut into contiguous chunks whose size follows the call's shape -- pairs of
+    keys for a decode step (one query), halves of the keys for a prefill -- and each chunk's
+    ``p @ v`` partial is stored in the activation dtype before the partials are added in
+    order.  So prefill vs decode, padding and batch composition change the order of the sums
+    on every CPU kernel set (torch's CPU SDPA happens to keep its order on some sets, so it
+    cannot serve as the control there).  ``q [B, Hq, S, D]``, ``k, v [B, Hkv, T, D]``,
+    ``visible`` bool ``[B, 1, S, T]``.
+    """
+    S, D, T = q.shape[2], q.shape[3], k.shape[2]
+    g = q.shape[1] // k.shape[1]
+    kf, vf = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+    s = (q.float() @ kf.transpose(-1, -2)) * D ** -0.5
+    s = s.masked_fill(~visible, float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()
+    p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m))
+    chunk = 2 if S == 1 else max(1, -(-T // 2))
+    l = torch.zeros_like(s[..., :1])
+    o = torch.zeros_like(q, dtype=torch.float32)
+    for j0 in range(0, T, chunk):
+        l = l + p[..., j0:j0 + chunk].sum(-1, keepdim=True)
+        o = o + (p[..., j0:j0 + chunk] @ vf[:, :, j0:j0 + chunk]).to(q.dtype).float()
+    return torch.where(l > 0, o / torch.where(l > 0, l, 1.0), 0.0).to(q.dtype)
+
+
 def _attention(attn, x, cos, sin, positions, mask, cache, layer, group, k_pos=None):
     B, S, _ = x.shape
     q = _column(x, attn.q_proj, group).view(B, S, attn.local_heads, attn.head_dim)
@@ -157,7 +185,10 @@ def _attention(attn, x, cos, sin, positions, mask, cache, layer, group, k_pos=No
                                               True, attn.window) for b in range(B)]).unsqueeze(1)
     else:
         visible = block_visibility(positions, 0, k.shape[2], True, attn.window, mask).unsqueeze(1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+    if q.is_cuda:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+    else:
+        out = split_kv_attention(q, k, v, visible)
     return _row(out.transpose(1, 2).reshape(B, S, -1), attn.o_proj, group)
 
 

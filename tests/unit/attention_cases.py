@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from tpinv.testing import same_bits
+from tpinv.models.vanilla import split_kv_attention
 
 #: Fresh draws a control may take before it must have seen the vanilla path differ.
 CONTROL_TRIES = 10
@@ -40,9 +40,11 @@ def visibility(q_pos: torch.Tensor, T: int, causal: bool = True, window: Optiona
 
 
 def sdpa(q, k, v, vis: torch.Tensor) -> torch.Tensor:
-    """Vanilla attention (torch SDPA) with a boolean visibility ``[B, S, T]``."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=vis[:, None],
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    """Vanilla attention, the negative control, with a boolean visibility ``[B, S, T]``: the
+    vanilla model's CPU attention (:func:`tpinv.models.vanilla.split_kv_attention`: plain torch
+    ops whose key chunks, and so the order of the softmax sums, follow the call's shape), which
+    changes with prefill vs decode, padding and batch composition on every CPU kernel set."""
+    return split_kv_attention(q, k, v, vis[:, None])
 
 
 def sdpa_decode_differs(q, k, v, vis: torch.Tensor, steps: int, attend=sdpa) -> bool:

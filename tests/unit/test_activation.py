@@ -1,10 +1,12 @@
 """tpinv.ops.activation.silu_mul: position independence, parity, errors.
 
-``F.silu`` (``torch.sigmoid``) gives different bits for a value depending on whether it falls
-in the vectorized body or the scalar tail of a loop; the negative controls below fill the
-gate with values where the two paths disagree, so every layout change that moves an element
-between the paths shows up.  tpinv's silu_mul is built from position-independent ops and
-gives the same bits in every layout.
+On AVX-512/AVX2 ``F.silu`` (``torch.sigmoid``) gives different bits for a value depending on
+whether it falls in the vectorized body or the scalar tail of a loop; on the generic kernel
+set it does not.  The negative controls therefore use a written-out model of such a kernel
+(``tpinv.testing.body_tail``: body ``g * (1 / (1 + exp(-g)))``, tail ``g / (1 + exp(-g))``)
+on gate values where the two formulas disagree, so every layout change that moves an element
+between the paths shows up on every machine.  tpinv's silu_mul is built from
+position-independent ops and gives the same bits in every layout.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads, same_bits
+from tpinv.testing.body_tail import body_tail_map
 from tpinv.core.contract import InvarianceError
 from tpinv.ops.activation import silu_mul, silu_mul_backward_op, silu_mul_op
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
@@ -32,18 +35,29 @@ def randn(*shape, dtype=torch.float32, seed=0, scale=3.0):
     return (scale * torch.randn(*shape, generator=gen)).to(dtype)
 
 
+def _silu_vector(g):
+    return g * torch.reciprocal(torch.exp(-g) + 1.0)
+
+
+def _silu_scalar(g):
+    return g / (torch.exp(-g) + 1.0)
+
+
+def body_tail_silu(g):
+    """A SiLU kernel whose vector body and scalar tail round differently (the control)."""
+    return body_tail_map(_silu_vector, _silu_scalar, g)
+
+
 def tail_sensitive_values(count: int, seed: int = 0) -> torch.Tensor:
-    """fp32 values whose F.silu differs between the vectorized and the scalar path."""
+    """fp32 values whose SiLU differs between the control's body and tail formulas."""
     pool = randn(8192, seed=seed)
-    vector = F.silu(pool)
-    scalar = torch.stack([F.silu(v) for v in pool])
-    sensitive = pool[vector != scalar]
-    assert sensitive.numel() > 0, "F.silu agreed with itself on every value: no control possible"
+    sensitive = pool[_silu_vector(pool) != _silu_scalar(pool)]
+    assert sensitive.numel() > 0, "the body and tail formulas agreed on every value: no control possible"
     return sensitive.repeat(count // sensitive.numel() + 1)[:count]
 
 
 def vanilla(gate, up):
-    return F.silu(gate) * up
+    return body_tail_silu(gate) * up
 
 
 def tpinv_fwd_bwd(gate, up, grad):
@@ -192,9 +206,9 @@ def test_primitive_is_position_independent(name):
     assert_same_bits(full, fn(wide[::2]), 'full')
 
 
-def test_primitive_check_catches_sigmoid():
+def test_primitive_check_catches_a_body_tail_kernel():
     x = tail_sensitive_values(1001)
-    assert_bits_differ(torch.sigmoid(x), torch.cat([torch.sigmoid(c) for c in x.split(7)]), 'torch.sigmoid(x)')
+    assert_bits_differ(body_tail_silu(x), torch.cat([body_tail_silu(c) for c in x.split(7)]), "control")
 
 
 # --- parity ---------------------------------------------------------------------------

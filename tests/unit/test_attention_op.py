@@ -12,6 +12,7 @@ from tpinv.kernels.reference_attention_bwd import halve_span
 from tpinv.kernels.reference_tree import halving_sum
 from tpinv.ops.attention import attention, attention_backward_op, attention_op
 from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
+from tpinv.testing.body_tail import body_tail_map
 
 NEG_INF = float("-inf")
 
@@ -69,9 +70,12 @@ def test_cummax_is_the_running_maximum():
                      'torch.cummax(x.t().contiguous(), dim=0).values.t()')
 
 
-def test_position_check_catches_sigmoid():
-    """Control: the same check flags torch.sigmoid (vectorized and scalar-tail paths differ)."""
-    whole, *others = _position_variants(torch.sigmoid, torch.randn(1001) * 6)
+def test_position_check_catches_a_body_tail_kernel():
+    """Control: the same check flags an exp kernel whose vector body and scalar tail round
+    differently (written out, so on every kernel set; torch.sigmoid does it on AVX-512/AVX2)."""
+    def body_tail_exp(x):
+        return body_tail_map(lambda t: torch.exp(t * 0.5) * torch.exp(t * 0.5), torch.exp, x)
+    whole, *others = _position_variants(body_tail_exp, torch.randn(1001) * 6)
     assert any(not same_bits(whole, other) for other in others)
 
 

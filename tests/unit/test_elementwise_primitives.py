@@ -5,7 +5,8 @@ it sits: whole tensor == 7-element chunks == single elements == a strided view =
 broadcast (stride-0) operand == an in-place update of a slice == 1 vs 2 threads, bitwise.
 The vectorized body and the scalar tail of a kernel must agree, so sizes are odd.
 
-Negative controls: ``torch.sigmoid`` (and so ``F.silu``) fails this check on this CPU
+Negative controls: a written-out kernel whose body and tail differ (every kernel set);
+``torch.sigmoid`` (and so ``F.silu``) fails this check on this CPU
 (AVX-512), its vectorized and scalar paths round differently; so does ``torch.rsqrt`` on
 bf16/fp16 tensors (its scalar path differs from the vectorized one).  Use ``rsqrt`` on
 fp32 only (upcast first); every other primitive here passes in fp32, bf16 and fp16.
@@ -17,6 +18,7 @@ import zlib
 import pytest
 import torch
 from tpinv.testing import assert_same_bits, num_threads, same_bits
+from tpinv.testing.body_tail import body_tail_map
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZE = 1031                      # not a multiple of any vector width: body + tail
@@ -135,6 +137,15 @@ def test_threads_do_not_change_bits(name):
     with num_threads(2):
         two = fn(a)
     assert_same_bits(one, two, 'one')
+
+
+def test_control_body_tail_kernel_is_position_dependent():
+    """The check fails a kernel whose vector body and scalar tail round differently, on every
+    kernel set (the two formulas are written out; torch's own such kernels vary by set)."""
+    gen = torch.Generator().manual_seed(0)
+    x = signed(SIZE, gen)
+    kernel = lambda t: body_tail_map(lambda u: torch.exp(u * 0.5) * torch.exp(u * 0.5), torch.exp, t)
+    assert "single elements" in unary_differences(kernel, x)
 
 
 def test_control_sigmoid_is_position_dependent():

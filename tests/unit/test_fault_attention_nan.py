@@ -24,7 +24,7 @@ def test_nan_key_reaches_exactly_the_queries_that_see_it():
     assert_same_bits(lse[:, :, :70], clean_lse[:, :, :70], "their lse")
     # PyTorch's attention marks the same outputs NaN
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    assert torch.equal(ref.isnan(), out.isnan())
+    assert_same_bits(ref.isnan(), out.isnan(), "NaN positions")
     # a NaN key in a slot no query may see stays invisible (a cache slot beyond the prompt)
     k2 = k.clone()
     k2[:, :, 70:] = float("nan")
@@ -38,4 +38,5 @@ def test_nan_in_bf16_and_a_window():
     out, lse = attention_forward(q, k, v, torch.arange(80)[None], window=8)
     seen = torch.zeros(80, dtype=torch.bool)
     seen[30:38] = True  # p - 8 < 30 <= p
-    assert torch.equal(out.isnan().any(-1)[0, 0], seen) and torch.equal(lse.isnan()[0, 0], seen)
+    assert_same_bits(out.isnan().any(-1)[0, 0], seen, "NaN outputs")
+    assert_same_bits(lse.isnan()[0, 0], seen, "NaN lse")

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from tpinv.testing import assert_bits_differ, assert_same_bits
+
 from tpinv.io.checkpoint import CheckpointError, load_shard, param_meta_from_module, save_checkpoint
 from tpinv.io.loading import load_model
 from tpinv.models.configs import get_config
@@ -36,8 +38,8 @@ def test_slice_of_a_corrupt_tensor_is_refused_at_every_rank(tmp_path):
         with pytest.raises(CheckpointError, match=r"w in .*model.safetensors: sha256 mismatch"):
             load_shard(out, 2, rank, verify=True)
     # control: without verification the corruption is real and reaches rank 1 only
-    assert torch.equal(load_shard(out, 2, 0)["w"], sd["w"][:, :8])
-    assert not torch.equal(load_shard(out, 2, 1)["w"], sd["w"][:, 8:])
+    assert_same_bits(load_shard(out, 2, 0)["w"], sd["w"][:, :8], "rank 0 shard")
+    assert_bits_differ(load_shard(out, 2, 1)["w"], sd["w"][:, 8:], "rank 1 shard")
 
 
 def test_load_model_refuses_a_corrupt_tpinv_checkpoint(tmp_path):

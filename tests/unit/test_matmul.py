@@ -157,6 +157,18 @@ def test_k_split_control_blas_partials():
 
 # ---- threads and layout ---------------------------------------------------------------
 
+def thread_split_k(x, w):
+    """The control: a matmul that cuts K into one piece per thread and adds the pieces' BLAS
+    products in order (as split-K CPU GEMMs do), so its order follows the thread count on
+    every machine -- whether a BLAS's own bits move with threads depends on the BLAS."""
+    pieces = torch.get_num_threads()
+    per = -(-x.shape[1] // pieces)
+    total = blas(x[:, :per], w[:, :per])
+    for k0 in range(per, x.shape[1], per):
+        total = total + blas(x[:, k0:k0 + per], w[:, k0:k0 + per])
+    return total
+
+
 def test_threads_do_not_change_bits():
     x, w = rand(64, 1024), rand(256, 1024)
     # The default K-outer chunk grows with the thread count: 1 and 2 threads split the
@@ -165,12 +177,12 @@ def test_threads_do_not_change_bits():
     assert per_chunk[1] < per_chunk[2] < 64 * 256
     with num_threads(1):
         one = matmul_partial(x, w)
+        blas_one = thread_split_k(x, w)
     with num_threads(2):
         two = matmul_partial(x, w)
-    assert_same_bits(one, two, "matmul_partial at 1 and 2 threads")
-    # Control: on these inputs a change of the summation order itself (4 leaves instead of
-    # 8, the same kernel) changes the bits, so the equality above could fail.
-    assert_bits_differ(matmul_partial(x, w, 4), one, "4-leaf vs 8-leaf sums")
+        blas_two = thread_split_k(x, w)
+    assert_same_bits(one, two, 'result')
+    assert_bits_differ(blas_one, blas_two, "control")   # control: K split by the thread count
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

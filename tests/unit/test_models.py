@@ -3,7 +3,9 @@
 Invariance (bitwise, ``assert_same_bits``): full forward == token-by-token decode with a KV cache
 == chunked prefill; a request inside a ragged right-padded batch == the request alone, in
 prefill and in decode.  Each has a negative control: the same model written in plain torch
-(``F.linear`` + ``F.scaled_dot_product_attention`` + a torch RMSNorm) differs on the same inputs.
+(``F.linear`` + a split-KV attention whose key chunks follow the call's shape, so its order
+changes between prefill and decode on every CPU kernel set + a torch RMSNorm) differs on the
+same inputs.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attention_cases import sdpa as split_kv_attention
 from tpinv.core.contract import InvarianceError
 from tpinv.models import KVCache, ModelArgs, Transformer, check_model_sizes, get_config
 from tpinv.ops import rope_cos_sin
@@ -80,8 +83,7 @@ def ref_forward(model: Transformer, tokens, cache: list | None = None):
         vis = kpos[None, :] <= pos[0][:, None]
         if a.sliding_window:
             vis &= kpos[None, :] > pos[0][:, None] - a.sliding_window
-        g = a.num_heads // a.num_kv_heads
-        o = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=vis)
+        o = split_kv_attention(q, k, v, vis.expand(B, *vis.shape))
         h = h + F.linear(o.transpose(1, 2).reshape(B, S, -1), sd[p + "self_attn.o_proj.weight"])
         x = ref_rms(h, sd[p + "post_attention_layernorm.weight"], a.rms_norm_eps)
         act = F.silu(F.linear(x, sd[p + "mlp.gate_proj.weight"])) * F.linear(x, sd[p + "mlp.up_proj.weight"])

@@ -1,9 +1,11 @@
 """tpinv.ops.rope: tables and rotation give a token the same bits at any position context.
 
 Negative controls: Hugging Face's ``dynamic`` rope (its frequencies follow the longest
-sequence in the batch) and the complex-multiply rope of Meta's reference code (whose
-vectorized complex product differs from its scalar tail) give different bits for the same
-token under the same comparisons.
+sequence in the batch), and a rotation kernel whose vector body contracts ``x*cos + r*sin``
+into a fused multiply-add while its scalar tail does not (written out with
+``tpinv.testing.body_tail``, so it differs on every CPU kernel set -- torch's own complex
+product does this on AVX-512/AVX2 only), give different bits for the same token under the
+same comparisons.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads, same_bits
 from tpinv.testing.hf import rope_config_kwargs, rope_init_function
+from tpinv.testing.body_tail import body_tail_map
 from tpinv.core.contract import InvarianceError
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.ops.rope import apply_rope, apply_rope_backward_op, apply_rope_op, rope_cos_sin, rope_inv_freq
@@ -50,12 +53,26 @@ def hf_rope(rope_parameters: dict) -> dict:
     return rope_config_kwargs(params.pop("rope_theta"), params.pop("rope_type"), **params)
 
 
-def complex_rope(x, positions):
-    """Meta-reference rope: pairs as complex numbers times polar(1, p * inv_freq)."""
-    angle = positions.float()[:, None] * rope_inv_freq(x.shape[-1], THETA)
-    freqs = torch.polar(torch.ones_like(angle), angle)
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(pairs * freqs).flatten(-2)
+def _rotate_fused(x, c, s, r):
+    """Body: ``x*c`` kept exact and added to the rounded ``r*s`` with one rounding (an FMA)."""
+    return (x.double() * c.double() + (r * s).double()).float()
+
+
+def _rotate_plain(x, c, s, r):
+    return x * c + r * s
+
+
+def body_tail_rope(x, positions):
+    """The control: rotation by a kernel whose vector body fuses a multiply-add, tail does not."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], THETA)
+    xf = x.float()
+    c, s = cos.expand_as(xf), sin.expand_as(xf)
+    r = torch.cat((-xf[..., xf.shape[-1] // 2:], xf[..., :xf.shape[-1] // 2]), -1)
+    if xf.is_contiguous():
+        c, s = c.contiguous(), s.contiguous()
+    else:
+        r = r.transpose(1, 2).contiguous().transpose(1, 2)
+    return body_tail_map(_rotate_fused, _rotate_plain, xf, c, s, r)
 
 
 def fwd_bwd(x, cos, sin, grad):
@@ -149,9 +166,9 @@ def test_token_alone_equals_in_sequence(dtype, head_dim):
 
 def test_token_alone_vanilla_differs():
     x = randn(2, 3, 37, 40, seed=1)
-    full = complex_rope(x, torch.arange(37))
-    alone = torch.cat([complex_rope(x[:, :, p:p + 1].contiguous(), torch.tensor([p])) for p in range(37)], 2)
-    assert_bits_differ(full, alone, 'full')
+    full = body_tail_rope(x, torch.arange(37))
+    alone = torch.cat([body_tail_rope(x[:, :, p:p + 1].contiguous(), torch.tensor([p])) for p in range(37)], 2)
+    assert_bits_differ(full, alone, "control")
     cos, sin = rope_cos_sin(torch.arange(37), 40, THETA)
     ours = torch.cat([apply_rope(x[:, :, p:p + 1], cos[p:p + 1], sin[p:p + 1]) for p in range(37)], 2)
     assert_same_bits(apply_rope(x, cos, sin), ours, 'apply_rope(x, cos, sin)')
@@ -202,10 +219,10 @@ def test_one_thread_equals_two_threads(dtype):
 def test_threads_vanilla_differs():
     x = randn(1, 1, 2049, 40, seed=5)
     with num_threads(1):
-        one = complex_rope(x, torch.arange(2049))
+        one = body_tail_rope(x, torch.arange(2049))
     with num_threads(2):
-        two = complex_rope(x, torch.arange(2049))
-    assert_bits_differ(one, two, 'one')
+        two = body_tail_rope(x, torch.arange(2049))
+    assert_bits_differ(one, two, "control")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -225,8 +242,7 @@ def test_strided_equals_contiguous(dtype):
 def test_strided_vanilla_differs():
     x = randn(2, 3, 37, 40, seed=7)
     transposed = x.transpose(1, 2).contiguous().transpose(1, 2)
-    assert_bits_differ(complex_rope(x, torch.arange(37)), complex_rope(transposed, torch.arange(37)),
-                       'complex_rope(x, torch.arange(37))')
+    assert_bits_differ(body_tail_rope(x, torch.arange(37)), body_tail_rope(transposed, torch.arange(37)), "control")
 
 
 # --- parity with HF's rotation --------------------------------------------------------------

@@ -23,6 +23,7 @@ from tpinv.training.loop import fp32_hex
 from tpinv.training.model import build_model
 from tpinv.training.optim import ParamLayout
 from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads
+from tpinv.testing.body_tail import body_tail_map
 
 TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch=4, eval_every=0, warmup=1, lr=1e-2)
 
@@ -57,12 +58,16 @@ def test_elementwise_primitive_is_position_independent(name):
                      'torch.cat([f(x[i:i + 1]) for i in range(0, 60)])')
 
 
-def test_sigmoid_is_not_position_independent():
-    """Negative control of the check above: the known-bad primitive fails it."""
+def _body_tail_exp(x):
+    """A kernel whose vector body and scalar tail round differently (written out: every set)."""
+    return body_tail_map(lambda t: torch.exp(t * 0.5) * torch.exp(t * 0.5), torch.exp, x)
+
+
+def test_body_tail_kernel_is_not_position_independent():
+    """Negative control of the check above: a kernel with a differing tail fails it."""
     x = torch.randn(4099)
-    whole = torch.sigmoid(x)
-    assert_bits_differ(torch.cat([torch.sigmoid(x[i:i + 1]) for i in range(x.numel())]), whole,
-                       'torch.cat([torch.sigmoid(x[i:i + 1]) for i in r...')
+    whole = _body_tail_exp(x)
+    assert_bits_differ(torch.cat([_body_tail_exp(x[i:i + 1]) for i in range(x.numel())]), whole, "control")
 
 
 def _invariant_adamw(p, g, n_steps=3):
@@ -81,17 +86,34 @@ def _torch_adamw(p, g, n_steps=3, fused=True):
     return p.detach()
 
 
+def _body_fma_adamw(p, g, n_steps=3):
+    """The control: :func:`adamw_update` whose first-moment update ``m*b1 + g*(1-b1)`` is one
+    fused multiply-add in the vector body and two roundings in the scalar tail."""
+    def fused(m, gs):
+        return (m.double() * 0.9 + (gs * (1.0 - 0.9)).double()).float()
+
+    def plain(m, gs):
+        return m * 0.9 + gs * (1.0 - 0.9)
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for s in range(n_steps):
+        gs, step = g * (s + 1), s + 1
+        m = body_tail_map(fused, plain, m, gs)
+        v = v * 0.95 + (gs * gs) * (1.0 - 0.95)
+        denom = (v / (1.0 - 0.95 ** step)).sqrt() + 1e-8
+        p = p * (1.0 - 1e-2 * 0.1) - (m / (1.0 - 0.9 ** step)) / denom * 1e-2
+    return p
+
+
 def test_adamw_update_same_bits_whole_and_sharded():
     p0, g = torch.randn(1001), torch.randn(1001) * 1e-2
     whole = _invariant_adamw(p0.clone(), g)
-    assert_same_bits(torch.cat([_invariant_adamw(a.clone(), b) for a, b in zip(p0.split(7), g.split(7))]), whole,
-                     'torch.cat([_invariant_adamw(a.clone(), b) for a...')
-    assert_same_bits(torch.cat([_invariant_adamw(p0[i:i + 1].clone(), g[i:i + 1]) for i in range(40)]), whole[:40],
-                     'torch.cat([_invariant_adamw(p0[i:i + 1].clone()...')
-    # negative control: torch's fused AdamW on the same inputs gives other bits for 7-element shards
-    fused = _torch_adamw(p0, g)
-    assert_bits_differ(torch.cat([_torch_adamw(a, b) for a, b in zip(p0.split(7), g.split(7))]), fused,
-                       'torch.cat([_torch_adamw(a, b) for a, b in zip(p...')
+    assert_same_bits(torch.cat([_invariant_adamw(a.clone(), b) for a, b in zip(p0.split(7), g.split(7))]), whole, 'result')
+    assert_same_bits(torch.cat([_invariant_adamw(p0[i:i + 1].clone(), g[i:i + 1]) for i in range(40)]), whole[:40], 'result')
+    # negative control: an AdamW whose vector body fuses the moment update into one multiply-add
+    # (as fused optimizer kernels may) gives other bits for 7-element shards
+    fused = _body_fma_adamw(p0.clone(), g)
+    assert_bits_differ(torch.cat([_body_fma_adamw(a.clone(), b) for a, b in zip(p0.split(7), g.split(7))]),
+                       fused, "a body-fused AdamW whole vs in 7-element shards")
 
 
 def test_adamw_update_parity_with_torch():
