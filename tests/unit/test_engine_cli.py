@@ -69,7 +69,7 @@ def test_mismatch_report_pieces(tmp_path):
     args = tool.build_parser().parse_args(["--model", "qwen3-tiny", "--dtype", "bf16", "--weight-scale", "5",
                                            "--batch", "1,3", "--num-prompts", "3", "--max-tokens", "5",
                                            "--prompt-len", "3,9", "--vanilla"])
-    spec = {"model": args.model, "dtype": tool.DTYPES[args.dtype], "init_seed": 0, "weight_scale": 5.0, "seed": 42}
+    spec = {"model": args.model, "dtype": tool.cli_dtype(args.dtype), "init_seed": 0, "weight_scale": 5.0, "seed": 42}
     requests = tool.make_requests(args, tool.vocab_size(args.model))
     modes = [False, True]
     gens = {1: tool.engine_rollouts(None, spec, args.batch, modes, requests)}

@@ -80,6 +80,10 @@ def test_text_data_with_a_sentencepiece_tokenizer(tmp_path):
     assert trainer.train_step()["loss_tokens"] == 8 * 16  # the loss on every token
 
 
-def test_tp_not_dividing_heads_is_refused():
-    with pytest.raises(InvarianceError, match="num_kv_heads"):
-        build_model(TrainConfig(**TINY), None, 8, 0)
+def test_tp_sizes_outside_the_contract_are_refused():
+    # TP above the KV heads replicates them (docs/scale-out.md); what the contract refuses is a
+    # group that is not a power of two or that does not divide the leaves -- before any build.
+    with pytest.raises(InvarianceError, match="power of two"):
+        build_model(TrainConfig(**TINY), None, 3, 0)
+    with pytest.raises(InvarianceError, match="does not divide leaves=8"):
+        build_model(TrainConfig(**TINY), None, 16, 0)

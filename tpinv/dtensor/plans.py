@@ -108,14 +108,14 @@ def validate(model: nn.Module, tp_size: int, plan: str = "invariant",
         if model.leaves != leaves:
             raise InvarianceError(f"the Transformer was built with leaves={model.leaves}, the plan "
                                   f"asks for leaves={leaves}; use the same leaf count")
-    if plan == "invariant":
-        check_leaves(leaves)
-        check_model_sizes(args, tp_size, leaves)
-        return layout
     if tp_size > args.num_kv_heads:
         raise InvarianceError(f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads}: each rank "
                               f"needs whole KV heads in the DTensor plans; use TP <= {args.num_kv_heads}, "
                               f"or tpinv's Transformer, which replicates KV heads (docs/scale-out.md)")
+    if plan == "invariant":
+        check_leaves(leaves)
+        check_model_sizes(args, tp_size, leaves)
+        return layout
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "hidden_size"):
         check_divisible(name, getattr(args, name), tp_size, "tensor-parallel size")
     return layout

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from tpinv.engine import Engine, Request, SamplingParams
+from tpinv.distributed.groups import LOCAL
 from tpinv.engine.sampling import vocab_log_probs
 from tpinv.layers import vocab_parallel_log_probs
 
@@ -156,7 +157,7 @@ def packed_log_probs(model, packed: Packed, *, vanilla: bool = False
             if vanilla:
                 lp = torch.log_softmax(rows.float(), -1).gather(-1, tgt[:, None])[:, 0]
             else:
-                lp = vocab_parallel_log_probs(rows, tgt, tp_group=None, leaves=model.leaves)
+                lp = vocab_parallel_log_probs(rows, tgt, tp_group=LOCAL, leaves=model.leaves)  # full-vocabulary rows
             full = torch.log_softmax(rows.float(), -1) if vanilla else vocab_log_probs(rows.float(), model.leaves)
             lp_c.append(lp.float())
             top_c.append(torch.sort(full, dim=-1, descending=True, stable=True)[1][:, 0])  # the engine's top-1
