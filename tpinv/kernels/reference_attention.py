@@ -212,6 +212,17 @@ def _rows_per_chunk(D: int, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (KV_BLOCK * next_pow2(D) * 4))
 
 
+def grouped_buffers(q: torch.Tensor, k: torch.Tensor, g: int, scale: Optional[float]):
+    """``(scale, qg, out, lse)`` of a forward: the default scale, q viewed as ``[B, Hkv, g, S, D]``
+    (query heads grouped by their KV head) and the output and log-sum-exp buffers in that view."""
+    B, _, S, D = q.shape
+    Hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out = torch.empty((B, Hkv, g, S, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hkv, g, S), dtype=torch.float32, device=q.device)
+    return scale, q.reshape(B, Hkv, g, S, D), out, lse
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                       mask: Optional[torch.Tensor] = None, causal: bool = True,
                       window: Optional[int] = None, scale: Optional[float] = None, *,
@@ -226,10 +237,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.empty((B, Hkv, g, S, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hkv, g, S), dtype=torch.float32, device=q.device)
-    qg = q.reshape(B, Hkv, g, S, D)
+    scale, qg, out, lse = grouped_buffers(q, k, g, scale)
     rows = _rows_per_chunk(D, chunk_bytes)
     n_q = max(1, min(S, query_chunk, rows // g))
     n_h = max(1, min(Hkv, rows // (g * n_q)))

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from tpinv.kernels.reference_attention import (CHUNK_BYTES, KV_BLOCK, _forward_rows, all_finite,
-                                               check_attention_inputs, halve, next_pow2)
+                                               check_attention_inputs, grouped_buffers, halve, next_pow2)
 
 _NEG_INF = float("-inf")
 
@@ -94,10 +94,7 @@ def packed_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check_key_positions(k_pos, k)
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    out = torch.empty((B, Hkv, g, S, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hkv, g, S), dtype=torch.float32, device=q.device)
-    qg = q.reshape(B, Hkv, g, S, D)
+    scale, qg, out, lse = grouped_buffers(q, k, g, scale)
     for b in range(B):
         vis = visible(q_pos[b], k_pos[b], None if mask is None else mask[b], causal, window)
         slots = virtual_slots(vis, k_pos[b])

@@ -19,8 +19,8 @@ never weights.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from tpinv.distributed.groups import group_size_rank
 from tpinv.distributed.reduce import all_gather
 
 __all__ = ["gather_replica_heads", "split_replica_heads"]
@@ -28,7 +28,7 @@ __all__ = ["gather_replica_heads", "split_replica_heads"]
 
 def _group_heads(x: torch.Tensor, group, replicas: int) -> torch.Tensor:
     """All-gather ``x [B, h, S, D]`` over the TP group; keep this rank's replica group's heads."""
-    rank, h = dist.get_rank(group), x.shape[1]
+    rank, h = group_size_rank(group)[1], x.shape[1]
     full = all_gather(x.contiguous(), group, dim=1)
     return full.narrow(1, (rank // replicas) * replicas * h, replicas * h).contiguous()
 
@@ -36,7 +36,7 @@ def _group_heads(x: torch.Tensor, group, replicas: int) -> torch.Tensor:
 def _own_heads(x: torch.Tensor, group, replicas: int) -> torch.Tensor:
     """This rank's ``1/replicas`` of the replica group's heads ``x [B, R*h, S, D]``."""
     h = x.shape[1] // replicas
-    return x.narrow(1, (dist.get_rank(group) % replicas) * h, h).contiguous()
+    return x.narrow(1, (group_size_rank(group)[1] % replicas) * h, h).contiguous()
 
 
 class _GatherReplicaHeads(torch.autograd.Function):

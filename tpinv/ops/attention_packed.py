@@ -39,6 +39,7 @@ def _check_packed_backward(grad_out, grad_lse, q, k, v, out, lse, q_pos, k_pos, 
 
 def packed_forward_by_rows(q, k, v, q_pos, k_pos, mask, causal, window, scale, *, max_rows: int = 4096):
     """The packed forward through ``tpinv::attention``: each query alone against its virtual row."""
+    _check_packed(q, k, v, q_pos, k_pos, mask, causal, window, scale)  # this CUDA kernel's entry check
     from tpinv.ops.attention import attention_op  # the module that imports this one
     B, Hq, S, D = q.shape
     out = torch.empty_like(q)
@@ -110,6 +111,6 @@ attention_packed_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention_packed(q, k, v, q_pos, k_pos, *, causal, window, mask, scale):
-    """Checked entry used by :func:`tpinv.ops.attention` when ``k_pos`` is given."""
-    _check_packed(q, k, v, q_pos, k_pos, mask, causal, window, scale)
+    """The entry used by :func:`tpinv.ops.attention` when ``k_pos`` is given (the inputs are checked
+    once, at the entry of the kernel that runs, or in the fake)."""
     return attention_packed_op(q, k, v, q_pos, k_pos, mask, causal, window, scale)
