@@ -67,7 +67,7 @@ def test_cli_run_flags_reach_the_config(capsys):
     spec = importlib.util.spec_from_file_location("pretrain", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    cfg = module.config_from_args(module.parse_args(["--dist-timeout", "5", "--overwrite"]))
+    cfg, _ = module.parse_args(["--dist-timeout", "5", "--overwrite"])
     assert cfg.dist_timeout == 5.0 and cfg.overwrite
     assert module.main(["--dist-timeout", "0"]) == 1
     assert capsys.readouterr().err.strip() == "error: --dist-timeout 0.0: expected a number of seconds > 0"

@@ -27,8 +27,6 @@ import dataclasses
 import hashlib
 import os
 import time
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -37,8 +35,9 @@ from tpinv.io.run_dir import new_run_id
 from tpinv.ops import tree_sum
 from tpinv.distributed.reduce import gather_shards, tree_all_reduce
 from tpinv.training.train_state import load_train_state, save_train_state
-from tpinv.training.guards import (NonFiniteError, changed_on_resume, check_finite, check_optimizer_numbers,
-                                   claim_save_dir, config_sha256, watchdog)
+from tpinv.training.config import TrainConfig
+from tpinv.training.guards import (NonFiniteError, changed_on_resume, check_finite, claim_save_dir, config_sha256,
+                                   watchdog)
 from tpinv.training.data import dp_slice, make_dataset, micro_batches
 from tpinv.training.metrics import PLOT_FILE, MetricsLogger, plot_loss_curve, read_metrics
 from tpinv.training.model import build_model
@@ -49,69 +48,6 @@ __all__ = ["NonFiniteError", "TrainConfig", "Trainer", "TreeAccumulator", "train
 
 #: Rows per forward when measuring held-out accuracy (the model is batch-invariant).
 EVAL_CHUNK = 64
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Every setting of a run (the ``launch/pretrain.py`` flags)."""
-
-    model: str = "qwen3-tiny"
-    dtype: str = "bf16"
-    steps: int = 100
-    global_batch: int = 32
-    micro_batch: int = 8
-    seq_len: int = 16
-    lr: float = 3e-3
-    min_lr: Optional[float] = None      # default lr / 10
-    warmup: int = 10
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    seed: int = 1234
-    data: str = "arithmetic"
-    tokenizer: Optional[str] = None
-    digits: int = 2
-    heldout_size: Optional[int] = None  # arithmetic: a fifth of the problems, at most 256
-    eval_every: int = 25
-    save: Optional[str] = None
-    save_every: int = 0
-    load: Optional[str] = None
-    stop_after: Optional[int] = None
-    vanilla: bool = False
-    leaves: int = 8
-    row_strategy: str = "tree"
-    sequence_parallel: bool = False
-    log_dir: Optional[str] = None
-    progress: Optional[bool] = None
-    overwrite: bool = False             # a fresh run may replace another run's checkpoints in `save`
-    dist_timeout: float = 600.0         # seconds a rank waits for the others (process group, watchdog)
-
-    def check_numbers(self) -> None:
-        """Refuse optimizer settings that are not finite or out of range (before any work is done)."""
-        check_optimizer_numbers(self)
-
-    def check(self, dp: int) -> None:
-        for name in ("steps", "global_batch", "micro_batch", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}: expected a positive int")
-        if self.global_batch % (self.micro_batch * dp):
-            raise ValueError(f"global_batch={self.global_batch} must be a multiple of micro_batch * dp = "
-                             f"{self.micro_batch} * {dp} = {self.micro_batch * dp}")
-        leaves = self.global_batch // self.micro_batch
-        if not self.vanilla and leaves & (leaves - 1):
-            raise InvarianceError(
-                f"global_batch / micro_batch = {self.global_batch} / {self.micro_batch} = {leaves} micro-batches: "
-                f"the gradient tree over micro-batches needs a power of two so every data-parallel size (a power "
-                f"of two dividing it) holds whole sub-trees; e.g. global_batch={self.micro_batch * (1 << leaves.bit_length())}")
-        if self.vanilla and self.sequence_parallel:
-            raise NotImplementedError("sequence_parallel=True is not supported by the vanilla control (--vanilla)")
-        if self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
-            raise ValueError("warmup, save_every and eval_every must be >= 0")
-        self.check_numbers()
-        if self.save_every and not self.save:
-            raise ValueError(f"save_every={self.save_every} needs a directory to save to (--save DIR)")
 
 
 def fp32_hex(x: float) -> str:

@@ -1,0 +1,209 @@
+"""A run's settings: two dataclasses, and the command line and YAML files generated from them.
+
+Every setting is declared once, as a dataclass field whose metadata carries its help text and
+flag group; :func:`build_parser` turns the fields into ``launch/pretrain.py``'s flags
+(``--global-batch`` for ``global_batch``), and :func:`load_yaml_config` reads the same names from a
+YAML file (``global_batch: 64`` or ``global-batch: 64``).  Precedence: a flag given on the
+command line, then the ``--config`` file, then the field's default.
+
+* :class:`TrainConfig` -- what a run computes and where it saves; :func:`tpinv.training.train`
+  takes it.  Its settings are recorded in checkpoints (a resume with a changed setting that
+  alters the curve is reported).
+* :class:`LaunchConfig` -- how the processes are laid out (TP, DP, backend, threads); the curve
+  does not depend on them, so they are not part of a run's identity.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from typing import Any, Optional
+
+from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError
+from tpinv.training.guards import check_optimizer_numbers
+
+__all__ = ["LaunchConfig", "TrainConfig", "build_parser", "configs_from_namespace", "load_yaml_config",
+           "parse_configs"]
+
+
+def setting(default: Any, help: str, group: str, **flag: Any) -> Any:
+    """A dataclass field with its flag's help text and group (``choices=``, ``flag=False`` for no flag)."""
+    return dataclasses.field(default=default, metadata={"help": help, "group": group, **flag})
+
+
+MODEL = LAYOUT = "model and parallelism"
+OPTIM, DATA, SAVE = "optimization", "data", "checkpoints and logs"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Every setting of a run that the curve or its outputs depend on (the ``launch/pretrain.py`` flags)."""
+
+    model: str = setting("qwen3-tiny", "named config (qwen3-tiny, llama-tiny, mistral-tiny, ...), a HF model "
+                         "directory or a tpinv checkpoint", MODEL)
+    dtype: str = setting("bf16", "model parameter dtype (the master weights and gradients are always fp32)", MODEL,
+                         choices=("bf16", "fp32", "fp16"))
+    leaves: int = setting(DEFAULT_LEAVES, "leaf count of the contract (the largest TP size)", MODEL)
+    row_strategy: str = setting("tree", "how a row-parallel layer combines partial sums", MODEL,
+                                choices=("tree", "column_only"))
+    sequence_parallel: bool = setting(False, "Megatron's sequence parallelism: norms and residuals on sequence "
+                                      "chunks (the same bits as without it)", MODEL)
+    vanilla: bool = setting(False, "the control: plain torch/BLAS/all_reduce path", MODEL)
+    dist_timeout: float = setting(600.0, "seconds a rank waits for the others before the run stops with an "
+                                  "error naming the ranks that did not answer", MODEL)
+    steps: int = setting(100, "optimizer steps of the run (the LR schedule's length)", OPTIM)
+    global_batch: int = setting(32, "sequences per step", OPTIM)
+    micro_batch: int = setting(8, "sequences per forward/backward", OPTIM)
+    seq_len: int = setting(16, "tokens per sequence", OPTIM)
+    lr: float = setting(3e-3, "peak learning rate", OPTIM)
+    min_lr: Optional[float] = setting(None, "end of the cosine decay (default lr / 10)", OPTIM)
+    warmup: int = setting(10, "linear warmup steps", OPTIM)
+    weight_decay: float = setting(0.1, "AdamW's decoupled weight decay", OPTIM)
+    clip_grad: float = setting(1.0, "max global grad norm (0: off)", OPTIM)
+    beta1: float = setting(0.9, "AdamW beta1", OPTIM)
+    beta2: float = setting(0.95, "AdamW beta2", OPTIM)
+    eps: float = setting(1e-8, "AdamW epsilon", OPTIM)
+    seed: int = setting(1234, "seed of the weights and the data order", OPTIM)
+    data: str = setting("arithmetic", "'arithmetic' (built in) or a .txt / .jsonl file", DATA)
+    tokenizer: Optional[str] = setting(None, "tokenizer.json / tokenizer.model for --data files (default: UTF-8 "
+                                       "bytes)", DATA)
+    digits: int = setting(2, "arithmetic: digits per operand", DATA)
+    heldout_size: Optional[int] = setting(None, "arithmetic: held-out problems (default: a fifth, at most 256)", DATA)
+    eval_every: int = setting(25, "held-out accuracy every N steps (0: at the end only)", DATA)
+    save: Optional[str] = setting(None, "checkpoint directory", SAVE)
+    save_every: int = setting(0, "save every K steps (and at the end)", SAVE)
+    load: Optional[str] = setting(None, "resume from a checkpoint directory (its 'latest') or a step dir", SAVE)
+    overwrite: bool = setting(False, "a fresh run may replace the checkpoints another run left in --save "
+                              "(without it, and without --load, such a directory is refused)", SAVE)
+    stop_after: Optional[int] = setting(None, "stop after this step (the schedule still follows --steps); resume "
+                                        "later with --load", SAVE)
+    log_dir: Optional[str] = setting(None, "metrics.jsonl and loss_curve.png go here", SAVE)
+    progress: Optional[bool] = setting(None, "tqdm progress bar (default: when stdout is a terminal)", SAVE)
+
+    def check_numbers(self) -> None:
+        """Refuse optimizer settings that are not finite or out of range (before any work is done)."""
+        check_optimizer_numbers(self)
+
+    def check(self, dp: int) -> None:
+        for name in ("steps", "global_batch", "micro_batch", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: expected a positive int")
+        if self.global_batch % (self.micro_batch * dp):
+            raise ValueError(f"global_batch={self.global_batch} must be a multiple of micro_batch * dp = "
+                             f"{self.micro_batch} * {dp} = {self.micro_batch * dp}")
+        leaves = self.global_batch // self.micro_batch
+        if not self.vanilla and leaves & (leaves - 1):
+            raise InvarianceError(
+                f"global_batch / micro_batch = {self.global_batch} / {self.micro_batch} = {leaves} micro-batches: "
+                f"the gradient tree over micro-batches needs a power of two so every data-parallel size (a power "
+                f"of two dividing it) holds whole sub-trees; e.g. global_batch={self.micro_batch * (1 << leaves.bit_length())}")
+        if self.vanilla and self.sequence_parallel:
+            raise NotImplementedError("sequence_parallel=True is not supported by the vanilla control (--vanilla)")
+        if self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
+            raise ValueError("warmup, save_every and eval_every must be >= 0")
+        if not self.dist_timeout > 0:
+            raise ValueError(f"dist_timeout={self.dist_timeout}: expected a number of seconds > 0")
+        self.check_numbers()
+        if self.save_every and not self.save:
+            raise ValueError(f"save_every={self.save_every} needs a directory to save to (--save DIR)")
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    """How the run's processes are laid out; the loss curve and the weights do not depend on these."""
+
+    tp: int = setting(1, "tensor-parallel size (a power of two dividing --leaves)", LAYOUT)
+    dp: Optional[int] = setting(None, "data-parallel size (default world / tp)", LAYOUT)
+    backend: Optional[str] = setting(None, "default: nccl with GPUs, else gloo", LAYOUT, choices=("gloo", "nccl"))
+    threads: Optional[int] = setting(None, "torch CPU threads per rank (results do not depend on it; 1 is fastest "
+                                     "for the tiny models on a small machine)", LAYOUT)
+
+
+_CLASSES = (TrainConfig, LaunchConfig)
+
+
+def _fields() -> list[tuple[type, dataclasses.Field, Any]]:
+    out = []
+    for cls in _CLASSES:
+        hints = typing.get_type_hints(cls)
+        out += [(cls, f, hints[f.name]) for f in dataclasses.fields(cls)]
+    return out
+
+
+def _scalar_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
+    """The flags of :class:`TrainConfig` and :class:`LaunchConfig`, plus ``--config FILE.yaml``."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML file of settings (the names of these flags, with _ or -); "
+                   "flags given on the command line override it")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for _, f, hint in _fields():
+        meta = f.metadata
+        if meta.get("flag", True) is False:
+            continue
+        g = groups.get(meta["group"]) or groups.setdefault(meta["group"], p.add_argument_group(meta["group"]))
+        kind = _scalar_type(hint)
+        if kind is bool:
+            action = argparse.BooleanOptionalAction if f.default is None else "store_true"
+            g.add_argument(_flag(f.name), dest=f.name, action=action, default=f.default, help=meta["help"])
+        else:
+            g.add_argument(_flag(f.name), dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
+                           help=meta["help"])
+    return p
+
+
+def load_yaml_config(path: str) -> dict:
+    """The settings of a YAML file as ``{field_name: value}``, checked against the two dataclasses."""
+    try:
+        import yaml
+    except ImportError as exc:  # pragma: no cover - PyYAML is a dependency
+        raise ImportError("--config needs PyYAML: pip install pyyaml") from exc
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--config {path}: no such file")
+    with open(path, encoding="utf-8") as fh:
+        raw = yaml.safe_load(fh)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: expected a mapping of setting names to values, got {type(raw).__name__}")
+    known = {f.name: (f, hint) for _, f, hint in _fields()}
+    out = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
+        f, hint = known[name]
+        kind = _scalar_type(hint)
+        if value is not None and not isinstance(value, kind) and not (kind is float and isinstance(value, int)
+                                                                       and not isinstance(value, bool)):
+            raise ValueError(f"--config {path}: {key}={value!r} is a {type(value).__name__}, expected "
+                             f"{kind.__name__}")
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"--config {path}: {key}={value!r}; choose from {', '.join(map(str, choices))}")
+        out[name] = float(value) if kind is float and value is not None else value
+    return out
+
+
+def parse_configs(argv=None, description: Optional[str] = None) -> tuple[TrainConfig, LaunchConfig]:
+    """Parse ``argv`` (flags over ``--config`` over defaults) into the two dataclasses."""
+    parser = build_parser(description)
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        parser.set_defaults(**load_yaml_config(first.config))
+    return configs_from_namespace(parser.parse_args(argv))
+
+
+def configs_from_namespace(ns: argparse.Namespace) -> tuple[TrainConfig, LaunchConfig]:
+    values = vars(ns)
+    return tuple(cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
+                 for cls in _CLASSES)
