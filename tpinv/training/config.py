@@ -65,9 +65,15 @@ class TrainConfig:
     beta2: float = setting(0.95, "AdamW beta2", OPTIM)
     eps: float = setting(1e-8, "AdamW epsilon", OPTIM)
     seed: int = setting(1234, "seed of the weights and the data order", OPTIM)
-    data: str = setting("arithmetic", "'arithmetic' (built in) or a .txt / .jsonl file", DATA)
-    tokenizer: Optional[str] = setting(None, "tokenizer.json / tokenizer.model for --data files (default: UTF-8 "
-                                       "bytes)", DATA)
+    data: str = setting("arithmetic", "'arithmetic' (built in) or a .txt / .jsonl file (preprocessed once into "
+                        "--data-cache-path, then read as --data-path)", DATA)
+    data_path: Optional[list[str]] = setting(None, "Megatron's indexed datasets (tools/preprocess_data.py): a prefix "
+                                             "(PREFIX.bin/.idx) or a blend 'W1 PREFIX1 W2 PREFIX2 ...'", DATA)
+    data_cache_path: Optional[str] = setting(None, "directory of megatron's dataset index caches and preprocessed "
+                                             "--data files, seen by every rank (default: 'cache' beside the data)",
+                                             DATA)
+    tokenizer: Optional[str] = setting(None, "tokenizer.json / tokenizer.model of the data (needed with "
+                                       "--data-path; --data files default to UTF-8 bytes)", DATA)
     digits: int = setting(2, "arithmetic: digits per operand", DATA)
     heldout_size: Optional[int] = setting(None, "arithmetic: held-out problems (default: a fifth, at most 256)", DATA)
     eval_every: int = setting(25, "held-out accuracy every N steps (0: at the end only)", DATA)
@@ -132,8 +138,17 @@ def _fields() -> list[tuple[type, dataclasses.Field, Any]]:
 
 
 def _scalar_type(hint: Any) -> type:
+    """``int`` for ``Optional[int]``; ``str`` for ``list[str]`` (the item type of a list field)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+    hint = args[0] if args else hint
+    return typing.get_args(hint)[0] if _is_list(hint) else hint
+
+
+def _is_list(hint: Any) -> bool:
+    """A ``list[...]`` or ``Optional[list[...]]`` field (flag with ``nargs="+"``, a YAML list)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is typing.Union \
+        else [hint]
+    return len(args) == 1 and typing.get_origin(args[0]) is list
 
 
 def _flag(name: str) -> str:
@@ -157,7 +172,7 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
             g.add_argument(_flag(f.name), dest=f.name, action=action, default=f.default, help=meta["help"])
         else:
             g.add_argument(_flag(f.name), dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
-                           help=meta["help"])
+                           help=meta["help"], **({"nargs": "+"} if _is_list(hint) else {}))
     return p
 
 
@@ -183,6 +198,9 @@ def load_yaml_config(path: str) -> dict:
             raise ValueError(f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
         f, hint = known[name]
         kind = _scalar_type(hint)
+        if _is_list(hint) and value is not None:
+            out[name] = _yaml_list(path, key, value, kind)
+            continue
         if value is not None and not isinstance(value, kind) and not (kind is float and isinstance(value, int)
                                                                        and not isinstance(value, bool)):
             raise ValueError(f"--config {path}: {key}={value!r} is a {type(value).__name__}, expected "
@@ -191,6 +209,22 @@ def load_yaml_config(path: str) -> dict:
         if choices and value not in choices:
             raise ValueError(f"--config {path}: {key}={value!r}; choose from {', '.join(map(str, choices))}")
         out[name] = float(value) if kind is float and value is not None else value
+    return out
+
+
+def _yaml_list(path: str, key: str, value: Any, kind: type) -> list:
+    """A YAML list (or one scalar) of a list field; numbers in a ``list[str]`` become their text (weights)."""
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise ValueError(f"--config {path}: {key} is an empty list")
+    out = []
+    for item in items:
+        if kind is str and isinstance(item, (int, float)) and not isinstance(item, bool):
+            item = str(item)
+        if not isinstance(item, kind) or isinstance(item, bool) and kind is not bool:
+            raise ValueError(f"--config {path}: {key} item {item!r} is a {type(item).__name__}, expected "
+                             f"{kind.__name__}")
+        out.append(item)
     return out
 
 

@@ -117,7 +117,9 @@ class Trainer:
     def _build(self, config: TrainConfig, stream) -> None:
         parallel = self.par
         self.dataset = make_dataset(config.data, config.seq_len, config.seed, tokenizer=config.tokenizer,
-                                    digits=config.digits, heldout_size=config.heldout_size)
+                                    digits=config.digits, heldout_size=config.heldout_size,
+                                    data_path=config.data_path, data_cache_path=config.data_cache_path,
+                                    num_samples=config.steps * config.global_batch)
         # the model takes the TP group even of size 1: tpinv layers never guess a group
         model_group = parallel.tp_group if parallel else None
         self.device = torch.device("cuda", torch.cuda.current_device()) \
