@@ -180,6 +180,11 @@ def test_data_path_settings_and_errors(tmp_path):
         _corpus(["-1", a, "1", a], tok)
     with pytest.raises(ValueError, match="looks like a weight"):
         _corpus([a, "0.5"], tok)
+    b, _, _ = _preprocess(tmp_path, "b")
+    sizes = _corpus([a, b], tok, num_samples=8)  # no weights: Megatron's blend by size, one pass
+    assert len(sizes.samples) == 8 and sizes.weights is None and set(sizes.dataset_ids(0, 8).tolist()) == {0, 1}
+    with pytest.raises(ValueError, match=r"one pass over the datasets: \d+ samples, fewer than .* = 100000"):
+        _corpus([a, b], tok, num_samples=100000)
     with pytest.raises(FileNotFoundError, match="missing_text_document.bin and .*idx not found"):
         _corpus([str(tmp_path / "missing_text_document")], tok)
 

@@ -14,9 +14,9 @@ global batch ``[consumed, consumed + global_batch)``.
 The blend (megatron-core's ``build_blending_indices``) is greedy: with normalized weights ``w``,
 sample ``i`` is drawn from the dataset ``k`` that maximizes ``w[k] * max(i, 1) - drawn[k]``
 (``drawn[k]``: samples dataset ``k`` gave to ``0..i-1``; a tie goes to the lowest ``k``), and is
-that dataset's next sample.  So the first ``n`` samples hold within one sample of ``w[k] * n``
-from dataset ``k``, and which dataset serves sample ``i`` does not depend on the seed (the seed
-chooses the rows each dataset serves).  docs/training.md works an example.
+that dataset's next sample.  With two datasets the first ``n`` samples hold within one sample of
+``w[k] * n`` from dataset ``k``, at every ``n``; which dataset serves sample ``i`` does not depend
+on the seed (the seed chooses the rows each dataset serves).  docs/training.md works an example.
 
 Index caches: megatron writes its document/sample/shuffle indices under ``cache_path``; rank 0
 builds them and the other ranks read them after a barrier on the default group (megatron-core's
@@ -114,6 +114,10 @@ def _import_megatron_datasets():
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     except ImportError as exc:
+        if "helpers_cpp" in str(exc):  # a source install of megatron-core without its compiled helpers
+            raise ImportError(f"megatron-core's compiled dataset helpers are missing ({exc}); build them once "
+                              f"with: python -c 'from megatron.core.datasets.utils import compile_helpers; "
+                              f"compile_helpers()' (needs a C++ compiler and pybind11)") from exc
         raise ImportError(f"--data-path and --data FILE read Megatron's indexed format through megatron-core "
                           f"({exc}); install it with: pip install 'tpinv[megatron]'") from exc
     return BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig
@@ -141,7 +145,11 @@ class IndexedCorpus:
         with _default_group():
             train, _, _ = Builder(GPTDataset, [num_samples, 0, 0], lambda: True, config).build()
         self.samples = train
-        if len(train) < num_samples:  # megatron builds at least num_samples; a check, not a fallback
+        if len(train) < num_samples:
+            if len(self.prefixes) > 1 and self.weights is None:  # megatron: one pass, in proportion to sizes
+                raise ValueError(f"--data-path without weights blends one pass over the datasets: {len(train)} "
+                                 f"samples, fewer than the run's steps * global_batch = {num_samples}; give "
+                                 f"weights (W1 PREFIX1 W2 PREFIX2 ...) to repeat them")
             raise RuntimeError(f"megatron built {len(train)} samples, fewer than the {num_samples} requested")
         self._check_ids()
 
