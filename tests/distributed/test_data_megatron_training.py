@@ -1,9 +1,9 @@
 """Training on a Megatron-preprocessed blend (tools/preprocess_data.py, in the test) at TP 1/2/4 x
 DP 1/2 on spawned gloo ranks: the same per-step loss bits and final weights, and every rank of
 every layout holds the same rows of the global batches (the order a function of the seed and the
-sample index only).  Negative controls: the vanilla path gives other curves at TP1xDP2 than at
-TP1xDP1 (another summation order of the micro-batch gradients by construction), and at TP2xDP2
-than at TP4xDP1."""
+sample index only); a run stopped after step 1 and resumed gives the rest of the curve.
+Negative controls: the vanilla path gives other curves at TP1xDP2 than at TP1xDP1 (another
+summation order of the micro-batch gradients by construction), and at TP2xDP2 than at TP4xDP1."""
 from __future__ import annotations
 
 import hashlib
@@ -72,7 +72,10 @@ def test_a_megatron_blend_trains_to_the_same_bits_at_every_tp_x_dp_layout(tmp_pa
     v = dict(data, vanilla=True)
     world4 = run_ranks(run_layouts, 4, [(2, data), (4, data), (2, v), (4, v)], timeout=600)
     world2 = run_ranks(run_layouts, 2, [(1, data), (1, v)], timeout=300)
-    (tp1, v_tp1), = run_ranks(run_layouts, 1, [(1, data), (1, v)], timeout=300)
+    ckpt = str(tmp_path / "ckpt")
+    (tp1, v_tp1, stopped, resumed), = run_ranks(run_layouts, 1, [
+        (1, data), (1, v), (1, dict(data, save=ckpt, save_every=1, stop_after=1)), (1, dict(data, load=ckpt))],
+        timeout=300)
     tp2dp2, tp4, v_tp2dp2, v_tp4 = world4[0]
     tp1dp2, v_tp1dp2 = world2[0]
     assert "data megatron" in tp1["log"] and "data megatron" in tp2dp2["log"]  # the indexed blend was read
@@ -81,6 +84,8 @@ def test_a_megatron_blend_trains_to_the_same_bits_at_every_tp_x_dp_layout(tmp_pa
     _same(tp2dp2, tp1, "TP2xDP2 vs TP1xDP1")
     _same(tp4, tp1, "TP4xDP1 vs TP1xDP1")
     _same(tp1dp2, tp1, "TP1xDP2 vs TP1xDP1")
+    assert stopped["curve"] == tp1["curve"][:1]  # a resume reads the rest of the same global batches
+    _same(resumed, dict(tp1, curve=tp1["curve"][1:]), "stopped after step 1 and resumed")
     views = [r[i] for world in (world4, world2) for r in world for i in range(len(r))] + [tp1, v_tp1]
     assert {view["data"] for view in views} == {tp1["data"]}, "a rank or layout saw other rows"
     _differ(v_tp1dp2, v_tp1, "vanilla TP1xDP2 vs TP1xDP1")
