@@ -137,6 +137,7 @@ class IndexedCorpus:
         self.seq_len, self.seed, self.num_samples, self.vocab_size = seq_len, seed, num_samples, vocab_size
         self.tokenizer_path = tokenizer_path
         self.cache_path = os.path.abspath(cache_path or default_cache_path(self.prefixes[0]))
+        self._check_ids()
         Builder, GPTDataset, GPTDatasetConfig = _import_megatron_datasets()
         config = GPTDatasetConfig(
             random_seed=seed, sequence_length=seq_len, blend=(self.prefixes, self.weights), split="1,0,0",
@@ -151,10 +152,9 @@ class IndexedCorpus:
                                  f"samples, fewer than the run's steps * global_batch = {num_samples}; give "
                                  f"weights (W1 PREFIX1 W2 PREFIX2 ...) to repeat them")
             raise RuntimeError(f"megatron built {len(train)} samples, fewer than the {num_samples} requested")
-        self._check_ids()
 
     def _check_ids(self) -> None:
-        for p in self.prefixes:  # .idx records the token dtype: a uint16 corpus fits any vocab >= 65536
+        for p in self.prefixes:  # the .idx records the id dtype: uint16 holds ids below 65536 only
             from megatron.core.datasets.indexed_dataset import IndexedDataset
             dtype = IndexedDataset(p).index.dtype
             if np.iinfo(dtype).max < self.vocab_size - 1:
