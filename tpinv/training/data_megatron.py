@@ -137,8 +137,8 @@ class IndexedCorpus:
         self.seq_len, self.seed, self.num_samples, self.vocab_size = seq_len, seed, num_samples, vocab_size
         self.tokenizer_path = tokenizer_path
         self.cache_path = os.path.abspath(cache_path or default_cache_path(self.prefixes[0]))
-        self._check_ids()
         Builder, GPTDataset, GPTDatasetConfig = _import_megatron_datasets()
+        self._check_ids()
         config = GPTDatasetConfig(
             random_seed=seed, sequence_length=seq_len, blend=(self.prefixes, self.weights), split="1,0,0",
             path_to_cache=self.cache_path, tokenizer=_TokenizerInfo(vocab_size, eod), reset_position_ids=False,
