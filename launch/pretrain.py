@@ -37,7 +37,8 @@ def main(argv=None) -> int:
                                                                                        timeout=config.dist_timeout)
         train(config, parallel)
         return 0
-    except (ValueError, TypeError, KeyError, OSError, RuntimeError, NotImplementedError, ArithmeticError) as e:
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError, NotImplementedError, ArithmeticError,
+            ImportError) as e:
         message = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
         sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()
