@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from tpinv.core.contract import InvarianceError
-from tpinv.dtensor.styles import ShardedHeads, kv_replicas_of, replace_forward
+from tpinv.dtensor.styles import ShardedHeads, replace_forward
 from tpinv.layers import head_rms_norm
 from tpinv.layers.kv_replication import gather_replica_heads, split_replica_heads
 from tpinv.ops import apply_rope, attention, rms_norm, rope_cos_sin, silu_mul
@@ -104,13 +104,13 @@ class TpinvAttention(ShardedHeads):
     (:mod:`tpinv.layers.kv_replication`), so each replica runs TP=1's call for that KV head.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
-        super().__init__(num_heads, num_kv_heads)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, replicas: int = 1):
+        super().__init__(num_heads, num_kv_heads, replicas)
         self.head_dim = head_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         super()._apply(module, device_mesh)
-        replicas, group = kv_replicas_of(self.num_kv_heads, device_mesh.size()), device_mesh.get_group()
+        replicas, group = self.replicas, device_mesh.get_group()
         if hasattr(module, "sliding_window"):  # Qwen3: per layer type; Mistral: from the config
             window = module.sliding_window
         else:

@@ -53,10 +53,10 @@ from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible
 from tpinv.distributed.groups import LOCAL
 from tpinv.dtensor.hf_modules import TpinvAttention, TpinvHeadRMSNorm, TpinvMLP, TpinvRMSNorm, TpinvRotary
 from tpinv.dtensor.styles import (InvariantColumnOnlyParallel, InvariantColwiseParallel,
-                                  InvariantVocabEmbedding, ShardedHeads, TpinvModelGroup, kv_replicas_of,
-                                  replica_mesh)
+                                  InvariantVocabEmbedding, ShardedHeads, TpinvModelGroup, replica_mesh)
 from tpinv.layers import vocab_parallel_cross_entropy
 from tpinv.models import ModelArgs, Transformer, check_model_sizes
+from tpinv.models.transformer import kv_replicas
 
 __all__ = ["PLANS", "ModelLayout", "default_plan", "numerically_stable_plan", "invariant_plan", "validate",
            "parallelize", "cross_entropy"]
@@ -168,7 +168,7 @@ def invariant_plan(model: nn.Module, tp_mesh: DeviceMesh, *, leaves: int = DEFAU
     styles: dict[str, ParallelStyle] = {f"{p}embed_tokens": InvariantVocabEmbedding(leaves=leaves)}
     for name in _COLUMNS:
         styles[f"{p}layers.*.{name}"] = InvariantColwiseParallel(leaves=leaves)
-    replicas = kv_replicas_of(a.num_kv_heads, tp_mesh.size())
+    replicas = kv_replicas(a, tp_mesh.size())  # 1 unless TP exceeds the KV heads
     if replicas > 1:  # each KV head's k/v rows held by `replicas` ranks, (Shard(0), Replicate())
         kv_mesh = replica_mesh(tp_mesh, a.num_kv_heads)
         for name in ("self_attn.k_proj", "self_attn.v_proj"):
@@ -179,11 +179,11 @@ def invariant_plan(model: nn.Module, tp_mesh: DeviceMesh, *, leaves: int = DEFAU
         if shard_logits:
             raise ValueError("a tpinv.models.Transformer returns vocabulary-sharded logits by design "
                              "(use model.loss or gather_logits=True); shard_logits applies to HF models")
-        styles[f"{p}layers.*.self_attn"] = ShardedHeads(a.num_heads, a.num_kv_heads)
+        styles[f"{p}layers.*.self_attn"] = ShardedHeads(a.num_heads, a.num_kv_heads, replicas)
         styles["lm_head"] = InvariantColwiseParallel(output="shard", leaves=leaves)
         styles[""] = TpinvModelGroup()
         return styles
-    styles[f"{p}layers.*.self_attn"] = TpinvAttention(a.num_heads, a.num_kv_heads, a.head_dim)
+    styles[f"{p}layers.*.self_attn"] = TpinvAttention(a.num_heads, a.num_kv_heads, a.head_dim, replicas)
     if a.qk_norm:
         styles[f"{p}layers.*.self_attn.q_norm"] = TpinvHeadRMSNorm()
         styles[f"{p}layers.*.self_attn.k_norm"] = TpinvHeadRMSNorm(replicas)

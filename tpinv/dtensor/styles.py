@@ -42,7 +42,7 @@ from tpinv.distributed.mappings import gather_from_tensor_model_parallel_region
 from tpinv.ops import tree_sum
 
 __all__ = ["MeshInfo", "InvariantColwiseParallel", "InvariantColumnOnlyParallel",
-           "InvariantVocabEmbedding", "ShardedHeads", "TpinvModelGroup", "kv_replicas_of", "local",
+           "InvariantVocabEmbedding", "ShardedHeads", "TpinvModelGroup", "local",
            "mesh_info", "replace_forward", "replica_mesh"]
 
 OUTPUTS = ("shard", "replicate", "dtensor")
@@ -263,27 +263,16 @@ class InvariantVocabEmbedding(_InvariantStyle):
         return module
 
 
-def kv_replicas_of(num_kv_heads: int, tp_size: int) -> int:
-    """Ranks holding each KV head: 1 while TP <= num_kv_heads, else ``TP / num_kv_heads``."""
-    if tp_size <= num_kv_heads:
-        if num_kv_heads % tp_size:
-            raise InvarianceError(f"num_key_value_heads={num_kv_heads} is not divisible by TP={tp_size}")
-        return 1
-    if tp_size % num_kv_heads:
-        raise InvarianceError(f"TP={tp_size} exceeds num_kv_heads={num_kv_heads} and is not a multiple of "
-                              f"it: KV heads are replicated TP/num_kv_heads times")
-    return tp_size // num_kv_heads
-
-
 _REPLICA_MESHES: dict = {}
 
 
 def replica_mesh(tp_mesh: DeviceMesh, num_kv_heads: int) -> DeviceMesh:
     """The 1-D TP mesh as a 2-D ``(kv, replica)`` mesh: ``R = TP / num_kv_heads`` consecutive
-    ranks per KV head (the layout of :mod:`tpinv.layers.kv_replication`).  Built once per mesh
-    (it creates the replica process groups); the TP mesh must have a dimension name."""
+    ranks per KV head (the layout of :mod:`tpinv.layers.kv_replication`; the caller checked
+    ``R`` with :func:`tpinv.models.kv_replicas`).  Built once per mesh (it creates the replica
+    process groups); the TP mesh must have a dimension name."""
     size = tp_mesh.size()
-    replicas = kv_replicas_of(num_kv_heads, size)
+    replicas = size // num_kv_heads
     key = (tp_mesh, num_kv_heads)
     if key not in _REPLICA_MESHES:
         names = tp_mesh.mesh_dim_names
@@ -311,15 +300,19 @@ class ShardedHeads(ParallelStyle):
     HEADS = ("num_heads", "num_attention_heads", "local_heads")
     KV_HEADS = ("num_key_value_heads", "num_kv_heads", "local_kv_heads")
 
-    def __init__(self, num_heads: int, num_kv_heads: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, replicas: int = 1):
         super().__init__()
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.num_heads, self.num_kv_heads, self.replicas = num_heads, num_kv_heads, replicas
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        size = device_mesh.size()
-        if self.num_heads % size:
-            raise InvarianceError(f"num_heads={self.num_heads} is not divisible by TP={size}")
-        replicas = kv_replicas_of(self.num_kv_heads, size)
+        size, replicas = device_mesh.size(), self.replicas
+        for name, total in (("num_heads", self.num_heads), ("num_key_value_heads * replicas",
+                                                            self.num_kv_heads * replicas)):
+            if total % size:
+                raise InvarianceError(f"{name}={total} is not divisible by TP={size}")
+        if replicas > 1 and self.num_kv_heads * replicas != size:
+            raise InvarianceError(f"replicas={replicas}: expected TP / num_key_value_heads = {size} / "
+                                  f"{self.num_kv_heads}")
         heads, kv_heads = self.num_heads // size, self.num_kv_heads * replicas // size
         module.num_heads, module.num_key_value_heads = heads, kv_heads
         for names, value in ((self.HEADS, heads), (self.KV_HEADS, kv_heads)):
@@ -336,7 +329,8 @@ class ShardedHeads(ParallelStyle):
         return module
 
     def __repr__(self) -> str:
-        return f"ShardedHeads(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads})"
+        return (f"{type(self).__name__}(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"replicas={self.replicas})")
 
 
 class TpinvModelGroup(ParallelStyle):
