@@ -48,8 +48,8 @@ def hf(name, dtype, inputs, mesh=None):
     return model if mesh is None else parallelize(model, mesh, "invariant")
 
 
-def tpinv_model(name, inputs, group=None) -> Transformer:
-    """tpinv's Transformer (fp32) on the same weights, built at ``group``'s size."""
+def tpinv_model(name, inputs, group=None) -> tuple[Transformer, dict]:
+    """tpinv's Transformer (fp32) built at ``group``'s size, and the full weights to load (tpinv names)."""
     args = ModelArgs.from_hf_config(kv_config(name, inputs["kv_heads"]).to_dict(), dtype=torch.float32)
     model = Transformer(args, tp_group=group)
     full_state = {n.removeprefix("model."): t for n, t in inputs["states"][name].items()
