@@ -50,6 +50,11 @@ class TrainConfig:
     sequence_parallel: bool = setting(False, "Megatron's sequence parallelism: norms and residuals on sequence "
                                       "chunks (the same bits as without it)", MODEL)
     vanilla: bool = setting(False, "the control: plain torch/BLAS/all_reduce path", MODEL)
+    hidden_dropout: float = setting(0.0, "Megatron's hidden_dropout: dropout of the attention and MLP outputs "
+                                    "before each residual add, masks keyed by (seed, layer, sample, token, "
+                                    "feature): the same at every TP/SP/DP layout", MODEL)
+    attention_dropout: float = setting(0.0, "Megatron's attention_dropout on the attention probabilities: not "
+                                       "supported by tpinv's fused attention (> 0 is refused)", MODEL)
     dist_timeout: float = setting(600.0, "seconds a rank waits for the others before the run stops with an "
                                   "error naming the ranks that did not answer", MODEL)
     steps: int = setting(100, "optimizer steps of the run (the LR schedule's length)", OPTIM)
@@ -106,6 +111,9 @@ class TrainConfig:
                 f"of two dividing it) holds whole sub-trees; e.g. global_batch={self.micro_batch * (1 << leaves.bit_length())}")
         if self.vanilla and self.sequence_parallel:
             raise NotImplementedError("sequence_parallel=True is not supported by the vanilla control (--vanilla)")
+        if self.vanilla and (self.hidden_dropout or self.attention_dropout):
+            raise NotImplementedError("hidden_dropout / attention_dropout > 0 are not supported by the vanilla "
+                                      "control (--vanilla)")
         if self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("warmup, save_every and eval_every must be >= 0")
         if not self.dist_timeout > 0:

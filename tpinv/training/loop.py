@@ -145,11 +145,11 @@ class Trainer:
                                     progress=config.progress, stream=stream, start_step=self.step)
 
     # -- one step -------------------------------------------------------------------------
-    def _micro_loss(self, mb) -> torch.Tensor:
+    def _micro_loss(self, mb, sample_ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.vanilla:
             from tpinv.models.vanilla import vanilla_loss
             return (vanilla_loss(self.model, mb.tokens, mb.targets) * mb.loss_mask).sum()
-        per_token = self.model.loss(mb.tokens, mb.targets)
+        per_token = self.model.loss(mb.tokens, mb.targets, sample_ids=sample_ids)
         return tree_sum((per_token * mb.loss_mask).reshape(-1), 1)
 
     def _dp_sum(self, total: torch.Tensor) -> torch.Tensor:
@@ -168,8 +168,11 @@ class Trainer:
         batch = self.dataset.batch(self.consumed, cfg.global_batch).to(self.device)
         loss_tokens = batch.num_loss_tokens
         acc, chain = TreeAccumulator(), None
-        for mb in micro_batches(dp_slice(batch, self.dp_rank, self.dp), cfg.micro_batch):
-            loss_sum = self._micro_loss(mb)
+        # each row's global sample index in the run (its dropout masks key on it, never on the split)
+        first = self.consumed + self.dp_rank * (cfg.global_batch // self.dp)
+        for k, mb in enumerate(micro_batches(dp_slice(batch, self.dp_rank, self.dp), cfg.micro_batch)):
+            ids = torch.arange(first + k * cfg.micro_batch, first + (k + 1) * cfg.micro_batch, device=self.device)
+            loss_sum = self._micro_loss(mb, ids)
             loss_sum.backward()
             buf = self.layout.flatten_grads(torch.empty(self.layout.numel + 1, dtype=torch.float32,
                                                         device=self.device))
@@ -204,6 +207,13 @@ class Trainer:
         if held is None:
             return {}
         held = held.to(self.device)
+        self.model.eval()  # no dropout
+        try:
+            return self._heldout_accuracy(held)
+        finally:
+            self.model.train()
+
+    def _heldout_accuracy(self, held) -> dict:
         n = len(held)
         lo, hi = self.dp_rank * n // self.dp, (self.dp_rank + 1) * n // self.dp
         counts = torch.zeros(4, dtype=torch.int64, device=self.device)  # exact, rows, right, answer tokens
