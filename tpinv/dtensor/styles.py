@@ -280,6 +280,10 @@ def replica_mesh(tp_mesh: DeviceMesh, num_kv_heads: int) -> DeviceMesh:
             raise InvarianceError(f"TP={size} exceeds num_kv_heads={num_kv_heads}: replicating KV heads "
                                   f"needs a named TP mesh (init_device_mesh(..., mesh_dim_names=('tp',)) or "
                                   f"mesh['tp']), got {tp_mesh!r}")
+        if not hasattr(tp_mesh, "_unflatten"):
+            raise InvarianceError(f"TP={size} exceeds num_kv_heads={num_kv_heads}: replicating KV heads in the "
+                                  f"DTensor plan needs DeviceMesh._unflatten, which torch {torch.__version__} lacks; "
+                                  f"use TP <= {num_kv_heads} or a newer torch")
         _REPLICA_MESHES[key] = tp_mesh._unflatten(0, (num_kv_heads, replicas),
                                                   (f"{names[0]}_kv", f"{names[0]}_kv_replica"))
     return _REPLICA_MESHES[key]
