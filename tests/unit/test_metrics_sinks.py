@@ -179,3 +179,23 @@ def test_trainer_messages_and_unchanged_step_lines(tmp_path, capsys):
     assert len(lines["debug"]) == 1
     assert [ln.split(" tok/s")[0].rsplit("|", 1)[0] for ln in lines["debug"]] == \
         [ln.split(" tok/s")[0].rsplit("|", 1)[0] for ln in lines["error"]]
+
+
+def test_resumed_tensorboard_run_replaces_the_steps_after_its_checkpoint(tmp_path):
+    pytest.importorskip("tensorboard")
+    # the accumulator TensorBoard's own loading uses (the legacy one does not purge tensor events)
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    tb, ck = str(tmp_path / "tb"), str(tmp_path / "ck")
+    first = Trainer(TrainConfig(**dict(TINY, tensorboard_dir=tb, save=ck, save_every=1)), stream=io.StringIO()).run()
+    again = Trainer(TrainConfig(**dict(TINY, tensorboard_dir=tb, save=ck, load=os.path.join(ck, "step_00000001"))),
+                    stream=io.StringIO()).run()
+    assert [r["step"] for r in again["history"]] == [2, 3]
+    acc = EventAccumulator(tb, size_guidance={"tensors": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Tensors("train/loss")] == [1, 2, 3]  # the first session's 2 and 3 are hidden
+    # the control: the two sessions' files hold 3 + 2 loss events; the restart marker is what hides two
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    written = [e.step for f in sorted(glob.glob(os.path.join(tb, "events.out.tfevents.*")))
+               for e in EventFileLoader(f).Load() if e.HasField("summary") and e.summary.value[0].tag == "train/loss"]
+    assert written == [1, 2, 3, 2, 3] and len(first["history"]) == 3

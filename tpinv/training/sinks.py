@@ -83,8 +83,9 @@ class TensorBoardSink:
         require_package("--tensorboard-dir", "tensorboard")
         from torch.utils.tensorboard import SummaryWriter
         os.makedirs(log_dir, exist_ok=True)
-        # a resumed run drops the events a killed session wrote after its last checkpoint
-        self.writer = SummaryWriter(log_dir=log_dir, purge_step=start_step + 1 if start_step else None)
+        # every session starts with a restart marker at its first step: TensorBoard then hides the
+        # events an earlier session wrote from that step on (after the checkpoint a run resumes from)
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=start_step + 1)
         self.where = log_dir
         if config is not None:
             self.writer.add_text("config", "```\n" + json.dumps(config, indent=1, sort_keys=True) + "\n```", start_step)
