@@ -199,3 +199,26 @@ def test_resumed_tensorboard_run_replaces_the_steps_after_its_checkpoint(tmp_pat
     written = [e.step for f in sorted(glob.glob(os.path.join(tb, "events.out.tfevents.*")))
                for e in EventFileLoader(f).Load() if e.HasField("summary") and e.summary.value[0].tag == "train/loss"]
     assert written == [1, 2, 3, 2, 3] and len(first["history"]) == 3
+
+
+def test_flags_reach_the_settings_and_a_missing_package_is_one_error_line(monkeypatch, capsys):
+    import importlib.util
+    import sys
+    from tpinv.training.config import parse_configs
+    cfg, _ = parse_configs(["--tensorboard-dir", "tb", "--wandb-project", "p", "--wandb-exp-name", "n",
+                            "--wandb-save-dir", "w", "--log-level", "debug"])
+    assert (cfg.tensorboard_dir, cfg.wandb_project, cfg.wandb_exp_name, cfg.wandb_save_dir, cfg.log_level) == \
+        ("tb", "p", "n", "w", "debug")
+    assert parse_configs([])[0].log_level == "info"
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "launch"))
+    try:
+        import pretrain
+    finally:
+        sys.path.pop(0)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(sinks_mod.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    assert pretrain.main(["--tensorboard-dir", "tb"]) == 1  # before any process group: no torchrun needed
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --tensorboard-dir needs the 'tensorboard' package, which is not installed: "
+                   "pip install 'tpinv[logging]' (or pip install tensorboard)"]
