@@ -37,6 +37,10 @@ def _build_rank(rank, world, with_megatron):
     out[4] = _layout(state)
     out["tree"] = tree_all_reduce(torch.full((3,), float(rank)), state.tp_group)
     try:
+        ParallelState.from_mesh(state.tp_mesh)
+    except ValueError as exc:
+        out["from_1d_mesh"] = str(exc)
+    try:
         ParallelDims(8).build()
     except InvarianceError as exc:
         out["tp8"] = str(exc)
@@ -85,6 +89,11 @@ def test_groups_come_from_one_dp_by_tp_mesh(built, tp):
 def test_built_tp_group_reduces(built):
     for out in built:
         assert_same_bits(out["tree"], torch.full((3,), float((0 + 1) + (2 + 3))), "out['tree']")
+
+
+def test_from_mesh_needs_the_dp_by_tp_mesh(built):
+    for out in built:
+        assert "expected a 2-D DeviceMesh with mesh_dim_names ('dp', 'tp')" in out["from_1d_mesh"]
 
 
 def test_tp_not_dividing_the_world_is_refused_on_every_rank(built):

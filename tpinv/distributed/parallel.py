@@ -164,7 +164,6 @@ class ParallelState:
                    mesh=_mesh_of_groups(dp_group, tp_group))
 
 
-
 def _mesh_of_groups(dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> DeviceMesh:
     """The ``("dp", "tp")`` mesh over existing groups (no new group is created).
 
