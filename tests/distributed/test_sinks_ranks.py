@@ -29,6 +29,7 @@ def _run(rank, world, tb_dir):
     return {"history": result["history"], "err": err.getvalue()}
 
 
+@pytest.mark.slow
 def test_only_rank_zero_writes_events(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
