@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError
 from tpinv.training.guards import check_optimizer_numbers
+from tpinv.training.sinks import check_sink_packages
 
 __all__ = ["LaunchConfig", "TrainConfig", "build_parser", "configs_from_namespace", "load_yaml_config",
            "parse_configs"]
@@ -34,6 +35,7 @@ def setting(default: Any, help: str, group: str, **flag: Any) -> Any:
 
 MODEL = LAYOUT = "model and parallelism"
 OPTIM, DATA, SAVE = "optimization", "data", "checkpoints and logs"
+LOGS = "metrics sinks and logging"
 
 
 @dataclasses.dataclass
@@ -91,6 +93,15 @@ class TrainConfig:
                                         "later with --load", SAVE)
     log_dir: Optional[str] = setting(None, "metrics.jsonl and loss_curve.png go here", SAVE)
     progress: Optional[bool] = setting(None, "tqdm progress bar (default: when stdout is a terminal)", SAVE)
+    tensorboard_dir: Optional[str] = setting(None, "write the step scalars as TensorBoard event files here (needs "
+                                             "pip install 'tpinv[logging]')", LOGS)
+    wandb_project: Optional[str] = setting(None, "log the step scalars to this Weights & Biases project (needs "
+                                           "pip install 'tpinv[logging]'; WANDB_MODE=offline: no network)", LOGS)
+    wandb_exp_name: Optional[str] = setting(None, "W&B run name (default: the run id)", LOGS)
+    wandb_save_dir: Optional[str] = setting(None, "W&B's local files (default: SAVE/wandb, else LOG_DIR/wandb, "
+                                            "else ./wandb)", LOGS)
+    log_level: str = setting("info", "level of the trainer's rank-prefixed messages on stderr (the step lines on "
+                             "stdout do not depend on it)", LOGS, choices=("debug", "info", "warning", "error"))
 
     def check_numbers(self) -> None:
         """Refuse optimizer settings that are not finite or out of range (before any work is done)."""
@@ -119,6 +130,7 @@ class TrainConfig:
         if not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout={self.dist_timeout}: expected a number of seconds > 0")
         self.check_numbers()
+        check_sink_packages(self)
         if self.save_every and not self.save:
             raise ValueError(f"save_every={self.save_every} needs a directory to save to (--save DIR)")
 

@@ -39,7 +39,9 @@ from tpinv.training.config import TrainConfig
 from tpinv.training.guards import (NonFiniteError, changed_on_resume, check_finite, claim_save_dir, config_sha256,
                                    watchdog)
 from tpinv.training.data import dp_slice, make_dataset, micro_batches
+from tpinv.training.logs import configure_logging
 from tpinv.training.metrics import PLOT_FILE, MetricsLogger, plot_loss_curve, read_metrics
+from tpinv.training.sinks import open_sinks
 from tpinv.training.model import build_model
 from tpinv.training.optim import (InvariantAdamW, ParamLayout, TorchAdamW, clip_coefficient, global_grad_norm,
                                   lr_at, vanilla_grad_norm)
@@ -95,6 +97,10 @@ class Trainer:
         # groups are passed even of size 1 (tpinv.distributed.groups: None is a single-process run)
         self.tp_group = parallel.tp_group if parallel else None
         self.dp_group = parallel.dp_group if parallel else None
+        self.log = configure_logging(config.log_level, rank=self.rank, world=parallel.world_size if parallel else 1,
+                                     tp_rank=self.tp_rank, tp=self.tp, dp_rank=self.dp_rank,
+                                     dp=self.dp).getChild("training")
+        self.logger = None
         config.check(self.dp)
         if not config.vanilla and self.dp & (self.dp - 1):
             raise InvarianceError(f"dp={self.dp}: the tree reducer needs a power-of-two data-parallel size")
@@ -110,6 +116,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release the lock of the ``save`` directory (the end of the run)."""
+        if self.logger is not None:
+            self.logger.close()  # the sinks too (a W&B run is finished)
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -141,8 +149,14 @@ class Trainer:
             self.step, self.consumed, self.resumed_from = st["step"], st["consumed_samples"], st["path"]
             self.run_id = st.get("run_id", self.run_id)
             self.resume_changes = changed_on_resume(st.get("config", {}), dataclasses.asdict(config))
+        sinks = open_sinks(config, rank=self.rank, distributed=parallel is not None, run_id=self.run_id,
+                           config=dataclasses.asdict(config), start_step=self.step)
         self.logger = MetricsLogger(config.steps, log_dir=config.log_dir, enabled=self.rank == 0,
-                                    progress=config.progress, stream=stream, start_step=self.step)
+                                    progress=config.progress, stream=stream, start_step=self.step, sinks=sinks)
+        for sink in sinks:
+            self.log.info("metrics sink %s: %s", sink.name, sink.where)
+        self.log.debug("built %s on %s: %d parameter elements on this rank, step %d", config.model, self.device,
+                       sum(p.numel() for p in self.model.parameters()), self.step)
 
     # -- one step -------------------------------------------------------------------------
     def _micro_loss(self, mb, sample_ids: torch.Tensor) -> torch.Tensor:
@@ -271,9 +285,11 @@ class Trainer:
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
         self.logger.event("start", self.describe(), self.describe()["line"])
         if self.resume_changes:
-            self.logger.event("warning", {"resume_changes": self.resume_changes},
-                              f"warning: resuming {self.resumed_from} with other settings than it was saved with: "
-                              f"{'; '.join(self.resume_changes)} (the curve will differ from an uninterrupted run)")
+            self.logger.event("warning", {"resume_changes": self.resume_changes})
+            if self.rank == 0:
+                self.log.warning("resuming %s with other settings than it was saved with: %s (the curve will "
+                                 "differ from an uninterrupted run)", self.resumed_from,
+                                 "; ".join(self.resume_changes))
         saved_at = start = self.step
         while self.step < end:
             rec = self.train_step()
@@ -297,7 +313,8 @@ class Trainer:
                                        title=self._title())
                 self.logger.event("plot", {"path": path}, f"loss curve {path}")
             except ImportError:
-                self.logger.event("plot", {"path": None}, "loss-curve PNG skipped: matplotlib is not installed")
+                self.logger.event("plot", {"path": None})
+                self.log.warning("loss-curve PNG skipped: matplotlib is not installed")
         self.logger.close()
         return result
 
