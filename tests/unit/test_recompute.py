@@ -8,6 +8,8 @@
   the recomputed dropout mask is a new draw and the gradients differ.
 * Memory: the bytes saved for backward fall from none to selective to full.
 * The settings follow megatron-core's rules; bad ones, a KV cache and the vanilla control are refused.
+* tpinv's megatron dropout replays, in a recompute, the call numbers of the checkpointed forwards
+  it repeats, in order (megatron's recompute end to end: tests/distributed/test_megatron_recompute.py).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import tpinv.models.transformer as transformer
 from tpinv.models import Transformer, get_config
 from tpinv.models.recompute import Recompute
-from tpinv.testing import assert_bits_differ, assert_same_bits
+from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
 from tpinv.testing.saved_activations import saved_activation_bytes
 from tpinv.training import TrainConfig, train
 from tpinv.training.config import parse_configs
@@ -192,3 +194,37 @@ def test_flags_and_refusals():
         model(_batch()[0], cache=model.new_cache(2, 16))
     with pytest.raises(ValueError, match="recompute_num_layers"):
         train(TrainConfig(model="qwen3-tiny", steps=1, recompute_granularity="full", recompute_method="uniform"))
+
+
+def test_megatron_dropout_replays_the_masks_of_checkpointed_forwards(monkeypatch):
+    import tpinv.megatron.dropout as dropout
+
+    drop = dropout.InvariantDropout(0.5, seed=3, site=4).train()
+    x = torch.ones(64, 8)
+    phase = ["forward"]
+    monkeypatch.setattr(dropout, "_megatron_checkpoint_phase", lambda: phase[0])
+    first, second = drop(x), drop(x)  # two micro-batches' checkpointed forwards (1F1B order)
+    assert_bits_differ(first, second, "masks of two calls")
+    phase[0] = "recompute"
+    assert_same_bits(drop(x), first, "recomputed first call")
+    assert_same_bits(drop(x), second, "recomputed second call")
+    with pytest.raises(RuntimeError, match="without a recorded checkpointed forward"):
+        drop(x)
+    phase[0] = None
+    third = drop(x)  # outside a checkpoint: the next call number
+    assert drop.calls == 3 and not any(same_bits(third, t) for t in (first, second))
+
+
+def test_megatron_dropout_under_recompute_needs_is_checkpointing(monkeypatch):
+    pytest.importorskip("megatron.core")
+    import megatron.core.tensor_parallel.random as mrandom
+
+    import tpinv.megatron.dropout as dropout
+
+    class Model(torch.nn.Module):
+        config = type("Config", (), dict(recompute_granularity="full", hidden_dropout=0.1, attention_dropout=0.0))
+
+    dropout._check_recompute_support(Model())
+    monkeypatch.delattr(mrandom, "is_checkpointing")
+    with pytest.raises(NotImplementedError, match="is_checkpointing"):
+        dropout._check_recompute_support(Model())

@@ -172,4 +172,20 @@ def install_invariant_dropout(model: torch.nn.Module, *, tp_group, seed: int) ->
                 raise NotImplementedError(
                     f"{name}.{attr} is megatron's RNG bias-dropout-add (hidden_dropout={module.hidden_dropout}), "
                     f"not TP-invariant: set hidden_dropout=0")
+    _check_recompute_support(model)
     return count
+
+
+def _check_recompute_support(model: torch.nn.Module) -> None:
+    """Refuse dropout under megatron's recompute where megatron cannot say when it recomputes."""
+    cfg = getattr(model, "config", None)
+    if not getattr(cfg, "recompute_granularity", None):
+        return
+    if not (getattr(cfg, "hidden_dropout", 0.0) or getattr(cfg, "attention_dropout", 0.0)):
+        return
+    import megatron.core.tensor_parallel.random as mrandom
+    if not hasattr(mrandom, "is_checkpointing"):
+        raise NotImplementedError(
+            f"recompute_granularity={cfg.recompute_granularity!r} with dropout needs megatron-core's "
+            f"tensor_parallel.random.is_checkpointing (to replay a recomputed dropout's mask), which this "
+            f"megatron-core lacks: set hidden_dropout=0 and attention_dropout=0, or turn recompute off")
