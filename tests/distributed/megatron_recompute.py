@@ -82,3 +82,23 @@ def worker(rank, world, runs):
     finally:
         parallel_state.destroy_model_parallel()
     return out if rank == 0 else None
+
+
+def pipeline_worker(rank, world, tp, pp, recompute, no_replay=False):
+    """megatron_pipeline's training run with ``recompute``; rank 0 returns its result and the number
+    of megatron checkpoint calls it made (``no_replay``: the control, as in :func:`run`)."""
+    from megatron.core import tensor_parallel
+
+    import megatron_pipeline
+    import tpinv.megatron.dropout as dropout
+
+    real_checkpoint, real_phase = tensor_parallel.checkpoint, dropout._megatron_checkpoint_phase
+    entered = []
+    tensor_parallel.checkpoint = lambda *a, **k: entered.append(1) or real_checkpoint(*a, **k)
+    if no_replay:
+        dropout._megatron_checkpoint_phase = lambda: None
+    try:
+        result = megatron_pipeline.worker(rank, world, tp, pp, 7, recompute)
+    finally:
+        tensor_parallel.checkpoint, dropout._megatron_checkpoint_phase = real_checkpoint, real_phase
+    return None if result is None else (result, len(entered))
