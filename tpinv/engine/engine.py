@@ -71,6 +71,7 @@ decode): the same bits as the eager step (``docs/compile.md``); prefill stays ea
                              f"model's eager decode step only")
         self.compiled_decode = compile_model(
             lambda t, p, v: self._forward(t, p, self.cache, v)) if compile else None
+        self.compiled_decodes = 0
         self._errors: list[tuple[int, Result]] = []
         self._handles = 0
         self.steps = 0
@@ -175,6 +176,7 @@ decode): the same bits as the eager step (``docs/compile.md``); prefill stays ea
             logits = self.decode_graph(tokens, positions, valid)
         elif self.compiled_decode is not None:
             logits = self.compiled_decode(tokens.to(dev), positions.to(dev), valid.to(dev))
+            self.compiled_decodes += 1
         else:
             logits = self._forward(tokens.to(dev), positions.to(dev), self.cache, valid.to(dev))
         for s in states:
