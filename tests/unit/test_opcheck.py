@@ -119,8 +119,9 @@ CASES = _cases()
 
 
 def test_every_op_has_a_case():
-    assert set(OPS) - set(CASES) == set(), "ops without an opcheck case in tests/unit/test_opcheck.py"
-    assert set(CASES) - set(OPS) == set(), "cases for ops that are not defined"
+    library = {q for q, d in OPS.items() if d.reference.__module__.startswith("tpinv.")}  # not tests' probes
+    assert library - set(CASES) == set(), "ops without an opcheck case in tests/unit/test_opcheck.py"
+    assert set(CASES) - library == set(), "cases for ops that are not defined"
 
 
 @pytest.mark.parametrize("qualname", sorted(CASES))
