@@ -123,6 +123,24 @@ def test_token_id_check_runs_inside_the_compiled_graph():
         compiled(torch.tensor([[-1, 0, 0]]))
 
 
+def test_cache_position_check_runs_inside_the_compiled_graph():
+    from tpinv.models.kv_cache import KVCache
+    cache = KVCache(2, 8, 1, 1, 4, dtype=torch.float32)
+
+    def advance(positions):
+        cache.advance(positions)
+        return cache.lengths + 0
+
+    compiled = tpinv.compile(advance)
+    compiled(torch.tensor([[3], [7]]))
+    assert cache.lengths.tolist() == [4, 8]
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, max_len=8\)"):
+        advance(torch.tensor([[8], [0]]))
+    with pytest.raises(RuntimeError, match=r"cache position outside \[0, 8\)"):
+        compiled(torch.tensor([[8], [0]]))
+    assert cache.lengths.tolist() == [4, 8]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,explicit_positions", [
     ("qwen3-tiny", False), ("llama-tiny", True), ("mistral-tiny", False)])
