@@ -63,8 +63,8 @@ def value_range(t: torch.Tensor) -> Optional[tuple[int, int]]:
     """``(min, max)`` of an integer tensor, read on the host in one transfer; None for an empty
     tensor, inside a CUDA-graph capture, where no value can be read (the captured step's
     runner checks its inputs before each replay), and for a fake tensor, which has no values
-    (an op's input check runs in its fake and again, on the real values, at its kernel's entry).  Every value check of a step goes through
-    here, so none of them needs its own capture case."""
+    (an op's input check runs in its fake and again, on the real values, at its kernel's entry).
+    Every value check of a step goes through here, so none of them needs its own capture case."""
     if t.numel() == 0 or capturing() or is_fake(t):
         return None
     low, high = torch.aminmax(t)

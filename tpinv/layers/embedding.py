@@ -41,11 +41,16 @@ class _VocabParallelLookup(torch.autograd.Function):
     def backward(ctx, dy):
         local, outside = ctx.saved_tensors
         grad, ids = dy.reshape(-1, dy.shape[-1]), local.reshape(-1)
-        if ctx.sharded:  # other ranks' tokens go to a spare row past the shard, then dropped: each
-            # row keeps exactly its own tokens in token order (no data-dependent shape: compile traces it)
+        if ctx.sharded and torch.compiler.is_compiling():
+            # A boolean index has a data-dependent size the compiled backward cannot hold: other ranks'
+            # tokens go to a spare row past the shard, dropped after; each row still sums exactly its
+            # own tokens in token order (eager drops them instead: the spare row's long chain is slow).
             ids = ids.masked_fill(outside.reshape(-1), ctx.num_rows)
             dw = embedding_backward(grad, ids, ctx.num_rows + 1)[:ctx.num_rows].contiguous().to(ctx.dtype)
             return None, dw, None, None, None
+        if ctx.sharded:  # drop the tokens of other ranks' shards (one TP group: none exist)
+            keep = ~outside.reshape(-1)
+            grad, ids = grad[keep], ids[keep]
         dw = embedding_backward(grad, ids, ctx.num_rows).to(ctx.dtype)
         return None, dw, None, None, None
 
