@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from tpinv.core.capture import value_range
+from tpinv.core.capture import check_range
 
 
 class KVCache:
@@ -57,12 +57,9 @@ class KVCache:
         if positions.dtype != torch.int64 or positions.dim() != 2 or positions.shape[0] != self.batch:
             raise ValueError(f"positions must be int64 of shape [batch={self.batch}, S], got "
                              f"{positions.dtype} {list(positions.shape)}")
-        bounds = value_range(positions)
-        if bounds is not None:
-            low, high = bounds
-            if low < 0 or high >= self.max_len:
-                raise ValueError(f"positions must lie in [0, max_len={self.max_len}) of the cache, got "
-                                 f"[{low}, {high}]; build a longer cache")
+        check_range(positions, self.max_len, lambda low, high: ValueError(
+            f"positions must lie in [0, max_len={self.max_len}) of the cache, got [{low}, {high}]; "
+            f"build a longer cache"), "cache position")
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
                check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

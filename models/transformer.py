@@ -175,9 +175,15 @@ def check_model_sizes(args: ModelArgs, tp_size: int, leaves: int) -> None:
 
 def packed_key_positions(tokens: torch.Tensor, positions: Optional[torch.Tensor],
                          cache: Optional[KVCache]) -> Optional[torch.Tensor]:
-    """The key positions of a packed row (no cache, positions other than ``arange(S)``), else None."""
+    """The key positions of a packed row (no cache, positions other than ``arange(S)``), else None.
+
+    Under torch.compile every explicit ``positions`` without a cache takes the packed path (the
+    test compares tensor values, which a graph cannot branch on); for ``arange(S)`` that path
+    computes the unpacked bits (``tests/unit/test_attention_packed.py``)."""
     if cache is not None or positions is None or positions.shape != tokens.shape:
         return None
+    if torch.compiler.is_compiling():
+        return positions
     S = tokens.shape[1]
     if torch.equal(positions, torch.arange(S, device=positions.device).expand_as(positions)):
         return None

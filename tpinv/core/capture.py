@@ -9,19 +9,30 @@ so those checks read values through :func:`value_range`, which stands aside ther
 :class:`tpinv.engine.decode_graph.DecodeGraph` runs the
 same value checks on its inputs before every replay.  Shape checks run at capture time,
 on the shapes every replay reuses.
+
+Under ``torch.compile`` no value can be read on the host either (a read would break the
+graph): :func:`check_range` then puts the same range check into the graph as
+``torch._assert_async``, which raises ``RuntimeError`` with a fixed message naming the range
+at run time (eager raises the caller's error type naming the offending value).
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["capture", "capturing", "check_warmup", "value_range"]
+__all__ = ["capture", "capturing", "check_range", "check_warmup", "compiling", "value_range"]
 
 
 def capturing() -> bool:
     """True while the current CUDA stream is being captured into a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def compiling() -> bool:
+    """True while torch.compile (dynamo) traces the current code."""
+    return torch.compiler.is_compiling()
 
 
 def check_warmup(warmup: int) -> None:
@@ -50,10 +61,28 @@ def capture(run: Callable[[], object], *, warmup: int = 2,
 
 def value_range(t: torch.Tensor) -> Optional[tuple[int, int]]:
     """``(min, max)`` of an integer tensor, read on the host in one transfer; None for an empty
-    tensor and inside a CUDA-graph capture, where no value can be read (the captured step's
-    runner checks its inputs before each replay).  Every value check of a step goes through
-    here, so none of them needs its own capture case."""
-    if t.numel() == 0 or capturing():
+    tensor, inside a CUDA-graph capture, where no value can be read (the captured step's
+    runner checks its inputs before each replay), and for a fake tensor, which has no values
+    (an op's input check runs in its fake and again, on the real values, at its kernel's entry).
+    Every value check of a step goes through here, so none of them needs its own capture case."""
+    if t.numel() == 0 or capturing() or is_fake(t):
         return None
     low, high = torch.aminmax(t)
     return tuple(torch.stack((low, high)).tolist())
+
+
+def check_range(t: torch.Tensor, end: int, error: Callable[[int, int], Exception], what: str) -> None:
+    """Every value of the integer tensor ``t`` must lie in ``[0, end)``.
+
+    Eager: the range is read on the host in one transfer and ``error(low, high)`` is raised.
+    Inside a CUDA-graph capture: nothing (the captured step's runner checks before each replay).
+    Under torch.compile: the check is a ``torch._assert_async`` node of the graph, run on every
+    call; it raises ``RuntimeError`` with a fixed message naming ``what`` and the range."""
+    if compiling():
+        if t.numel():
+            torch._assert_async(((t >= 0) & (t < end)).all(),
+                                f"{what} outside [0, {end}) (checked inside the compiled graph)")
+        return
+    bounds = value_range(t)
+    if bounds is not None and (bounds[0] < 0 or bounds[1] >= end):
+        raise error(*bounds)

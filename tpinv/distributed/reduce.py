@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size, tree_combine_list
-from tpinv.core.capture import capturing
+from tpinv.core.capture import capturing, compiling
 from tpinv.core.dtypes import NAMES
 from tpinv.distributed.groups import LOCAL, group_size, group_size_rank
 
@@ -113,7 +113,8 @@ def _check_agree(op: str, t: torch.Tensor, group, size: int, rank: int, *, algor
     """All-gather a small descriptor; raise the same InvarianceError on every rank on mismatch.
 
     Not inside a CUDA-graph capture (it reads the gathered descriptors on the host): a captured
-    step replays the shapes its eager warm-up runs checked."""
+    step replays the shapes its eager warm-up runs checked.  Under torch.compile the comparison
+    is a ``torch._assert_async`` node of the graph (``RuntimeError`` naming the op)."""
     if capturing():
         return
     shape = list(t.shape)
@@ -127,6 +128,11 @@ def _check_agree(op: str, t: torch.Tensor, group, size: int, rank: int, *, algor
     every = torch.empty(size * mine.numel(), dtype=torch.int64, device=t.device)
     with _collective(f"{op} descriptor check", algorithm, size, rank):
         _all_gather_single(every, mine, group)
+    if compiling():  # no host read inside a graph: the same comparison, asserted in the graph
+        table = every.view(size, -1)
+        torch._assert_async((table == table[0]).all(), f"ranks disagree on {op}; every rank must pass the "
+                            f"same shape, dtype and settings (checked inside the compiled graph)")
+        return
     rows = every.view(size, -1).tolist()
     if any(r != rows[0] for r in rows):
         lines = "\n".join(f"  group rank {i}: {_describe(r)}" for i, r in enumerate(rows))

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from tpinv.core.compile import compile as compile_model
 from tpinv.distributed.groups import LOCAL
 from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.engine.sampling import sample_row, vocab_log_probs
@@ -42,13 +43,15 @@ class Engine:
     plus admitted prompts); ``slot_order`` is the order free slots are handed out in;
     ``eos_token_id`` defaults to the tokenizer's.  ``cuda_graph`` replays the decode step
     (one token for every slot) from a CUDA graph captured at the first decode: the same bits
-    as the eager step, without its per-kernel host work (:meth:`close` frees it).  Under TP
+    as the eager step, without its per-kernel host work (:meth:`close` frees it).  ``compile`` runs
+the decode step through :func:`tpinv.compile` (torch.compile, full graph, compiled at the first
+decode): the same bits as the eager step (``docs/compile.md``); prefill stays eager.  Under TP
     every rank of the model's group makes the same calls with the same requests.
     """
 
     def __init__(self, model: Transformer, *, tokenizer=None, max_batch: int = 8, max_context: Optional[int] = None,
                  token_budget: Optional[int] = None, eos_token_id: Optional[int] = None, vanilla: bool = False,
-                 slot_order: Optional[Sequence[int]] = None, cuda_graph: bool = False):
+                 slot_order: Optional[Sequence[int]] = None, cuda_graph: bool = False, compile: bool = False):
         if not isinstance(model, Transformer):
             raise TypeError(f"model must be a tpinv.models.Transformer, got {type(model).__name__}")
         self.model, self.tokenizer, self.vanilla = model.eval(), tokenizer, bool(vanilla)
@@ -62,6 +65,13 @@ class Engine:
         self.decode_graph = DecodeGraph(
             lambda t, p, v: self._forward(t, p, self.cache, v), self.cache, model.args.vocab_size,
             device=self.device) if cuda_graph else None
+        if compile and (cuda_graph or vanilla):
+            raise ValueError("compile=True cannot be combined with "
+                             f"{'cuda_graph=True' if cuda_graph else 'vanilla=True'}: compile the invariant "
+                             f"model's eager decode step only")
+        self.compiled_decode = compile_model(
+            lambda t, p, v: self._forward(t, p, self.cache, v)) if compile else None
+        self.compiled_decodes = 0
         self._errors: list[tuple[int, Result]] = []
         self._handles = 0
         self.steps = 0
@@ -164,6 +174,9 @@ class Engine:
         dev = self.device
         if self.decode_graph is not None:
             logits = self.decode_graph(tokens, positions, valid)
+        elif self.compiled_decode is not None:
+            logits = self.compiled_decode(tokens.to(dev), positions.to(dev), valid.to(dev))
+            self.compiled_decodes += 1
         else:
             logits = self._forward(tokens.to(dev), positions.to(dev), self.cache, valid.to(dev))
         for s in states:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tpinv.core.contract import DEFAULT_LEAVES, check_divisible, check_tp_size
 from tpinv.ops import sum_exp_partial
+from tpinv.ops.cross_entropy import cross_entropy_grad, cross_entropy_lse
 from tpinv.distributed.groups import group_size_rank
 from tpinv.distributed.reduce import tree_all_reduce
 
@@ -35,7 +36,7 @@ def _logsumexp_and_target(logits: torch.Tensor, target: torch.Tensor, group, lea
     if tp > 1:
         both = tree_all_reduce(torch.stack([s, picked], dim=-1), group, leaves=leaves)
         s, picked = both[..., 0], both[..., 1]
-    lse = torch.log(s) + m
+    lse = cross_entropy_lse(s, m)   # an op: compiled, the same log as eager
     return x, lse, picked, local, outside
 
 
@@ -50,10 +51,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         x, lse, local, outside = ctx.saved_tensors
-        grad = torch.exp(x - lse.unsqueeze(-1))
-        hit = torch.zeros_like(grad).scatter_(-1, local.masked_fill(outside, 0).unsqueeze(-1),
-                                              (~outside).to(grad.dtype).unsqueeze(-1))
-        grad = (grad - hit) * dloss.unsqueeze(-1)
+        grad = cross_entropy_grad(x, lse, local, outside, dloss)   # (softmax - onehot) * dloss, an op
         return grad.to(ctx.dtype), None, None, None
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.layers.common import check_layer_sizes, config_leaves, init_sharded_weight, params_dtype
 from tpinv.layers.common import reject_unsupported
-from tpinv.core.capture import value_range
+from tpinv.core.capture import check_range
 from tpinv.ops import embedding_backward
 from tpinv.distributed.reduce import tree_all_reduce
 
@@ -41,6 +41,13 @@ class _VocabParallelLookup(torch.autograd.Function):
     def backward(ctx, dy):
         local, outside = ctx.saved_tensors
         grad, ids = dy.reshape(-1, dy.shape[-1]), local.reshape(-1)
+        if ctx.sharded and torch.compiler.is_compiling():
+            # A boolean index has a data-dependent size the compiled backward cannot hold: other ranks'
+            # tokens go to a spare row past the shard, dropped after; each row still sums exactly its
+            # own tokens in token order (eager drops them instead: the spare row's long chain is slow).
+            ids = ids.masked_fill(outside.reshape(-1), ctx.num_rows)
+            dw = embedding_backward(grad, ids, ctx.num_rows + 1)[:ctx.num_rows].contiguous().to(ctx.dtype)
+            return None, dw, None, None, None
         if ctx.sharded:  # drop the tokens of other ranks' shards (one TP group: none exist)
             keep = ~outside.reshape(-1)
             grad, ids = grad[keep], ids[keep]
@@ -83,11 +90,8 @@ class VocabParallelEmbedding(torch.nn.Module):
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if input_.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"token ids must be int64 or int32, got {input_.dtype}")
-        bounds = value_range(input_)   # None inside a capture: its runner checks the ids
-        if bounds is not None:
-            low, high = bounds
-            if low < 0 or high >= self.num_embeddings:
-                bad = high if high >= self.num_embeddings else low
-                raise IndexError(f"token id {bad} is outside the vocabulary [0, {self.num_embeddings})")
+        n = self.num_embeddings   # in the graph under torch.compile; a capture's runner checks
+        check_range(input_, n, lambda low, high: IndexError(
+            f"token id {high if high >= n else low} is outside the vocabulary [0, {n})"), "token id")
         return _VocabParallelLookup.apply(input_.long(), self.weight, self.vocab_start_index,
                                           self.tp_group, self.leaves)

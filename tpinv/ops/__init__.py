@@ -4,6 +4,7 @@ Each ``ops/<family>.py`` defines its ops completely with :func:`tpinv.ops.regist
 (reference kernel, CUDA kernel, input check); :data:`tpinv.ops.registry.OPS` lists them."""
 from tpinv.ops.activation import silu_mul
 from tpinv.ops.attention import attention
+from tpinv.ops.cross_entropy import cross_entropy_grad, cross_entropy_lse
 from tpinv.ops.embedding import embedding, embedding_backward
 from tpinv.ops.linear import matmul, matmul_partial, tree_sum
 from tpinv.ops.norm import rms_norm
@@ -16,6 +17,8 @@ from tpinv.ops.softmax import (
 __all__ = [
     "apply_rope",
     "attention",
+    "cross_entropy_grad",
+    "cross_entropy_lse",
     "embedding",
     "embedding_backward",
     "log_softmax",

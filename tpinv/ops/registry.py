@@ -8,9 +8,16 @@ kernel's own fixed-order torch code -- or a placeholder that raises
 :class:`NotImplementedError` naming the op, so a CUDA tensor can never silently reach
 cuBLAS (or any order-changing fallback).  Nothing is registered by a side-effect import:
 importing an op's module defines it completely (:data:`OPS` lists every definition).
+
+Layout: every kernel slot and every fake returns **contiguous** (row-major) tensors -- the
+registry makes each kernel's outputs contiguous (a copy, exact, only where a kernel returned
+another layout) and each fake's too -- so the strides torch.compile plans with from the fake are
+the strides the kernel returns, whatever the layout of the inputs
+(``tests/unit/test_opcheck.py`` runs ``torch.library.opcheck`` on every op in :data:`OPS`).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Callable, Iterable, NamedTuple, Optional, Union
 
@@ -55,6 +62,25 @@ REFERENCE = "reference"
 OPS: dict[str, "OpDef"] = {}
 
 
+def contiguous_outputs(value):
+    """``value`` (a tensor, None or a tuple/list of them) with every tensor contiguous."""
+    if isinstance(value, torch.Tensor):
+        return value.contiguous()
+    if isinstance(value, (tuple, list)):
+        return type(value)(contiguous_outputs(v) for v in value)
+    return value
+
+
+def with_contiguous_outputs(kernel: Callable) -> Callable:
+    """``kernel`` whose outputs are made contiguous: the layout every tpinv op and fake returns."""
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        return contiguous_outputs(kernel(*args, **kwargs))
+
+    return run
+
+
 class OpDef(NamedTuple):
     """One op in one place: the op, its reference (CPU) kernel, its CUDA kernel and its input check."""
     op: CustomOpDef
@@ -93,6 +119,8 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
       fixed-order torch code runs on CUDA too), an adapter function defined beside the op (when
       the Triton entry's arguments differ from the op's), or ``None`` (the slot raises, never a
       fallback);
+    * every kernel's outputs are made contiguous (:func:`with_contiguous_outputs`), as are the
+      fake's (:func:`register_fake`), so fake and real strides agree;
     * ``check`` is the op's **input check**, called with the op's arguments.  It runs once per
       call: in the fake (:func:`register_fake`), and at the entry of the kernel that runs --
       the reference and Triton kernels are public entry points (tests and benchmarks call them
@@ -106,8 +134,10 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
     def wrap(reference: Callable) -> CustomOpDef:
         if qualname in OPS:
             raise ValueError(f"{qualname} is defined twice")
-        op = torch.library.custom_op(qualname, mutates_args=tuple(mutates_args),
-                                     device_types="cpu")(reference)
+        mutated = tuple(mutates_args)
+        schema = torch.library.infer_schema(reference, mutates_args=mutated)  # from the reference's own hints
+        op = torch.library.custom_op(qualname, mutates_args=mutated, device_types="cpu",
+                                     schema=schema)(with_contiguous_outputs(reference))
         if cuda is None:
             kernel = missing_cuda_kernel(qualname)
         elif cuda == REFERENCE:
@@ -116,7 +146,7 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
             kernel = cuda
         else:
             kernel = lazy_kernel(cuda)
-        op.register_kernel("cuda", kernel)
+        op.register_kernel("cuda", with_contiguous_outputs(kernel))
         OPS[qualname] = OpDef(op, reference, cuda, check, kernel)
         return op
 
@@ -124,14 +154,15 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
 
 
 def register_fake(op: CustomOpDef) -> Callable[[Callable], Callable]:
-    """Decorator: the fake (shape-only) kernel of ``op``, run after the op's check."""
+    """Decorator: the fake (shape-only) kernel of ``op``, run after the op's check; its outputs are
+    made contiguous, the layout every kernel slot returns (:func:`define_op`)."""
     check = OPS[_qualname_of(op)].check
 
     def wrap(fake: Callable) -> Callable:
         def checked_fake(*args, **kwargs):
             if check is not None:
                 check(*args, **kwargs)
-            return fake(*args, **kwargs)
+            return contiguous_outputs(fake(*args, **kwargs))
 
         op.register_fake(checked_fake)
         return fake

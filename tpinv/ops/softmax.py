@@ -20,7 +20,8 @@ from tpinv.ops.registry import REFERENCE, define_op, register_fake
 __all__ = ["softmax", "log_softmax", "logsumexp", "sum_exp_partial",
            "logsumexp_from_parts", "log_softmax_from_parts", "softmax_from_parts",
            "softmax_op", "log_softmax_op", "logsumexp_op", "sum_exp_partial_op",
-           "softmax_backward_op", "log_softmax_backward_op", "logsumexp_backward_op"]
+           "softmax_backward_op", "log_softmax_backward_op", "logsumexp_backward_op",
+           "sum_exp_partial_backward_op"]
 
 
 def _row_check(name: str):
@@ -107,6 +108,24 @@ def _sum_exp_partial_fake(x, max, leaves):
     return x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
+def _check_partial_backward(grad, x, max) -> None:
+    kern.check_partial_inputs(x, max, 1)
+    if tuple(grad.shape) != tuple(max.shape):
+        raise ValueError(f"sum_exp_partial grad must have the row shape {list(max.shape)}, got {list(grad.shape)}")
+
+
+@define_op("sum_exp_partial_backward", cuda=REFERENCE, check=_check_partial_backward)
+def sum_exp_partial_backward_op(grad: Tensor, x: Tensor, max: Tensor) -> Tensor:
+    """``grad * exp(x - max)`` in ``x.dtype`` (an op, so torch.compile runs the eager ``exp``)."""
+    shifted = x.to(torch.float32) - kern.safe_shift(max).unsqueeze(-1)
+    return (grad.to(torch.float32).unsqueeze(-1) * torch.exp(shifted)).to(x.dtype)
+
+
+@register_fake(sum_exp_partial_backward_op)
+def _sum_exp_partial_backward_fake(grad, x, max):
+    return torch.empty_like(x)
+
+
 def _partial_setup_context(ctx, inputs, output):
     x, max_, leaves = inputs
     ctx.save_for_backward(x, max_)
@@ -114,9 +133,7 @@ def _partial_setup_context(ctx, inputs, output):
 
 def _partial_backward(ctx, grad):
     x, max_ = ctx.saved_tensors
-    shifted = x.to(torch.float32) - kern.safe_shift(max_).unsqueeze(-1)
-    grad_x = (grad.to(torch.float32).unsqueeze(-1) * torch.exp(shifted)).to(x.dtype)
-    return grad_x, None, None
+    return sum_exp_partial_backward_op(grad, x, max_), None, None
 
 
 sum_exp_partial_op.register_autograd(_partial_backward, setup_context=_partial_setup_context)
