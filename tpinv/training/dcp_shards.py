@@ -59,9 +59,16 @@ class ShardMeshes:
             placements = [Replicate(), Shard(dim)]
         else:
             placements = [Replicate(), Shard(dim), Replicate()]
-        stride = torch.empty(full_shape, device="meta").stride()
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(full_shape),
-                                  stride=stride)
+                                  stride=_contiguous_strides(full_shape))
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def _local_tensors(layout, optimizer, slot) -> dict[str, torch.Tensor]:
