@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import tempfile
 import shutil
-import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,9 +30,7 @@ def read_full_tensors(step_dir: str, prefix: str = "model/") -> dict[str, torch.
             if k.startswith(prefix) and hasattr(m, "chunks")}
     if not full:
         raise CheckpointError(f"{step_dir}: no {prefix}* tensors in its .metadata")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP's note that it runs in one process
-        dcp.load(full, storage_reader=reader, no_dist=True)
+    dcp.load(full, storage_reader=reader, no_dist=True)
     return {k[len(prefix):]: v for k, v in full.items()}
 
 

@@ -246,6 +246,7 @@ class Trainer:
                  "data": self.dataset.describe(), "tp_size": self.tp, "dp_size": self.dp, "vanilla": cfg.vanilla,
                  "config": dataclasses.asdict(cfg)}
         state.update(model_args=_args_dict(self.model_args), param_meta=param_meta_from_module(self.model))
+        self.finalize_save()  # the save in flight first (its own event)
         path = self.checkpointer.save(step=self.step, layout=self.layout, optimizer=self.optimizer, state=state)
         if cfg.async_save:
             self.logger.event("checkpoint_started", {"step": self.step, "path": path},

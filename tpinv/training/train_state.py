@@ -27,7 +27,6 @@ tensors in ``optimizer.safetensors``) is refused with an error naming it.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -49,6 +48,9 @@ from tpinv.training.dcp_shards import ShardMeshes, sharded_state_dict
 
 __all__ = ["CheckpointError", "Checkpointer", "check_compatible", "prune_steps", "resolve_checkpoint", "read_train_state", "verify_files",
            "step_dir_name", "STATE_FILE", "LATEST_FILE", "FORMAT_VERSION"]
+
+# DCP's note that it runs in one process: ``no_dist=True`` (a run without torch.distributed) says so
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", module=r"torch\.distributed\.checkpoint")
 
 FORMAT_NAME, FORMAT_VERSION = "tpinv-train-state", 2
 STATE_FILE, LATEST_FILE = "train_state.json", "latest"
@@ -284,7 +286,7 @@ class Checkpointer:
             raise CheckpointError(error)
         shards = sharded_state_dict(layout, optimizer, self.meshes)
         try:
-            with torch.no_grad(), _one_process_quiet():
+            with torch.no_grad():
                 dcp.load(shards, storage_reader=dcp.FileSystemReader(step_dir), **self._dcp_kwargs())
         except Exception as e:  # noqa: BLE001 - DCP raises on every rank alike
             raise CheckpointError(f"{step_dir}: reading the sharded tensors failed: "
@@ -312,20 +314,11 @@ def check_compatible(state: dict, model_args: dict, leaves: int, where: str) -> 
                               f"the leaf count fixes the reduction order and must match")
 
 
-@contextlib.contextmanager
-def _one_process_quiet():
-    """Silence DCP's note that it runs without torch.distributed (``no_dist=True`` says so)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
 def write_shards(shards: dict, writer, kwargs: dict, asynchronous: bool = False):
     """The DCP write of this rank's shards (a future when ``asynchronous``)."""
-    with _one_process_quiet():
-        if asynchronous:
-            return dcp.async_save(shards, storage_writer=writer, **kwargs)
-        return dcp.save(shards, storage_writer=writer, **kwargs)
+    if asynchronous:
+        return dcp.async_save(shards, storage_writer=writer, **kwargs)
+    return dcp.save(shards, storage_writer=writer, **kwargs)
 
 
 def resolve_checkpoint(path: str) -> str:
