@@ -80,18 +80,20 @@ def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
     assert resumed["weights_sha256"] == full["weights_sha256"] and resumed["master_sha256"] == full["master_sha256"]
 
 
-def test_export_tool_writes_the_trained_weights(tmp_path):
-    import subprocess
-    import sys
+def test_export_tool_writes_the_trained_weights(tmp_path, capsys):
+    import importlib.util
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("export_checkpoint", os.path.join(root, "tools", "export_checkpoint.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
     trained = Trainer(TrainConfig(**dict(TINY, steps=2, save=str(tmp_path / "ck"))), stream=io.StringIO())
     trained.run()
     out = tmp_path / "model"
-    proc = subprocess.run([sys.executable, os.path.join(root, "tools", "export_checkpoint.py"), str(tmp_path / "ck"),
-                           str(out)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root))
-    assert proc.returncode == 0, proc.stderr
+    assert tool.main([str(tmp_path / "ck"), str(out)]) == 0
     again = Trainer(TrainConfig(**dict(TINY, model=str(out))), stream=io.StringIO())
     assert again.weights_sha256() == trained.weights_sha256()
-    proc = subprocess.run([sys.executable, os.path.join(root, "tools", "export_checkpoint.py"), str(tmp_path / "no"),
-                           str(out)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root))
-    assert proc.returncode == 1 and proc.stderr.startswith("error: checkpoint") and "not found" in proc.stderr
+    assert again.weights_sha256() != Trainer(TrainConfig(**TINY), stream=io.StringIO()).weights_sha256()  # control
+    capsys.readouterr()
+    assert tool.main([str(tmp_path / "no"), str(tmp_path / "other")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: checkpoint") and "not found" in err and not (tmp_path / "other").exists()
