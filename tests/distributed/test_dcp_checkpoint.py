@@ -2,8 +2,8 @@
 
 * Saved at TP2 x DP2 after step 1 (``qwen3-kv2-tiny``), resumed at TP4 x DP1 (each KV head then
   replicated on 2 ranks) and at TP1 x DP4: both end with the final weights and fp32 masters of an
-  uninterrupted TP1 run; the TP4 resume saves again (with replicated KV chunks) and TP1 x DP4
-  resumes from that too.  Control: the resume with another learning rate ends elsewhere.
+  uninterrupted TP1 run; the TP4 resume saves again (``async_save``, with replicated KV chunks)
+  and TP1 x DP4 resumes from that too.  Control: the resume with another learning rate ends elsewhere.
 * DP replicas are written once: the shard files of the TP2 x DP2 save hold about the bytes of a
   one-process save (twice as many if each DP replica wrote its copy).
 * A save never materializes a full (unsharded) tensor: a dispatch-mode detector watching for
@@ -69,7 +69,7 @@ def _save_and_resume(rank, world_size, ckpt, ckpt4):
     out["control_watch"] = control_watch.hits
     # resume at TP4 x DP1 (saving again after step 2, KV heads replicated), at TP1 x DP4, and the control
     from tpinv.training import train
-    out["tp4"] = _summary(train(TrainConfig(**dict(BASE, load=ckpt, save=ckpt4, save_every=2)),
+    out["tp4"] = _summary(train(TrainConfig(**dict(BASE, load=ckpt, save=ckpt4, save_every=2, async_save=True)),
                                 ParallelDims(tp=4).build(), stream=io.StringIO()))
     dp4 = ParallelDims(tp=1).build()
     out["dp4"] = _summary(train(TrainConfig(**dict(BASE, load=ckpt)), dp4, stream=io.StringIO()))

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from tpinv.io.atomic_dir import fsync_dir, fsync_file, publish_directory, write_json
 from tpinv.io.run_dir import clean_stale_temps
@@ -314,10 +315,26 @@ def check_compatible(state: dict, model_args: dict, leaves: int, where: str) -> 
                               f"the leaf count fixes the reduction order and must match")
 
 
+class _AlreadyStaged(AsyncStager):
+    """The shards were copied to host memory when the state dict was built (``stage=True``): DCP's
+    default stager would copy them a second time."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def write_shards(shards: dict, writer, kwargs: dict, asynchronous: bool = False):
     """The DCP write of this rank's shards (a future when ``asynchronous``)."""
     if asynchronous:
-        return dcp.async_save(shards, storage_writer=writer, **kwargs)
+        return dcp.async_save(shards, storage_writer=writer, async_stager=_AlreadyStaged(), **kwargs)
     return dcp.save(shards, storage_writer=writer, **kwargs)
 
 
