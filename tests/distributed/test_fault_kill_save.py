@@ -28,7 +28,7 @@ TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=4, micro_batch
 def _verify(root: str, only=None) -> str:
     """Check ``latest`` and every complete step directory (of ``only``, if given); return ``latest``'s name."""
     from tpinv.training.export import read_full_tensors
-    from tpinv.training.train_state import read_train_state, resolve_checkpoint, verify_files
+    from tpinv.training.ckpt_files import read_train_state, resolve_checkpoint, verify_files
     latest = resolve_checkpoint(root)
     for name in os.listdir(root):
         if name.startswith("step_") and "." not in name and (only is None or name in only):
@@ -41,7 +41,7 @@ def _verify(root: str, only=None) -> str:
 
 def _kill_saves(rank, world_size, root):
     from tpinv.training import TrainConfig, Trainer
-    from tpinv.training.train_state import resolve_checkpoint, step_dir_name
+    from tpinv.training.ckpt_files import resolve_checkpoint, step_dir_name
     trainer = Trainer(TrainConfig(**dict(TINY, save=root)), stream=io.StringIO())
     first = trainer.run()
 

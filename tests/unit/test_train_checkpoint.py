@@ -19,7 +19,7 @@ import pytest
 from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads
 from tpinv.training import TrainConfig, Trainer
 from tpinv.training.export import read_full_tensors
-from tpinv.training.train_state import STATE_FILE, prune_steps, step_dir_name
+from tpinv.training.ckpt_files import STATE_FILE, prune_steps, step_dir_name
 
 TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch=4, eval_every=0, warmup=1, lr=1e-2)
 

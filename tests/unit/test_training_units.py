@@ -19,6 +19,7 @@ from tpinv.core.contract import InvarianceError, tree_combine_list
 from tpinv.training import (CheckpointError, TrainConfig, Trainer, TreeAccumulator, adamw_update,
                             global_grad_norm, lr_at, read_metrics)
 from tpinv.training import train_state as train_ckpt
+from tpinv.training.ckpt_files import STATE_FILE
 from tpinv.training.loop import fp32_hex
 from tpinv.training.model import build_model
 from tpinv.training.optim import ParamLayout
@@ -266,7 +267,7 @@ def test_corrupt_and_mismatched_checkpoints_are_refused(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"__0_0\.distcp: sha256 mismatch"):
         _train(tmp_path, steps=2, load=str(ckpt))
-    state = ckpt / "step_00000001" / train_ckpt.STATE_FILE
+    state = ckpt / "step_00000001" / STATE_FILE
     old = state.read_text().replace('"format_version": 2', '"format_version": 1')
     state.write_text(old)
     with pytest.raises(CheckpointError, match="format version 1; this tpinv reads version 2"):

@@ -6,7 +6,8 @@ gradient sums over tokens and micro-batches, the data-parallel gradient reductio
 gradient norm -- follows the invariance contract, and the optimizer is elementwise, so the
 per-step losses and the final weights do not depend on the TP size.
 """
-from tpinv.training.train_state import CheckpointError, Checkpointer, resolve_checkpoint
+from tpinv.training.ckpt_files import CheckpointError, resolve_checkpoint
+from tpinv.training.train_state import Checkpointer
 from tpinv.training.data import ArithmeticTask, Batch, TextDataset, dp_slice, make_dataset, micro_batches
 from tpinv.training.config import LaunchConfig, TrainConfig
 from tpinv.training.loop import NonFiniteError, Trainer, TreeAccumulator, train

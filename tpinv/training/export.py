@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from tpinv.io.checkpoint import save_checkpoint
 from tpinv.io.hf_keys import args_from_dict
-from tpinv.training.train_state import CheckpointError, read_train_state, resolve_checkpoint, verify_files
+from tpinv.training.ckpt_files import CheckpointError, read_train_state, resolve_checkpoint, verify_files
 
 __all__ = ["export_model", "read_full_tensors"]
 

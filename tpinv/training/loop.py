@@ -36,7 +36,8 @@ from tpinv.io.run_dir import new_run_id
 from tpinv.ops import tree_sum
 from tpinv.distributed.reduce import gather_shards, tree_all_reduce
 from tpinv.training.preemption import ExitSignalHandler
-from tpinv.training.train_state import Checkpointer, check_compatible
+from tpinv.training.ckpt_files import check_compatible
+from tpinv.training.train_state import Checkpointer
 from tpinv.training.config import TrainConfig
 from tpinv.training.guards import (NonFiniteError, changed_on_resume, check_finite, claim_save_dir, config_sha256,
                                    watchdog)

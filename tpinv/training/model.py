@@ -18,7 +18,7 @@ __all__ = ["build_model", "resolve_model_args"]
 
 def resolve_model_args(model: str, dtype: str):
     """``(ModelArgs, kind)`` of the ``--model`` source at the ``--dtype`` name (see :func:`source_model_args`)."""
-    from tpinv.training.train_state import STATE_FILE
+    from tpinv.training.ckpt_files import STATE_FILE
     if os.path.isfile(os.path.join(model, STATE_FILE)) or os.path.isfile(os.path.join(model, "latest")):
         raise ValueError(f"--model {model} is a training checkpoint (sharded); resume it with --load {model}, or "
                          f"export its weights with tools/export_checkpoint.py {model} OUT_DIR and pass --model OUT_DIR")

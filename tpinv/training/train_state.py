@@ -1,7 +1,7 @@
 """Training checkpoints: sharded (every rank writes only its own shards, through
 torch.distributed.checkpoint), complete, checksummed, atomic, and loadable at any TP x DP layout.
 
-Layout of ``ROOT`` (the ``--save`` directory)::
+Layout of ``ROOT`` (the ``--save`` directory; the file names: :mod:`tpinv.training.ckpt_files`)::
 
     latest                  the name of the newest complete step directory (replaced atomically)
     step_00000040/          one directory per save, renamed into place only when complete
@@ -27,8 +27,6 @@ tensors in ``optimizer.safetensors``) is refused with an error naming it.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
 import shutil
@@ -42,31 +40,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from tpinv.io.atomic_dir import fsync_dir, fsync_file, publish_directory, write_json
+from tpinv.io.atomic_dir import publish_directory, write_json
 from tpinv.io.run_dir import clean_stale_temps
-from tpinv.io.safetensors_stream import CheckpointError
+from tpinv.training.ckpt_files import (FORMAT_NAME, FORMAT_VERSION, STATE_FILE, CheckpointError, file_sha256,
+                                       latest_name, prune_steps, read_train_state, resolve_checkpoint, step_dir_name,
+                                       verify_files, write_latest)
 from tpinv.training.dcp_shards import ShardMeshes, sharded_state_dict
 
-__all__ = ["CheckpointError", "Checkpointer", "check_compatible", "prune_steps", "resolve_checkpoint", "read_train_state", "verify_files",
-           "step_dir_name", "STATE_FILE", "LATEST_FILE", "FORMAT_VERSION"]
+__all__ = ["Checkpointer", "write_shards"]
 
 # DCP's note that it runs in one process: ``no_dist=True`` (a run without torch.distributed) says so
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", module=r"torch\.distributed\.checkpoint")
-
-FORMAT_NAME, FORMAT_VERSION = "tpinv-train-state", 2
-STATE_FILE, LATEST_FILE = "train_state.json", "latest"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _rng_state() -> dict:
@@ -82,44 +66,6 @@ def _set_rng_state(rng: dict) -> None:
     name, keys, pos, has_gauss, cached = rng["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(torch.tensor(list(bytes.fromhex(rng["torch"])), dtype=torch.uint8))
-
-
-def _write_latest(root: str, name: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=LATEST_FILE + ".tmp-", dir=root)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(name + "\n")
-            fsync_file(f)
-        os.replace(tmp, os.path.join(root, LATEST_FILE))
-        fsync_dir(root)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _latest_name(root: str) -> Optional[str]:
-    path = os.path.join(root, LATEST_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return f.read().strip() or None
-
-
-def prune_steps(root: str, keep_last: int) -> list[str]:
-    """Remove the complete step directories older than ``latest`` beyond the newest ``keep_last``.
-
-    Never the directory ``latest`` names, nor a newer one, nor a save in progress (``*.tmp-*``)."""
-    latest = _latest_name(root)
-    if latest is None or keep_last < 1:
-        return []
-    newest = int(latest.removeprefix("step_"))
-    steps = sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()
-                   and os.path.isfile(os.path.join(root, n, STATE_FILE)) and int(n[5:]) <= newest)
-    removed = [step_dir_name(s) for s in steps[:-keep_last] if s != newest]
-    for name in removed:
-        shutil.rmtree(os.path.join(root, name))
-    return removed
 
 
 def _agree(error: Optional[str], group) -> Optional[str]:
@@ -219,7 +165,7 @@ class Checkpointer:
 
     def _failed(self, step: int, e: BaseException) -> str:
         import errno
-        previous = _latest_name(self.root) if os.path.isdir(self.root) else None
+        previous = latest_name(self.root) if os.path.isdir(self.root) else None
         keep = f"; the previous checkpoint {os.path.join(self.root, previous)} is intact" if previous else \
             "; no checkpoint was written"
         cause = getattr(e, "failures", None) or e  # DCP's CheckpointException carries each rank's error
@@ -252,7 +198,7 @@ class Checkpointer:
                     raise RuntimeError(error)
                 write_json(os.path.join(tmp, STATE_FILE), dict(state, files=hashes))
                 publish_directory(tmp, out)
-                _write_latest(self.root, step_dir_name(step))
+                write_latest(self.root, step_dir_name(step))
                 if self.keep_last:
                     prune_steps(self.root, self.keep_last)
             except Exception as e:  # noqa: BLE001
@@ -303,18 +249,6 @@ class Checkpointer:
         self.finalize()
 
 
-def check_compatible(state: dict, model_args: dict, leaves: int, where: str) -> None:
-    """Refuse a checkpoint saved for other model args or another leaf count (before reading tensors)."""
-    saved = state.get("model_args", {})
-    diff = [f"{k} (checkpoint {saved.get(k)!r}, this run {model_args.get(k)!r})"
-            for k in sorted(set(saved) | set(model_args)) if saved.get(k) != model_args.get(k)]
-    if diff:
-        raise CheckpointError(f"{where} was saved for a different model: {'; '.join(diff)}")
-    if state.get("leaves") != leaves:
-        raise CheckpointError(f"{where} was saved with leaves={state.get('leaves')}, this run uses leaves={leaves}; "
-                              f"the leaf count fixes the reduction order and must match")
-
-
 class _AlreadyStaged(AsyncStager):
     """The shards were copied to host memory when the state dict was built (``stage=True``): DCP's
     default stager would copy them a second time."""
@@ -338,49 +272,3 @@ def write_shards(shards: dict, writer, kwargs: dict, asynchronous: bool = False)
     return dcp.save(shards, storage_writer=writer, **kwargs)
 
 
-def resolve_checkpoint(path: str) -> str:
-    """The step directory ``path`` names: itself, or the one its ``latest`` file names."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {path} not found")
-    if os.path.isfile(os.path.join(path, STATE_FILE)):
-        return os.path.abspath(path)
-    name = _latest_name(path)
-    if name is None:
-        raise CheckpointError(f"{path} is not a training checkpoint: expected {STATE_FILE} in it, or a "
-                              f"'{LATEST_FILE}' file naming a step directory")
-    step_dir = os.path.join(path, name)
-    if not os.path.isfile(os.path.join(step_dir, STATE_FILE)):
-        raise CheckpointError(f"{path}/{LATEST_FILE} names {name}, but {step_dir}/{STATE_FILE} is missing")
-    return os.path.abspath(step_dir)
-
-
-def read_train_state(step_dir: str) -> dict:
-    """Parse ``train_state.json`` and check its format version and that every listed file exists."""
-    path = os.path.join(step_dir, STATE_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} cannot be read as JSON: {e}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{path}: not a {FORMAT_NAME} file")
-    if state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: {FORMAT_NAME} format version {state.get('format_version')!r}; this tpinv "
-                              f"reads version {FORMAT_VERSION} only (sharded torch.distributed.checkpoint files; "
-                              f"version 1 held full tensors in optimizer.safetensors and is not read)")
-    files = state.get("files")
-    if not isinstance(files, dict) or ".metadata" not in files:
-        raise CheckpointError(f"{path}: no file checksums (expected 'files' naming .metadata and the shard files)")
-    for name in files:
-        if not os.path.isfile(os.path.join(step_dir, name)):
-            raise CheckpointError(f"{os.path.join(step_dir, name)} is missing: the checkpoint is incomplete")
-    return state
-
-
-def verify_files(step_dir: str, state: dict, part: tuple = (0, 1)) -> None:
-    """Check the sha256 of the files ``train_state.json`` lists (``part=(i, n)``: every n-th from i)."""
-    i, n = part
-    for name in sorted(state["files"])[i::n]:
-        if file_sha256(os.path.join(step_dir, name)) != state["files"][name]:
-            raise CheckpointError(f"{os.path.join(step_dir, name)}: sha256 mismatch with {STATE_FILE}; "
-                                  f"the file is corrupt")
