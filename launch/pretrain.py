@@ -24,6 +24,7 @@ def main(argv=None) -> int:
     from tpinv.core import determinism
     from tpinv.distributed.parallel import ParallelDims
     from tpinv.training import train
+    from tpinv.training.sinks import check_sink_packages
     try:
         config, launch = parse_args(argv)
         if launch.threads is not None:
@@ -31,13 +32,15 @@ def main(argv=None) -> int:
             torch.set_num_threads(launch.threads)
         determinism.enable(config.seed)
         config.check_numbers()  # before any process group or model is built
+        check_sink_packages(config)
         if not config.dist_timeout > 0:
             raise ValueError(f"--dist-timeout {config.dist_timeout}: expected a number of seconds > 0")
         parallel = ParallelDims(tp=launch.tp, dp=launch.dp, leaves=config.leaves).build(backend=launch.backend,
                                                                                        timeout=config.dist_timeout)
         train(config, parallel)
         return 0
-    except (ValueError, TypeError, KeyError, OSError, RuntimeError, NotImplementedError, ArithmeticError) as e:
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError, NotImplementedError, ArithmeticError,
+            ImportError) as e:
         message = " ".join(str(e.args[0] if isinstance(e, KeyError) and e.args else e).split())
         sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()

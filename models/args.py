@@ -4,6 +4,10 @@ The three families share one decoder (:mod:`tpinv.models.transformer`); they dif
 the flags held here: ``qk_norm`` (Qwen3), ``rope_scaling`` (Llama 3), ``sliding_window``
 (Mistral), ``tie_word_embeddings`` and ``attention_bias``.  Nothing here touches numerics:
 the reduction order is fixed by the layers and ops, whatever the sizes.
+
+A key missing from a HF config takes the value transformers gives it (:data:`HF_DEFAULTS`), so a
+config means the same model here and there: a Mistral config without ``sliding_window`` attends
+through a window of 4096 tokens, a Qwen3 config without ``head_dim`` has heads of 128.
 """
 from __future__ import annotations
 
@@ -27,6 +31,29 @@ FAMILIES = tuple(ARCHITECTURES.values())
 
 #: RoPE scaling types the decoder supports (``None`` means plain RoPE).
 ROPE_SCALING_TYPES = ("linear", "llama3")
+
+#: In :data:`HF_DEFAULTS`: the value is derived from other keys, as transformers derives it.
+HEADS, HIDDEN_OVER_HEADS = "num_attention_heads", "hidden_size // num_attention_heads"
+
+#: What transformers gives a key that a config leaves out, per family: the keyword defaults of
+#: ``Qwen3Config``, ``LlamaConfig`` and ``MistralConfig`` (and, for a Mistral ``head_dim``, the
+#: modeling code's fallback), the same in transformers 4.57 and 5.x for every key listed.
+#: ``tests/unit/test_hf_config_defaults.py`` checks this table against the installed transformers.
+HF_DEFAULTS = {
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+              "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
+              "max_window_layers": 28},
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": HEADS, "head_dim": HIDDEN_OVER_HEADS,
+              "max_position_embeddings": 2048},
+    "mistral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": HIDDEN_OVER_HEADS,
+                "max_position_embeddings": 131072, "sliding_window": 4096},
+}
+#: Defaults shared by the three families (both transformers versions).
+HF_COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+                      "attention_bias": False, "hidden_act": "silu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,31 +116,32 @@ class ModelArgs:
 
         ``dtype`` overrides the config's own ``dtype`` / ``torch_dtype`` (default fp32).
         """
-        cfg = _load_config(path_or_dict)
-        family = _family(cfg)
-        if cfg.get("hidden_act", "silu") != "silu":
+        raw = _load_config(path_or_dict)
+        family = _family(raw)
+        cfg = with_hf_defaults(raw, family)
+        if cfg["hidden_act"] != "silu":
             raise NotImplementedError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu'")
         if cfg.get("mlp_bias", False):
             raise NotImplementedError("mlp_bias=True is not supported (the MLP projections have no bias)")
         theta, scaling = _rope(cfg)
-        heads = cfg["num_attention_heads"]
         return cls(
             family=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"],
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=cfg["max_position_embeddings"],
             sliding_window=_sliding_window(cfg, family),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
             qk_norm=family == "qwen3",
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            # transformers' Mistral has no attention bias (MistralConfig has no such key)
+            attention_bias=family != "mistral" and bool(cfg["attention_bias"]),
             dtype=dtype if dtype is not None else _config_dtype(cfg),
         )
 
@@ -126,6 +154,31 @@ def _load_config(path_or_dict) -> dict:
         path = os.path.join(path, "config.json")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def with_hf_defaults(cfg: dict, family: str) -> dict:
+    """``cfg`` with every key tpinv reads present: missing keys take transformers' values.
+
+    A key given as ``null`` means what it means to transformers: ``num_key_value_heads: null``
+    is ``num_attention_heads`` (transformers 4.57; 5.x refuses it for Mistral), ``head_dim: null``
+    is ``hidden_size // num_attention_heads`` for Llama and Mistral and refused for Qwen3
+    (transformers 5.x refuses it; 4.57 builds no working model from it), ``sliding_window: null``
+    is full attention.
+    """
+    out = dict(cfg)
+    for key, value in {**HF_COMMON_DEFAULTS, **HF_DEFAULTS[family]}.items():
+        out.setdefault(key, value)
+    if out["num_key_value_heads"] in (HEADS, None):
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    if out["head_dim"] is None and family == "qwen3":
+        raise ValueError("head_dim=null in a Qwen3 config: give the head size (transformers 5.x refuses it too; "
+                         "when the key is left out it is 128)")
+    if out["head_dim"] in (HIDDEN_OVER_HEADS, None):
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    for key in ("rms_norm_eps", "tie_word_embeddings", "attention_bias", "hidden_act"):
+        if out[key] is None:
+            out[key] = HF_COMMON_DEFAULTS[key]
+    return out
 
 
 def _family(cfg: dict) -> str:
@@ -159,11 +212,22 @@ def _rope(cfg: dict) -> tuple[float, Optional[dict]]:
 
 
 def _sliding_window(cfg: dict, family: str) -> Optional[int]:
+    """Mistral: ``sliding_window`` (4096 when left out, full attention when null).  Qwen3: every layer
+    must attend fully -- per-layer windows (``layer_types`` with ``"sliding_attention"``, or
+    ``use_sliding_window`` with layers from ``max_window_layers`` on) are refused.  Llama: none."""
     if family == "mistral":
         return cfg.get("sliding_window") or None
-    if family == "qwen3" and cfg.get("use_sliding_window", False):
-        raise NotImplementedError("Qwen3 with use_sliding_window=True (per-layer windows from "
-                                  "max_window_layers) is not supported")
+    if family == "qwen3":
+        window = cfg["sliding_window"] if cfg["use_sliding_window"] else None
+        kinds = cfg.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= cfg["max_window_layers"] else "full_attention"
+            for i in range(cfg["num_hidden_layers"])]
+        sliding = [i for i, kind in enumerate(kinds) if kind != "full_attention"]
+        if sliding:
+            raise NotImplementedError(
+                f"Qwen3 with sliding-window layers {sliding} (use_sliding_window={cfg['use_sliding_window']}, "
+                f"max_window_layers={cfg['max_window_layers']}, layer_types) is not supported: tpinv's Qwen3 "
+                f"attends over the full context in every layer")
     return None
 
 

@@ -5,7 +5,9 @@ every TP size dividing the leaf count, at every batch size and composition, and 
 forward, a chunked prefill or token-by-token decoding with a :class:`KVCache`.  The model
 adds no reduction of its own: every sum runs inside a tpinv layer or op in the contract's
 order; the residual adds are elementwise (the one cross-head sum, the Qwen3 q/k norm
-weights' gradient, lives in :class:`tpinv.layers.HeadRMSNorm`).
+weights' gradient, lives in :class:`tpinv.layers.HeadRMSNorm`).  Hidden dropout (training only)
+keys each element's mask by (sample id, token column, feature): the same masks at every TP
+size, sequence split and micro-batch split.
 
 Module names follow HF, so a HF checkpoint maps by stripping ``model.``.
 """
@@ -22,6 +24,7 @@ from tpinv.layers import (ColumnParallelLinear, HeadRMSNorm, RMSNorm, RowParalle
                           vocab_parallel_cross_entropy)
 from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.common import ROW_STRATEGIES
+from tpinv.layers.dropout import TokenDropout, check_dropout_rate
 from tpinv.layers.kv_replication import gather_replica_heads, split_replica_heads
 from tpinv.distributed.mappings import (gather_from_tensor_model_parallel_region,
                                         scatter_to_sequence_parallel_region)
@@ -128,9 +131,13 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = _norm(args, config, tp_group)
         self.mlp = MLP(args, config, tp_group)
 
-    def forward(self, x, cos, sin, positions, mask, cache, layer, k_pos=None):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache, layer, k_pos)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, cos, sin, positions, mask, cache, layer, k_pos=None, dropout=None):
+        """``dropout``: a :class:`tpinv.layers.dropout.TokenDropout` (training with hidden dropout)
+        applied to the attention and MLP outputs before each residual add (sites ``4*layer``, ``+1``)."""
+        a = self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache, layer, k_pos)
+        h = x + (a if dropout is None else dropout(a, 4 * layer))
+        m = self.mlp(self.post_attention_layernorm(h))
+        return h + (m if dropout is None else dropout(m, 4 * layer + 1))
 
 
 def kv_replicas(args: ModelArgs, tp_size: int) -> int:
@@ -174,8 +181,17 @@ class Transformer(torch.nn.Module):
     """Decoder-only LM; ``forward`` returns this rank's vocabulary shard of the logits."""
 
     def __init__(self, args: ModelArgs, *, tp_group: Optional[dist.ProcessGroup] = None,
-                 leaves: int = DEFAULT_LEAVES, row_strategy: str = "tree", sequence_parallel: bool = False):
+                 leaves: int = DEFAULT_LEAVES, row_strategy: str = "tree", sequence_parallel: bool = False,
+                 hidden_dropout: float = 0.0, attention_dropout: float = 0.0, dropout_seed: int = 0):
         super().__init__()
+        # Megatron's names; dropout runs in training mode only (eval() and the engine: none)
+        self.hidden_dropout = check_dropout_rate("hidden_dropout", hidden_dropout)
+        if check_dropout_rate("attention_dropout", attention_dropout) > 0.0:
+            raise NotImplementedError(
+                f"attention_dropout={attention_dropout}: tpinv's fused attention kernels (tpinv.ops.attention, "
+                f"forward and backward) take no dropout mask on the probabilities; use attention_dropout=0 "
+                f"(hidden_dropout is supported)")
+        self.attention_dropout, self.dropout_seed = 0.0, int(dropout_seed)
         if row_strategy not in ROW_STRATEGIES:
             raise ValueError(f"row_strategy={row_strategy!r}: expected one of {ROW_STRATEGIES}")
         self.args, self.tp_group, self.leaves = args, tp_group, leaves
@@ -225,7 +241,8 @@ class Transformer(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None, mask: Optional[torch.Tensor] = None, *,
-                num_valid: Optional[torch.Tensor] = None, gather_logits: bool = False) -> torch.Tensor:
+                num_valid: Optional[torch.Tensor] = None, gather_logits: bool = False,
+                sample_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``[B, S, V/C]`` in ``args.dtype`` (``[B, S, V]`` with ``gather_logits``, exact).
 
         ``positions [B, S]`` default to ``arange(S)`` after each request's cache length.
@@ -237,6 +254,8 @@ class Transformer(torch.nn.Module):
         Without a cache, ``positions`` other than ``arange(S)`` make a packed row: token ``j``'s
         key sits at ``positions[:, j]`` (:func:`tpinv.ops.attention` with ``k_pos``), causality
         follows positions, and ``mask`` separates the documents or turns packed in the row.
+        In training mode with ``hidden_dropout > 0``, ``sample_ids`` (int64 ``[B]``, each row's
+        global sample index in the run) key the dropout masks (:mod:`tpinv.layers.dropout`).
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape [B, S], got {list(tokens.shape)}")
@@ -251,8 +270,9 @@ class Transformer(torch.nn.Module):
             check_divisible("sequence length", tokens.shape[1], self.tp_size, "tensor-parallel size "
                             "(sequence_parallel=True)")
             h = scatter_to_sequence_parallel_region(h, self.tp_group, dim=1)
+        dropout = self._dropout(sample_ids, h.shape[1])
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, positions, mask, cache, i, k_pos)
+            h = layer(h, cos, sin, positions, mask, cache, i, k_pos, dropout)
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.args.tie_word_embeddings else None
         logits = self.lm_head(h, weight=weight)[0]
@@ -262,13 +282,24 @@ class Transformer(torch.nn.Module):
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
         return logits
 
+    def _dropout(self, sample_ids: Optional[torch.Tensor], local_len: int) -> Optional[TokenDropout]:
+        """This forward's hidden dropout: None unless training with ``hidden_dropout > 0``."""
+        if not (self.training and self.hidden_dropout > 0.0):
+            return None
+        if sample_ids is None:
+            raise ValueError(f"hidden_dropout={self.hidden_dropout} in training mode needs sample_ids (int64 [B], "
+                             f"each row's global sample index) to key its masks; call model.eval() for "
+                             f"inference")
+        first = self.tp_rank * local_len if self.sequence_parallel else 0  # this rank's sequence chunk
+        return TokenDropout(self.hidden_dropout, self.dropout_seed, sample_ids, first)
+
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: Optional[torch.Tensor] = None,
-             mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+             mask: Optional[torch.Tensor] = None, sample_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-token cross-entropy ``[B, S]`` in fp32 (vocab-parallel, invariant)."""
         if targets.shape != tokens.shape:
             raise ValueError(f"targets must have the shape of tokens, {list(tokens.shape)}, got "
                              f"{list(targets.shape)}")
-        logits = self.forward(tokens, positions, mask=mask)
+        logits = self.forward(tokens, positions, mask=mask, sample_ids=sample_ids)
         return vocab_parallel_cross_entropy(logits, targets, tp_group=self.tp_group, leaves=self.leaves)
 
     def log_probs(self, tokens: torch.Tensor, targets: torch.Tensor, positions: Optional[torch.Tensor] = None,

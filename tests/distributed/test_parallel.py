@@ -1,6 +1,7 @@
 """ParallelDims builds TP-innermost groups from the torchrun environment at world 4 for TP 1, 2,
-4; settings that would break the leaf tree or the layout are refused with clear errors; megatron's
-initialized groups are adopted as they are."""
+4, taken from one ("dp", "tp") DeviceMesh that the DTensor path accepts; settings that would break
+the leaf tree or the layout are refused with clear errors; megatron's initialized groups are
+adopted as they are, with the mesh over them."""
 import importlib.util
 import time
 
@@ -18,9 +19,14 @@ HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None \
 
 
 def _layout(state):
+    from tpinv.dtensor.styles import mesh_info
+    info = mesh_info(state.tp_mesh, state.leaves)  # the DTensor path takes the same mesh
     return {"tp": (state.tp_rank, state.tp_size, dist.get_process_group_ranks(state.tp_group)),
             "dp": (state.dp_rank, state.dp_size, dist.get_process_group_ranks(state.dp_group)),
-            "world": (state.rank, state.world_size)}
+            "world": (state.rank, state.world_size),
+            "mesh": (state.mesh.mesh_dim_names, state.mesh.mesh.tolist(), state.tp_mesh.mesh.tolist(),
+                     state.dp_mesh.mesh.tolist(), state.tp_mesh.get_group() is state.tp_group,
+                     state.dp_mesh.get_group() is state.dp_group, (info.rank, info.size))}
 
 
 def _build_rank(rank, world, with_megatron):
@@ -30,6 +36,10 @@ def _build_rank(rank, world, with_megatron):
     state = ParallelDims(4, dp=1).build()
     out[4] = _layout(state)
     out["tree"] = tree_all_reduce(torch.full((3,), float(rank)), state.tp_group)
+    try:
+        ParallelState.from_mesh(state.tp_mesh)
+    except ValueError as exc:
+        out["from_1d_mesh"] = str(exc)
     try:
         ParallelDims(8).build()
     except InvarianceError as exc:
@@ -65,9 +75,25 @@ def test_groups_are_tp_innermost(built, tp):
         assert out[tp]["world"] == (rank, 4)
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_groups_come_from_one_dp_by_tp_mesh(built, tp):
+    dp = 4 // tp
+    for rank, out in enumerate(built):
+        names, mesh, tp_mesh, dp_mesh, same_tp, same_dp, dtensor = out[tp]["mesh"]
+        assert names == ("dp", "tp") and mesh == [[d * tp + t for t in range(tp)] for d in range(dp)]
+        assert tp_mesh == out[tp]["tp"][2] and dp_mesh == out[tp]["dp"][2]
+        assert same_tp and same_dp  # the layer path's groups are the mesh's
+        assert dtensor == (rank % tp, tp)
+
+
 def test_built_tp_group_reduces(built):
     for out in built:
         assert_same_bits(out["tree"], torch.full((3,), float((0 + 1) + (2 + 3))), "out['tree']")
+
+
+def test_from_mesh_needs_the_dp_by_tp_mesh(built):
+    for out in built:
+        assert "expected a 2-D DeviceMesh with mesh_dim_names ('dp', 'tp')" in out["from_1d_mesh"]
 
 
 def test_tp_not_dividing_the_world_is_refused_on_every_rank(built):

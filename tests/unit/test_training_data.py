@@ -1,5 +1,6 @@
-"""tpinv.training's data: the arithmetic task, DP slices and micro-batches, text/JSONL and
-sentencepiece datasets, and the refusal of a TP size that does not divide the heads."""
+"""tpinv.training's data: the arithmetic task, DP slices and micro-batches, a JSONL corpus with a
+sentencepiece tokenizer (text files: tests/unit/test_data_megatron.py), and the refusal of a TP
+size that does not divide the heads."""
 from __future__ import annotations
 
 import io
@@ -42,23 +43,7 @@ def test_dp_slices_and_micro_batches_partition_the_batch():
         micro_batches(b, 3)
 
 
-def test_text_and_jsonl_data(tmp_path):
-    txt = tmp_path / "a.txt"
-    txt.write_text("hello world, " * 20)
-    ds = make_dataset(str(txt), 8, seed=0)
-    b = ds.batch(0, 5)
-    assert b.tokens.shape == (5, 8) and bool((b.loss_mask == 1).all())
-    assert_same_bits(b.tokens[:, 1:], b.targets[:, :-1], 'b.tokens[:, 1:]')
-    jl = tmp_path / "a.jsonl"
-    jl.write_text("\n".join(json.dumps({"text": f"document {i}"}) for i in range(10)))
-    assert make_dataset(str(jl), 8, seed=0).batch(3, 2).tokens.shape == (2, 8)
-    (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
-    with pytest.raises(ValueError, match="line 1"):
-        make_dataset(str(tmp_path / "bad.jsonl"), 8, seed=0)
-    with pytest.raises(FileNotFoundError, match="not found"):
-        make_dataset(str(tmp_path / "missing.txt"), 8, seed=0)
-    with pytest.raises(FileNotFoundError, match="tokenizer"):
-        make_dataset(str(txt), 8, seed=0, tokenizer=str(tmp_path / "nope.json"))
+def test_arithmetic_needs_room_for_the_answer():
     with pytest.raises(ValueError, match="seq_len >= 9"):
         ArithmeticTask(8, seed=0, digits=2)
 
@@ -71,10 +56,13 @@ def test_text_data_with_a_sentencepiece_tokenizer(tmp_path):
                                    model_type="bpe", bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
     (tmp_path / "tokenizer.model").write_bytes(model.getvalue())
     (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
-    ds = make_dataset(str(tmp_path / "docs.jsonl"), 16, seed=0, tokenizer=str(tmp_path / "tokenizer.model"))
+    ds = make_dataset(str(tmp_path / "docs.jsonl"), 16, seed=0, tokenizer=str(tmp_path / "tokenizer.model"),
+                      num_samples=8)
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
-    want = [i for d in docs for i in sp.encode(d) + [2]]
-    assert ds.vocab_size == 60 and ds.ids.tolist() == want[:ds.ids.numel()]
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    indexed = IndexedDataset(ds.prefixes[0])  # the file preprocessed into the data cache
+    assert ds.vocab_size == 60 and [indexed[d].tolist() for d in range(len(docs))] == [sp.encode(d) + [2]
+                                                                                        for d in docs]
     trainer = Trainer(TrainConfig(**dict(TINY, data=str(tmp_path / "docs.jsonl"), tokenizer=str(
         tmp_path / "tokenizer.model"), seq_len=16, steps=1)), stream=io.StringIO())
     assert trainer.train_step()["loss_tokens"] == 8 * 16  # the loss on every token

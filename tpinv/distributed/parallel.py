@@ -1,7 +1,10 @@
 """Tensor- and data-parallel process groups, built and validated once, passed explicitly.
 
-Layout (TP innermost): the world of ``tp * dp`` ranks forms TP groups of consecutive
-ranks ``[d*tp, (d+1)*tp)`` and DP groups of stride ``tp`` ``{j, j+tp, j+2*tp, ...}``.
+Layout (TP innermost): the world of ``tp * dp`` ranks is a 2-D :class:`DeviceMesh` of
+dimensions ``("dp", "tp")`` and shape ``(dp, tp)``, so TP groups are consecutive ranks
+``[d*tp, (d+1)*tp)`` and DP groups have stride ``tp`` ``{j, j+tp, j+2*tp, ...}``.  The layer
+path takes the mesh's process groups (``tp_group``, ``dp_group``); the DTensor path takes the
+mesh itself (``ParallelState.tp_mesh``): both come from one construction.
 The TP size must be a power of two dividing the leaf count, so every TP rank owns whole
 sub-trees of the contract's leaf tree and results keep their bits at any TP size.
 Nothing here is global: :class:`ParallelState` is a value that callers hand to layers.
@@ -14,6 +17,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size
 
@@ -63,11 +67,12 @@ class ParallelDims:
 
     def build(self, backend: str | None = None,
               timeout: float | datetime.timedelta = 600.0) -> "ParallelState":
-        """Create the TP and DP groups on every rank (a collective call).
+        """Create the ``("dp", "tp")`` device mesh and its groups on every rank (a collective call).
 
         Reads RANK, WORLD_SIZE and LOCAL_RANK (torchrun) and initializes the default
         group if needed, with ``backend`` (default ``"nccl"`` when CUDA is available,
-        else ``"gloo"``) and ``timeout`` (seconds or a timedelta).
+        else ``"gloo"``) and ``timeout`` (seconds or a timedelta).  The mesh's device type
+        follows the default group's backend: ``"cuda"`` for NCCL, ``"cpu"`` for gloo.
         """
         if not dist.is_initialized():
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -80,16 +85,10 @@ class ParallelDims:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
         tp, dp = self.resolve(world)
-        tp_group = dp_group = None
-        for d in range(dp):  # every rank creates every group, in the same order
-            g = dist.new_group(list(range(d * tp, (d + 1) * tp)))
-            tp_group = g if rank // tp == d else tp_group
-        for j in range(tp):
-            g = dist.new_group(list(range(j, world, tp)))
-            dp_group = g if rank % tp == j else dp_group
-        return ParallelState(tp_group=tp_group, dp_group=dp_group, tp_rank=rank % tp,
-                             tp_size=tp, dp_rank=rank // tp, dp_size=dp, rank=rank,
-                             world_size=world, leaves=self.leaves)
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+        # row-major (dp, tp): rank = d * tp + t, the TP-innermost layout
+        mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        return ParallelState.from_mesh(mesh, leaves=self.leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +104,38 @@ class ParallelState:
     rank: int
     world_size: int
     leaves: int = DEFAULT_LEAVES
+    mesh: DeviceMesh | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        """The 1-D TP sub-mesh of this rank (what :mod:`tpinv.dtensor`'s plans take)."""
+        return self._dim("tp")
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The 1-D DP sub-mesh of this rank."""
+        return self._dim("dp")
+
+    def _dim(self, name: str) -> DeviceMesh:
+        if self.mesh is None:
+            raise ValueError("this ParallelState was built from process groups without a DeviceMesh")
+        return self.mesh[name]
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh, leaves: int = DEFAULT_LEAVES) -> "ParallelState":
+        """The state of a 2-D mesh with dimensions ``("dp", "tp")`` (TP innermost: the TP groups' ranks
+        consecutive); its groups are the mesh's."""
+        if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("dp", "tp"):
+            raise ValueError(f"expected a 2-D DeviceMesh with mesh_dim_names ('dp', 'tp'), got {mesh!r}")
+        tp_size = mesh.size(1)
+        try:
+            check_tp_size(tp_size, leaves)
+        except InvarianceError as exc:
+            raise InvarianceError(f"the mesh's tp dimension of size {tp_size}: {exc}") from None
+        tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
+        return cls(tp_group=tp_group, dp_group=dp_group, tp_rank=mesh.get_local_rank("tp"), tp_size=tp_size,
+                   dp_rank=mesh.get_local_rank("dp"), dp_size=mesh.size(0), rank=dist.get_rank(),
+                   world_size=dist.get_world_size(), leaves=leaves, mesh=mesh)
 
     @classmethod
     def from_megatron(cls, leaves: int = DEFAULT_LEAVES) -> "ParallelState":
@@ -129,4 +160,18 @@ class ParallelState:
         return cls(tp_group=tp_group, dp_group=dp_group, tp_rank=dist.get_rank(tp_group),
                    tp_size=tp_size, dp_rank=dist.get_rank(dp_group),
                    dp_size=dist.get_world_size(dp_group), rank=dist.get_rank(),
-                   world_size=dist.get_world_size(), leaves=leaves)
+                   world_size=dist.get_world_size(), leaves=leaves,
+                   mesh=_mesh_of_groups(dp_group, tp_group))
+
+
+def _mesh_of_groups(dp_group: dist.ProcessGroup, tp_group: dist.ProcessGroup) -> DeviceMesh:
+    """The ``("dp", "tp")`` mesh over existing groups (no new group is created).
+
+    Row ``d`` is the TP group of the ``d``-th member of this rank's DP group: Megatron's layouts
+    are products, so that group is this rank's TP group shifted by the member's offset.
+    """
+    rank = dist.get_rank()
+    tp_ranks, dp_ranks = dist.get_process_group_ranks(tp_group), dist.get_process_group_ranks(dp_group)
+    layout = torch.tensor([[d + t - rank for t in tp_ranks] for d in dp_ranks], dtype=torch.int64)
+    device_type = "cuda" if "nccl" in str(dist.get_backend(tp_group)) else "cpu"
+    return DeviceMesh.from_group([dp_group, tp_group], device_type, layout, mesh_dim_names=("dp", "tp"))

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from tpinv.core.contract import InvarianceError
 from tpinv.dtensor.styles import ShardedHeads, replace_forward
 from tpinv.layers import head_rms_norm
+from tpinv.layers.kv_replication import gather_replica_heads, split_replica_heads
 from tpinv.ops import apply_rope, attention, rms_norm, rope_cos_sin, silu_mul
 
 __all__ = ["TpinvRMSNorm", "TpinvHeadRMSNorm", "TpinvRotary", "TpinvMLP", "TpinvAttention"]
@@ -44,12 +45,16 @@ class TpinvRMSNorm(ParallelStyle):
 class TpinvHeadRMSNorm(ParallelStyle):
     """Qwen3's q/k norm on ``[..., heads, D]``: tpinv's ``head_rms_norm``; the shared weight's
     gradient is summed over all heads of all ranks in a fixed order (as tpinv's own model
-    does), so it is the same on every rank and at every TP size."""
+    does), so it is the same on every rank and at every TP size.  ``replicas``: ranks holding
+    each head (the k norm with replicated KV heads: one copy of each head's sum is kept)."""
+
+    def __init__(self, replicas: int = 1):
+        super().__init__()
+        self.replicas = replicas
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        eps, group = _eps(module), device_mesh.get_group()
-
-        replace_forward(module, lambda mod, x: head_rms_norm(x, mod.weight, eps, group))
+        eps, group, replicas = _eps(module), device_mesh.get_group(), self.replicas
+        replace_forward(module, lambda mod, x: head_rms_norm(x, mod.weight, eps, group, replicas))
         return module
 
 
@@ -94,14 +99,18 @@ class TpinvAttention(ShardedHeads):
     Key slot ``j`` is the ``j``-th token of the sequence (with an HF cache: of the cache);
     HF's mask (padding, causal, sliding window) is kept and combined with tpinv's causal
     and window masks, which it implies.  Returns ``(output, None)`` as HF's modules do.
+    With TP above the KV heads the rank's KV head is shared by ``R`` ranks: the query heads of
+    the replica group are gathered before attention and split after it
+    (:mod:`tpinv.layers.kv_replication`), so each replica runs TP=1's call for that KV head.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
-        super().__init__(num_heads, num_kv_heads)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, replicas: int = 1):
+        super().__init__(num_heads, num_kv_heads, replicas)
         self.head_dim = head_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         super()._apply(module, device_mesh)
+        replicas, group = self.replicas, device_mesh.get_group()
         if hasattr(module, "sliding_window"):  # Qwen3: per layer type; Mistral: from the config
             window = module.sliding_window
         else:
@@ -124,6 +133,7 @@ class TpinvAttention(ShardedHeads):
             if past_key_values is not None:
                 past = past_key_values.get_seq_length(mod.layer_idx)
                 k, v = past_key_values.update(k, v, mod.layer_idx)
+            q = gather_replica_heads(q, group, replicas)  # no-op unless KV heads are replicated
             mask = _visibility(attention_mask, B, S, k.shape[2])
             dropped = past + S - k.shape[2]  # a sliding-window cache returns the last slots only
             if dropped > 0:
@@ -132,7 +142,8 @@ class TpinvAttention(ShardedHeads):
                 k, v = (torch.cat([t.new_zeros(B, t.shape[1], dropped, D), t], dim=2) for t in (k, v))
                 mask = None if mask is None else torch.cat([mask.new_zeros(B, S, dropped), mask], dim=2)
             slots = torch.arange(past, past + S, device=q.device).expand(B, S).contiguous()
-            out = attention(q, k, v, slots, causal=True, window=window, mask=mask)
+            out = split_replica_heads(attention(q, k, v, slots, causal=True, window=window, mask=mask),
+                                      group, replicas)
             return mod.o_proj(out.transpose(1, 2).reshape(B, S, mod.num_heads * D)), None
 
         replace_forward(module, forward)

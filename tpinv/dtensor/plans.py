@@ -22,7 +22,11 @@ Three plans over the same module names (HF's ``model.layers.*.self_attn.q_proj``
     the embedding and the loss run tpinv's ops and every cross-rank sum, forward and
     backward, is a tree reduction of fp32 partials; HF's RMSNorm, RoPE, SiLU and eager
     attention are swapped for tpinv's.  Logits, loss and every gradient are the same bits
-    at every TP size dividing ``leaves``, and equal to ``tpinv.models.Transformer``'s.
+    at every TP size dividing ``leaves``, and equal to ``tpinv.models.Transformer``'s.  A TP
+    size above the KV heads (a multiple of them) replicates KV heads as Megatron does: k/v
+    rows ``(Shard(0), Replicate())`` on the TP mesh unflattened to ``(kv, replica)``, query
+    heads gathered per replica group (:mod:`tpinv.layers.kv_replication`); torch's plans
+    refuse it.
 
 Embedding: vocabulary rows sharded (``Shard(0)``), output replicated (each row lives on one
 rank, so the cross-rank sum adds one value to zeros and is exact).  lm_head: column-parallel
@@ -49,9 +53,10 @@ from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible
 from tpinv.distributed.groups import LOCAL
 from tpinv.dtensor.hf_modules import TpinvAttention, TpinvHeadRMSNorm, TpinvMLP, TpinvRMSNorm, TpinvRotary
 from tpinv.dtensor.styles import (InvariantColumnOnlyParallel, InvariantColwiseParallel,
-                                  InvariantVocabEmbedding, ShardedHeads, TpinvModelGroup)
+                                  InvariantVocabEmbedding, ShardedHeads, TpinvModelGroup, replica_mesh)
 from tpinv.layers import vocab_parallel_cross_entropy
 from tpinv.models import ModelArgs, Transformer, check_model_sizes
+from tpinv.models.transformer import kv_replicas
 
 __all__ = ["PLANS", "ModelLayout", "default_plan", "numerically_stable_plan", "invariant_plan", "validate",
            "parallelize", "cross_entropy"]
@@ -87,7 +92,8 @@ def validate(model: nn.Module, tp_size: int, plan: str = "invariant",
     Checks the plan name, the model type, that no parameter is a DTensor yet, and the sizes:
     heads, KV heads, intermediate, vocabulary (and hidden) divisible by ``tp_size``; for the
     invariant plan also ``tp_size`` a power of two dividing ``leaves`` and every reduced
-    size divisible by ``leaves`` (:func:`tpinv.models.check_model_sizes`).
+    size divisible by ``leaves`` (:func:`tpinv.models.check_model_sizes`), and a ``tp_size``
+    above the KV heads a multiple of them (KV heads replicated; torch's plans refuse it).
     """
     if plan not in PLANS:
         raise ValueError(f"plan={plan!r}: expected one of {PLANS}")
@@ -108,14 +114,15 @@ def validate(model: nn.Module, tp_size: int, plan: str = "invariant",
         if model.leaves != leaves:
             raise InvarianceError(f"the Transformer was built with leaves={model.leaves}, the plan "
                                   f"asks for leaves={leaves}; use the same leaf count")
-    if tp_size > args.num_kv_heads:
-        raise InvarianceError(f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads}: each rank "
-                              f"needs whole KV heads in the DTensor plans; use TP <= {args.num_kv_heads}, "
-                              f"or tpinv's Transformer, which replicates KV heads (docs/scale-out.md)")
-    if plan == "invariant":
+    if plan == "invariant":  # TP above the KV heads: replicated KV heads (a multiple of them)
         check_leaves(leaves)
         check_model_sizes(args, tp_size, leaves)
         return layout
+    if tp_size > args.num_kv_heads:
+        raise InvarianceError(f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads}: plan={plan!r} "
+                              f"(torch's styles) needs whole KV heads per rank; use TP <= "
+                              f"{args.num_kv_heads}, or plan='invariant', which replicates KV heads "
+                              f"(docs/scale-out.md)")
     for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size", "hidden_size"):
         check_divisible(name, getattr(args, name), tp_size, "tensor-parallel size")
     return layout
@@ -161,20 +168,25 @@ def invariant_plan(model: nn.Module, tp_mesh: DeviceMesh, *, leaves: int = DEFAU
     styles: dict[str, ParallelStyle] = {f"{p}embed_tokens": InvariantVocabEmbedding(leaves=leaves)}
     for name in _COLUMNS:
         styles[f"{p}layers.*.{name}"] = InvariantColwiseParallel(leaves=leaves)
+    replicas = kv_replicas(a, tp_mesh.size())  # 1 unless TP exceeds the KV heads
+    if replicas > 1:  # each KV head's k/v rows held by `replicas` ranks, (Shard(0), Replicate())
+        kv_mesh = replica_mesh(tp_mesh, a.num_kv_heads)
+        for name in ("self_attn.k_proj", "self_attn.v_proj"):
+            styles[f"{p}layers.*.{name}"] = InvariantColwiseParallel(leaves=leaves, replica_mesh=kv_mesh)
     for name in _ROWS:
         styles[f"{p}layers.*.{name}"] = InvariantColumnOnlyParallel(leaves=leaves)
     if layout.kind == "tpinv":
         if shard_logits:
             raise ValueError("a tpinv.models.Transformer returns vocabulary-sharded logits by design "
                              "(use model.loss or gather_logits=True); shard_logits applies to HF models")
-        styles[f"{p}layers.*.self_attn"] = ShardedHeads(a.num_heads, a.num_kv_heads)
+        styles[f"{p}layers.*.self_attn"] = ShardedHeads(a.num_heads, a.num_kv_heads, replicas)
         styles["lm_head"] = InvariantColwiseParallel(output="shard", leaves=leaves)
         styles[""] = TpinvModelGroup()
         return styles
-    styles[f"{p}layers.*.self_attn"] = TpinvAttention(a.num_heads, a.num_kv_heads, a.head_dim)
+    styles[f"{p}layers.*.self_attn"] = TpinvAttention(a.num_heads, a.num_kv_heads, a.head_dim, replicas)
     if a.qk_norm:
         styles[f"{p}layers.*.self_attn.q_norm"] = TpinvHeadRMSNorm()
-        styles[f"{p}layers.*.self_attn.k_norm"] = TpinvHeadRMSNorm()
+        styles[f"{p}layers.*.self_attn.k_norm"] = TpinvHeadRMSNorm(replicas)
     styles[f"{p}layers.*.mlp"] = TpinvMLP()
     for name in ("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm"):
         styles[f"{p}{name}"] = TpinvRMSNorm()

@@ -11,6 +11,11 @@ sum is a tree reduction of fp32 partials:
   ``Shard(0)``, output ``Replicate``: all-gather x, the N-slice of the full ``L``-leaf tree
   over K, all-gather y; ``dX`` is a tree reduce-scatter.
 * :class:`InvariantVocabEmbedding`: rows ``Shard(0)``, exact lookup, token-order gradient.
+* KV-head replication (TP = R x KV heads): k/v projections take ``InvariantColwiseParallel``
+  with a ``replica_mesh`` -- the TP mesh unflattened to ``(kv, replica)`` -- and placements
+  ``(Shard(0), Replicate())``: each KV head's rows are held by the R ranks of its replica group
+  (Megatron's layout), and every replica computes the same whole gradient of them
+  (:mod:`tpinv.layers.kv_replication`), so the replicated gradient needs no reduction.
 
 :class:`ShardedHeads` sets local head counts; :class:`TpinvModelGroup` hands the mesh's
 group to a ``tpinv.models.Transformer``; :mod:`tpinv.dtensor.hf_modules` swaps HF's own norm, RoPE,
@@ -37,8 +42,8 @@ from tpinv.distributed.mappings import gather_from_tensor_model_parallel_region
 from tpinv.ops import tree_sum
 
 __all__ = ["MeshInfo", "InvariantColwiseParallel", "InvariantColumnOnlyParallel",
-           "InvariantVocabEmbedding", "ShardedHeads", "TpinvModelGroup", "local", "mesh_info",
-           "replace_forward"]
+           "InvariantVocabEmbedding", "ShardedHeads", "TpinvModelGroup", "local",
+           "mesh_info", "replace_forward", "replica_mesh"]
 
 OUTPUTS = ("shard", "replicate", "dtensor")
 
@@ -92,7 +97,8 @@ def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement, src_
     if isinstance(param, DTensor):
         raise InvarianceError(f"{type(module).__name__}.{name} is already a DTensor: the module was "
                               f"parallelized before; apply a plan to an unsharded model once")
-    dist_param = nn.Parameter(distribute_tensor(param.detach(), mesh, [placement],
+    placements = list(placement) if isinstance(placement, tuple) else [placement]
+    dist_param = nn.Parameter(distribute_tensor(param.detach(), mesh, placements,
                                                 src_data_rank=src_data_rank),
                               requires_grad=param.requires_grad)
     module.register_parameter(name, dist_param)
@@ -139,20 +145,36 @@ class InvariantColwiseParallel(_InvariantStyle):
     ``output``: ``"shard"`` -- this rank's ``[..., N/C]`` slice as a plain tensor;
     ``"replicate"`` -- the whole ``[..., N]``, gathered exactly (backward: the rank's slice);
     ``"dtensor"`` -- the slice as a ``Shard(-1)`` DTensor (for a vocab-parallel loss).
+
+    ``replica_mesh`` (k/v projections with TP above the KV heads): the TP mesh as a 2-D
+    ``(kv, replica)`` mesh (:func:`replica_mesh`); weight and bias ``(Shard(0), Replicate())``.
     """
 
-    def __init__(self, *, output: str = "shard", leaves: int = DEFAULT_LEAVES):
+    def __init__(self, *, output: str = "shard", leaves: int = DEFAULT_LEAVES,
+                 replica_mesh: Optional[DeviceMesh] = None):
         super().__init__(leaves=leaves)
         if output not in OUTPUTS:
             raise ValueError(f"output={output!r}: expected one of {OUTPUTS}")
-        self.output = output
+        if replica_mesh is not None and (replica_mesh.ndim != 2 or output != "shard"):
+            raise ValueError(f"replica_mesh must be a 2-D (kv, replica) mesh with output='shard', got "
+                             f"{replica_mesh!r}, output={output!r}")
+        self.output, self.replica_mesh = output, replica_mesh
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         info = mesh_info(device_mesh, self.leaves)
         out_features, _ = _weight_2d(module)
         check_divisible(f"{type(module).__name__} out_features", out_features, self.leaves)
-        for name in ("weight", "bias"):
-            _shard_param(module, name, device_mesh, Shard(0), self.src_data_rank)
+        replicas, replica_index = 1, 0
+        if self.replica_mesh is None:
+            for name in ("weight", "bias"):
+                _shard_param(module, name, device_mesh, Shard(0), self.src_data_rank)
+        else:
+            if self.replica_mesh.size() != info.size:
+                raise InvarianceError(f"replica_mesh {self.replica_mesh!r} does not cover the TP mesh of "
+                                      f"{info.size} ranks")
+            replicas, replica_index = self.replica_mesh.size(1), self.replica_mesh.get_local_rank(1)
+            for name in ("weight", "bias"):
+                _shard_param(module, name, self.replica_mesh, (Shard(0), Replicate()), self.src_data_rank)
         output, as_tuple = self.output, not isinstance(module, nn.Linear)  # tpinv's linears: (y, bias)
 
         def forward(mod, x, weight=None, runtime_gather_output=None):
@@ -163,7 +185,8 @@ class InvariantColwiseParallel(_InvariantStyle):
             if x.shape[-1] != w.shape[1]:
                 raise ValueError(f"{type(mod).__name__}: input of shape {tuple(x.shape)}, expected "
                                  f"[..., {w.shape[1]}]")
-            y = ColumnParallelMatmul.apply(x, w, local(mod.bias), info.group, info.leaves, True, 1)
+            y = ColumnParallelMatmul.apply(x, w, local(mod.bias), info.group, info.leaves, True, 1,
+                                           replicas, replica_index)
             if output == "replicate":
                 y = gather_from_tensor_model_parallel_region(y, info.group)
             elif output == "dtensor":
@@ -240,41 +263,78 @@ class InvariantVocabEmbedding(_InvariantStyle):
         return module
 
 
+_REPLICA_MESHES: dict = {}
+
+
+def replica_mesh(tp_mesh: DeviceMesh, num_kv_heads: int) -> DeviceMesh:
+    """The 1-D TP mesh as a 2-D ``(kv, replica)`` mesh: ``R = TP / num_kv_heads`` consecutive
+    ranks per KV head (the layout of :mod:`tpinv.layers.kv_replication`; the caller checked
+    ``R`` with :func:`tpinv.models.kv_replicas`).  Built once per mesh (it creates the replica
+    process groups); the TP mesh must have a dimension name."""
+    size = tp_mesh.size()
+    replicas = size // num_kv_heads
+    key = (tp_mesh, num_kv_heads)
+    if key not in _REPLICA_MESHES:
+        names = tp_mesh.mesh_dim_names
+        if not names:
+            raise InvarianceError(f"TP={size} exceeds num_kv_heads={num_kv_heads}: replicating KV heads "
+                                  f"needs a named TP mesh (init_device_mesh(..., mesh_dim_names=('tp',)) or "
+                                  f"mesh['tp']), got {tp_mesh!r}")
+        if not hasattr(tp_mesh, "_unflatten"):
+            raise InvarianceError(f"TP={size} exceeds num_kv_heads={num_kv_heads}: replicating KV heads in the "
+                                  f"DTensor plan needs DeviceMesh._unflatten, which torch {torch.__version__} lacks; "
+                                  f"use TP <= {num_kv_heads} or a newer torch")
+        _REPLICA_MESHES[key] = tp_mesh._unflatten(0, (num_kv_heads, replicas),
+                                                  (f"{names[0]}_kv", f"{names[0]}_kv_replica"))
+    return _REPLICA_MESHES[key]
+
+
 class ShardedHeads(ParallelStyle):
     """Set the local head counts on an attention module (its config stays untouched).
 
     Sets ``num_heads`` and ``num_key_value_heads`` to ``total // TP`` and updates any of the
     other names attention modules use (``num_attention_heads``, ``num_kv_heads``,
     ``local_heads``, ``local_kv_heads``); the ``view`` shapes of a forward that reads them
-    then match the sharded projections.  A tpinv Qwen3 q/k norm gets the mesh's group for its
-    cross-head weight gradient.
+    then match the sharded projections.  With TP above the KV heads each rank keeps one KV
+    head, held by ``replicas = TP / num_kv_heads`` ranks (set as ``replicas``, with the TP
+    group as ``tp_group``, on a module that has them).  A tpinv Qwen3 q/k norm gets the mesh's
+    group (and the k norm the replica count) for its cross-head weight gradient.
     """
 
     HEADS = ("num_heads", "num_attention_heads", "local_heads")
     KV_HEADS = ("num_key_value_heads", "num_kv_heads", "local_kv_heads")
 
-    def __init__(self, num_heads: int, num_kv_heads: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, replicas: int = 1):
         super().__init__()
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.num_heads, self.num_kv_heads, self.replicas = num_heads, num_kv_heads, replicas
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        size = device_mesh.size()
-        for name, total in (("num_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads)):
+        size, replicas = device_mesh.size(), self.replicas
+        for name, total in (("num_heads", self.num_heads), ("num_key_value_heads * replicas",
+                                                            self.num_kv_heads * replicas)):
             if total % size:
                 raise InvarianceError(f"{name}={total} is not divisible by TP={size}")
-        heads, kv_heads = self.num_heads // size, self.num_kv_heads // size
+        if replicas > 1 and self.num_kv_heads * replicas != size:
+            raise InvarianceError(f"replicas={replicas}: expected TP / num_key_value_heads = {size} / "
+                                  f"{self.num_kv_heads}")
+        heads, kv_heads = self.num_heads // size, self.num_kv_heads * replicas // size
         module.num_heads, module.num_key_value_heads = heads, kv_heads
         for names, value in ((self.HEADS, heads), (self.KV_HEADS, kv_heads)):
             for name in names:
                 if hasattr(module, name):
                     setattr(module, name, value)
-        for norm in (getattr(module, "q_norm", None), getattr(module, "k_norm", None)):
+        group = device_mesh.get_group()
+        if hasattr(module, "replicas"):  # tpinv's Attention: its query-head gathers
+            module.replicas, module.tp_group = replicas, group
+        for norm, norm_replicas in ((getattr(module, "q_norm", None), 1),
+                                    (getattr(module, "k_norm", None), replicas)):
             if norm is not None and hasattr(norm, "group"):  # tpinv's HeadRMSNorm
-                norm.group = device_mesh.get_group()
+                norm.group, norm.replicas = group, norm_replicas
         return module
 
     def __repr__(self) -> str:
-        return f"ShardedHeads(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads})"
+        return (f"{type(self).__name__}(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"replicas={self.replicas})")
 
 
 class TpinvModelGroup(ParallelStyle):

@@ -63,13 +63,16 @@ def _tokenizer_in(directory: str):
 
 
 def load_model(source: str, *, tp_group=None, dtype: Optional[torch.dtype] = None, row_strategy: str = "tree",
-               leaves: Optional[int] = None, init_seed: int = 0, sequence_parallel: bool = False):
+               leaves: Optional[int] = None, init_seed: int = 0, sequence_parallel: bool = False,
+               hidden_dropout: float = 0.0, attention_dropout: float = 0.0, dropout_seed: int = 0):
     """``(model, tokenizer or None)`` for ``source`` at the TP size of ``tp_group`` (eval mode).
 
     ``leaves`` defaults to the checkpoint's (tpinv) or :data:`~tpinv.core.contract.DEFAULT_LEAVES`;
-    ``sequence_parallel`` builds the model with Megatron's sequence parallelism (training).
+    ``sequence_parallel`` builds the model with Megatron's sequence parallelism and
+    ``hidden_dropout`` / ``attention_dropout`` / ``dropout_seed`` with dropout (both for training).
     """
-    sp = {"sequence_parallel": sequence_parallel}
+    sp = {"sequence_parallel": sequence_parallel, "hidden_dropout": hidden_dropout,
+          "attention_dropout": attention_dropout, "dropout_seed": dropout_seed}
     tp, rank = group_size_rank(tp_group)
     args, kind = source_model_args(source, dtype)
     if kind == "config":

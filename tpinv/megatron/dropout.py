@@ -5,7 +5,8 @@ layer and which dropout in it), the number of earlier training calls of that sit
 element's index in the *unsharded* tensor (a head or feature sharded across TP ranks is
 indexed by its global position).  So a model gives the same bits at every TP size with
 dropout on.  The mask is a counter-based integer hash computed with exact int64 tensor ops;
-no random-number generator (and no megatron RNG tracker) is involved.
+no random-number generator (and no megatron RNG tracker) is involved.  The hash and the
+scaling are :mod:`tpinv.layers.dropout`'s, shared with tpinv's own models.
 
 :func:`install_invariant_dropout` puts it into a megatron-core GPT model (embedding dropout,
 attention dropout, both bias-dropout-adds of every layer) and refuses any dropout it cannot
@@ -18,20 +19,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tpinv.layers.dropout import apply_keep, dropout_key
+from tpinv.layers.dropout import keep_mask as primitive_keep_mask
+
 _M = 0xFFFFFFFF
-_C = 0x45D9F3B
-
-
-def _mix_int(h: int) -> int:
-    h = ((h ^ (h >> 16)) * _C) & _M
-    h = ((h ^ (h >> 16)) * _C) & _M
-    return h ^ (h >> 16)
-
-
-def _mix(h: torch.Tensor) -> torch.Tensor:
-    h = ((h ^ (h >> 16)) * _C) & _M
-    h = ((h ^ (h >> 16)) * _C) & _M
-    return h ^ (h >> 16)
 
 
 def keep_mask(shape, p: float, seed: int, site: int, call: int, *, dim: Optional[int] = None, offset: int = 0,
@@ -49,9 +40,7 @@ def keep_mask(shape, p: float, seed: int, site: int, call: int, *, dim: Optional
             ar = ar + offset
         idx = idx + (ar * stride).view([-1] + [1] * (len(shape) - 1 - d))
         stride *= gshape[d]
-    base = _mix_int(_mix_int(_mix_int(seed & _M) ^ (site & _M)) ^ (call & _M))
-    h = _mix(_mix((idx & _M) ^ base) ^ (idx >> 32))
-    return h >= int(round(p * 2.0 ** 32))
+    return primitive_keep_mask(dropout_key(seed, site, call), (idx & _M, idx >> 32), p)
 
 
 def invariant_dropout(x: torch.Tensor, p: float, seed: int, site: int, call: int, **where) -> torch.Tensor:
@@ -60,8 +49,7 @@ def invariant_dropout(x: torch.Tensor, p: float, seed: int, site: int, call: int
         return x
     if p >= 1.0:
         return torch.zeros_like(x)
-    keep = keep_mask(x.shape, p, seed, site, call, device=x.device, **where)
-    return torch.where(keep, x / (1.0 - p), torch.zeros((), dtype=x.dtype, device=x.device))
+    return apply_keep(x, keep_mask(x.shape, p, seed, site, call, device=x.device, **where), p)
 
 
 class InvariantDropout(torch.nn.Module):

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError
 from tpinv.training.guards import check_optimizer_numbers
+from tpinv.training.sinks import check_sink_packages
 
 __all__ = ["LaunchConfig", "TrainConfig", "build_parser", "configs_from_namespace", "load_yaml_config",
            "parse_configs"]
@@ -34,6 +35,7 @@ def setting(default: Any, help: str, group: str, **flag: Any) -> Any:
 
 MODEL = LAYOUT = "model and parallelism"
 OPTIM, DATA, SAVE = "optimization", "data", "checkpoints and logs"
+LOGS = "metrics sinks and logging"
 
 
 @dataclasses.dataclass
@@ -50,6 +52,11 @@ class TrainConfig:
     sequence_parallel: bool = setting(False, "Megatron's sequence parallelism: norms and residuals on sequence "
                                       "chunks (the same bits as without it)", MODEL)
     vanilla: bool = setting(False, "the control: plain torch/BLAS/all_reduce path", MODEL)
+    hidden_dropout: float = setting(0.0, "Megatron's hidden_dropout: dropout of the attention and MLP outputs "
+                                    "before each residual add, masks keyed by (seed, layer, sample, token, "
+                                    "feature): the same at every TP/SP/DP layout", MODEL)
+    attention_dropout: float = setting(0.0, "Megatron's attention_dropout on the attention probabilities: not "
+                                       "supported by tpinv's fused attention (> 0 is refused)", MODEL)
     dist_timeout: float = setting(600.0, "seconds a rank waits for the others before the run stops with an "
                                   "error naming the ranks that did not answer", MODEL)
     steps: int = setting(100, "optimizer steps of the run (the LR schedule's length)", OPTIM)
@@ -65,9 +72,15 @@ class TrainConfig:
     beta2: float = setting(0.95, "AdamW beta2", OPTIM)
     eps: float = setting(1e-8, "AdamW epsilon", OPTIM)
     seed: int = setting(1234, "seed of the weights and the data order", OPTIM)
-    data: str = setting("arithmetic", "'arithmetic' (built in) or a .txt / .jsonl file", DATA)
-    tokenizer: Optional[str] = setting(None, "tokenizer.json / tokenizer.model for --data files (default: UTF-8 "
-                                       "bytes)", DATA)
+    data: str = setting("arithmetic", "'arithmetic' (built in) or a .txt / .jsonl file (preprocessed once into "
+                        "--data-cache-path, then read as --data-path)", DATA)
+    data_path: Optional[list[str]] = setting(None, "Megatron's indexed datasets (tools/preprocess_data.py): a prefix "
+                                             "(PREFIX.bin/.idx) or a blend 'W1 PREFIX1 W2 PREFIX2 ...'", DATA)
+    data_cache_path: Optional[str] = setting(None, "directory of megatron's dataset index caches and preprocessed "
+                                             "--data files, seen by every rank (default: 'cache' beside the data)",
+                                             DATA)
+    tokenizer: Optional[str] = setting(None, "tokenizer.json / tokenizer.model of the data (needed with "
+                                       "--data-path; --data files default to UTF-8 bytes)", DATA)
     digits: int = setting(2, "arithmetic: digits per operand", DATA)
     heldout_size: Optional[int] = setting(None, "arithmetic: held-out problems (default: a fifth, at most 256)", DATA)
     eval_every: int = setting(25, "held-out accuracy every N steps (0: at the end only)", DATA)
@@ -87,6 +100,15 @@ class TrainConfig:
                                         "a checkpoint and exits with status 0 (resume with --load)", SAVE)
     log_dir: Optional[str] = setting(None, "metrics.jsonl and loss_curve.png go here", SAVE)
     progress: Optional[bool] = setting(None, "tqdm progress bar (default: when stdout is a terminal)", SAVE)
+    tensorboard_dir: Optional[str] = setting(None, "write the step scalars as TensorBoard event files here (needs "
+                                             "pip install 'tpinv[logging]')", LOGS)
+    wandb_project: Optional[str] = setting(None, "log the step scalars to this Weights & Biases project (needs "
+                                           "pip install 'tpinv[logging]'; WANDB_MODE=offline: no network)", LOGS)
+    wandb_exp_name: Optional[str] = setting(None, "W&B run name (default: the run id)", LOGS)
+    wandb_save_dir: Optional[str] = setting(None, "W&B's local files (default: SAVE/wandb, else LOG_DIR/wandb, "
+                                            "else ./wandb)", LOGS)
+    log_level: str = setting("info", "level of the trainer's rank-prefixed messages on stderr (the step lines on "
+                             "stdout do not depend on it)", LOGS, choices=("debug", "info", "warning", "error"))
 
     def check_numbers(self) -> None:
         """Refuse optimizer settings that are not finite or out of range (before any work is done)."""
@@ -107,11 +129,15 @@ class TrainConfig:
                 f"of two dividing it) holds whole sub-trees; e.g. global_batch={self.micro_batch * (1 << leaves.bit_length())}")
         if self.vanilla and self.sequence_parallel:
             raise NotImplementedError("sequence_parallel=True is not supported by the vanilla control (--vanilla)")
+        if self.vanilla and (self.hidden_dropout or self.attention_dropout):
+            raise NotImplementedError("hidden_dropout / attention_dropout > 0 are not supported by the vanilla "
+                                      "control (--vanilla)")
         if self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("warmup, save_every and eval_every must be >= 0")
         if not self.dist_timeout > 0:
             raise ValueError(f"dist_timeout={self.dist_timeout}: expected a number of seconds > 0")
         self.check_numbers()
+        check_sink_packages(self)
         for name in ("save_every", "async_save", "keep_last", "exit_signal_handler"):
             if getattr(self, name) and not self.save:
                 raise ValueError(f"{name}={getattr(self, name)} needs a directory to save to (--save DIR)")
@@ -142,8 +168,17 @@ def _fields() -> list[tuple[type, dataclasses.Field, Any]]:
 
 
 def _scalar_type(hint: Any) -> type:
+    """``int`` for ``Optional[int]``; ``str`` for ``list[str]`` (the item type of a list field)."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+    hint = args[0] if args else hint
+    return typing.get_args(hint)[0] if _is_list(hint) else hint
+
+
+def _is_list(hint: Any) -> bool:
+    """A ``list[...]`` or ``Optional[list[...]]`` field (flag with ``nargs="+"``, a YAML list)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is typing.Union \
+        else [hint]
+    return len(args) == 1 and typing.get_origin(args[0]) is list
 
 
 def _flag(name: str) -> str:
@@ -167,7 +202,7 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
             g.add_argument(_flag(f.name), dest=f.name, action=action, default=f.default, help=meta["help"])
         else:
             g.add_argument(_flag(f.name), dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
-                           help=meta["help"])
+                           help=meta["help"], **({"nargs": "+"} if _is_list(hint) else {}))
     return p
 
 
@@ -193,6 +228,9 @@ def load_yaml_config(path: str) -> dict:
             raise ValueError(f"--config {path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
         f, hint = known[name]
         kind = _scalar_type(hint)
+        if _is_list(hint) and value is not None:
+            out[name] = _yaml_list(path, key, value, kind)
+            continue
         if value is not None and not isinstance(value, kind) and not (kind is float and isinstance(value, int)
                                                                        and not isinstance(value, bool)):
             raise ValueError(f"--config {path}: {key}={value!r} is a {type(value).__name__}, expected "
@@ -201,6 +239,22 @@ def load_yaml_config(path: str) -> dict:
         if choices and value not in choices:
             raise ValueError(f"--config {path}: {key}={value!r}; choose from {', '.join(map(str, choices))}")
         out[name] = float(value) if kind is float and value is not None else value
+    return out
+
+
+def _yaml_list(path: str, key: str, value: Any, kind: type) -> list:
+    """A YAML list (or one scalar) of a list field; numbers in a ``list[str]`` become their text (weights)."""
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise ValueError(f"--config {path}: {key} is an empty list")
+    out = []
+    for item in items:
+        if kind is str and isinstance(item, (int, float)) and not isinstance(item, bool):
+            item = str(item)
+        if not isinstance(item, kind) or isinstance(item, bool) and kind is not bool:
+            raise ValueError(f"--config {path}: {key} item {item!r} is a {type(item).__name__}, expected "
+                             f"{kind.__name__}")
+        out.append(item)
     return out
 
 

@@ -11,23 +11,20 @@ dataset needs is the number of samples consumed.
   byte 0), the loss on the answer tokens only (the digits after ``=`` and the newline); a
   fixed held-out set of problems, never drawn for training, measures exact-match accuracy of
   the greedy (argmax) answer tokens, teacher-forced (:meth:`tpinv.training.Trainer.evaluate`).
-* :class:`TextDataset`: a ``.txt`` file or a ``.jsonl`` file with a ``"text"`` field, tokenized
-  with :func:`tpinv.io.tokenizer.load_tokenizer` (or as UTF-8 bytes), cut into windows of
-  ``seq_len + 1`` tokens, visited in a seeded permutation per epoch; the loss on every token.
+* :class:`~tpinv.training.data_megatron.IndexedCorpus`: Megatron's indexed ``.bin``/``.idx``
+  datasets (``--data-path``, one prefix or a weighted blend) read by megatron-core's GPTDataset
+  and BlendedDataset; a ``.txt``/``.jsonl`` ``--data`` file is preprocessed into that format
+  once (:mod:`tpinv.training.preprocess`) and read the same way; the loss on every token.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import random
-from typing import Optional
+from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
-__all__ = ["Batch", "ArithmeticTask", "TextDataset", "ByteTokenizer", "make_dataset", "dp_slice",
-           "micro_batches", "PAD_ID"]
+__all__ = ["Batch", "ArithmeticTask", "make_dataset", "dp_slice", "micro_batches", "PAD_ID"]
 
 #: Padding byte of the arithmetic rows (never a loss target).
 PAD_ID = 0
@@ -134,89 +131,29 @@ class ArithmeticTask:
         return self._rows([divmod(code, self.limit) for code in self.heldout_pairs])
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (vocab 256); byte 0 separates documents."""
-
-    vocab_size, eos_id, bos_id = 256, 0, None
-
-    def encode(self, text: str, **_) -> list[int]:
-        return list(text.encode("utf-8"))
-
-
-def _read_documents(path: str) -> list[str]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file {path} not found; expected a .txt file, a .jsonl file "
-                                f"with a 'text' field per line, or --data arithmetic")
-    if path.endswith(".jsonl"):
-        docs = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise ValueError(f"{path} line {n}: expected a JSON object with a 'text' string "
-                                     f"({type(e).__name__}: {e})") from None
-                if not isinstance(text, str):
-                    raise ValueError(f"{path} line {n}: 'text' must be a string, got {type(text).__name__}")
-                docs.append(text)
-        return docs
-    if path.endswith(".txt"):
-        with open(path, encoding="utf-8") as f:
-            return [f.read()]
-    raise ValueError(f"data file {path}: expected a .txt or .jsonl file")
-
-
-class TextDataset:
-    """Windows of ``seq_len + 1`` tokens of a text or jsonl file, a seeded permutation per epoch."""
-
-    def __init__(self, path: str, seq_len: int, seed: int, tokenizer=None, tokenizer_path: Optional[str] = None):
-        self.path, self.seq_len, self.seed = os.path.abspath(path), seq_len, seed
-        self.tokenizer_path = tokenizer_path
-        tok = tokenizer if tokenizer is not None else ByteTokenizer()
-        self.vocab_size = tok.vocab_size
-        ids: list[int] = []
-        for doc in _read_documents(path):
-            ids += tok.encode(doc)
-            if tok.eos_id is not None:
-                ids.append(tok.eos_id)
-        self.num_tokens = len(ids)
-        self.num_windows = (len(ids) - 1) // seq_len if ids else 0
-        if self.num_windows < 1:
-            raise ValueError(f"{path} has {len(ids)} tokens; expected at least seq_len + 1 = {seq_len + 1}")
-        self.ids = torch.tensor(ids[:self.num_windows * seq_len + 1], dtype=torch.int64)
-        self._perm: dict[int, np.ndarray] = {}
-
-    def describe(self) -> dict:
-        return {"kind": "text", "path": self.path, "tokenizer": self.tokenizer_path, "seq_len": self.seq_len,
-                "seed": self.seed, "num_tokens": self.num_tokens}
-
-    def _window(self, index: int) -> int:
-        epoch, k = divmod(index, self.num_windows)
-        if epoch not in self._perm:
-            self._perm = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)}
-        return int(self._perm[epoch][k])
-
-    def batch(self, start: int, count: int) -> Batch:
-        rows = torch.stack([self.ids[w * self.seq_len:(w + 1) * self.seq_len + 1]
-                            for w in (self._window(i) for i in range(start, start + count))])
-        return Batch.from_rows(rows, torch.ones(count, self.seq_len))
-
-    def heldout(self) -> None:
-        return None
-
-
 def make_dataset(data: str, seq_len: int, seed: int, *, tokenizer: Optional[str] = None, digits: int = 2,
-                 heldout_size: Optional[int] = None):
-    """``"arithmetic"`` or a path to a ``.txt`` / ``.jsonl`` file (tokenized with ``tokenizer``, else bytes)."""
-    if data == "arithmetic":
+                 heldout_size: Optional[int] = None, data_path: Optional[Sequence[str]] = None,
+                 data_cache_path: Optional[str] = None, num_samples: Optional[int] = None):
+    """The run's dataset: ``"arithmetic"``, Megatron ``data_path`` prefixes (a blend), or a text file.
+
+    ``data_path`` and a ``.txt``/``.jsonl`` file both give an
+    :class:`~tpinv.training.data_megatron.IndexedCorpus` of ``num_samples`` samples (the file is
+    first preprocessed into ``data_cache_path``, tokenized with ``tokenizer``, else as UTF-8 bytes).
+    """
+    if data_path:
+        if data != "arithmetic":
+            raise ValueError(f"--data {data} and --data-path {' '.join(map(str, data_path))}: give one of them")
+        if tokenizer is None:
+            raise ValueError("--data-path needs --tokenizer: the tokenizer.json / tokenizer.model the corpus was "
+                             "preprocessed with (its vocabulary is checked against the model's)")
+    elif data == "arithmetic":
         return ArithmeticTask(seq_len, seed, digits=digits, heldout_size=heldout_size)
-    tok = None
-    if tokenizer is not None:
-        if not os.path.exists(tokenizer):
-            raise FileNotFoundError(f"tokenizer {tokenizer} not found; expected a tokenizer.json, a "
-                                    f"tokenizer.model or a directory holding one")
-        from tpinv.io.tokenizer import load_tokenizer
-        tok = load_tokenizer(tokenizer)
-    return TextDataset(data, seq_len, seed, tok, tokenizer)
+    from tpinv.training.data_megatron import IndexedCorpus, preprocessed_text_prefix
+    from tpinv.training.preprocess import load_corpus_tokenizer
+    if num_samples is None:
+        raise ValueError("num_samples is needed for a corpus: the run's steps * global_batch")
+    tok = load_corpus_tokenizer(tokenizer)
+    if not data_path:
+        data_path = [preprocessed_text_prefix(data, tok, tokenizer, data_cache_path)]
+    return IndexedCorpus(data_path, seq_len, seed, num_samples, vocab_size=tok.vocab_size, eod=tok.eos_id,
+                         cache_path=data_cache_path, tokenizer_path=tokenizer)

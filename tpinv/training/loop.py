@@ -42,7 +42,9 @@ from tpinv.training.config import TrainConfig
 from tpinv.training.guards import (NonFiniteError, changed_on_resume, check_finite, claim_save_dir, config_sha256,
                                    watchdog)
 from tpinv.training.data import dp_slice, make_dataset, micro_batches
+from tpinv.training.logs import configure_logging
 from tpinv.training.metrics import PLOT_FILE, MetricsLogger, plot_loss_curve, read_metrics
+from tpinv.training.sinks import open_sinks
 from tpinv.training.model import build_model
 from tpinv.training.optim import (InvariantAdamW, ParamLayout, TorchAdamW, clip_coefficient, global_grad_norm,
                                   lr_at, vanilla_grad_norm)
@@ -98,6 +100,10 @@ class Trainer:
         # groups are passed even of size 1 (tpinv.distributed.groups: None is a single-process run)
         self.tp_group = parallel.tp_group if parallel else None
         self.dp_group = parallel.dp_group if parallel else None
+        self.log = configure_logging(config.log_level, rank=self.rank, world=parallel.world_size if parallel else 1,
+                                     tp_rank=self.tp_rank, tp=self.tp, dp_rank=self.dp_rank,
+                                     dp=self.dp).getChild("training")
+        self.logger = None
         config.check(self.dp)
         if not config.vanilla and self.dp & (self.dp - 1):
             raise InvarianceError(f"dp={self.dp}: the tree reducer needs a power-of-two data-parallel size")
@@ -113,6 +119,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release the lock of the ``save`` directory (the end of the run)."""
+        if self.logger is not None:
+            self.logger.close()  # the sinks too (a W&B run is finished)
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -120,7 +128,9 @@ class Trainer:
     def _build(self, config: TrainConfig, stream) -> None:
         parallel = self.par
         self.dataset = make_dataset(config.data, config.seq_len, config.seed, tokenizer=config.tokenizer,
-                                    digits=config.digits, heldout_size=config.heldout_size)
+                                    digits=config.digits, heldout_size=config.heldout_size,
+                                    data_path=config.data_path, data_cache_path=config.data_cache_path,
+                                    num_samples=config.steps * config.global_batch)
         # the model takes the TP group even of size 1: tpinv layers never guess a group
         model_group = parallel.tp_group if parallel else None
         self.device = torch.device("cuda", torch.cuda.current_device()) \
@@ -145,15 +155,21 @@ class Trainer:
             self.step, self.consumed, self.resumed_from = st["step"], st["consumed_samples"], st["path"]
             self.run_id = st.get("run_id", self.run_id)
             self.resume_changes = changed_on_resume(st.get("config", {}), dataclasses.asdict(config))
+        sinks = open_sinks(config, rank=self.rank, distributed=parallel is not None, run_id=self.run_id,
+                           config=dataclasses.asdict(config), start_step=self.step)
         self.logger = MetricsLogger(config.steps, log_dir=config.log_dir, enabled=self.rank == 0,
-                                    progress=config.progress, stream=stream, start_step=self.step)
+                                    progress=config.progress, stream=stream, start_step=self.step, sinks=sinks)
+        for sink in sinks:
+            self.log.info("metrics sink %s: %s", sink.name, sink.where)
+        self.log.debug("built %s on %s: %d parameter elements on this rank, step %d", config.model, self.device,
+                       sum(p.numel() for p in self.model.parameters()), self.step)
 
     # -- one step -------------------------------------------------------------------------
-    def _micro_loss(self, mb) -> torch.Tensor:
+    def _micro_loss(self, mb, sample_ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.vanilla:
             from tpinv.models.vanilla import vanilla_loss
             return (vanilla_loss(self.model, mb.tokens, mb.targets) * mb.loss_mask).sum()
-        per_token = self.model.loss(mb.tokens, mb.targets)
+        per_token = self.model.loss(mb.tokens, mb.targets, sample_ids=sample_ids)
         return tree_sum((per_token * mb.loss_mask).reshape(-1), 1)
 
     def _dp_sum(self, total: torch.Tensor) -> torch.Tensor:
@@ -172,8 +188,11 @@ class Trainer:
         batch = self.dataset.batch(self.consumed, cfg.global_batch).to(self.device)
         loss_tokens = batch.num_loss_tokens
         acc, chain = TreeAccumulator(), None
-        for mb in micro_batches(dp_slice(batch, self.dp_rank, self.dp), cfg.micro_batch):
-            loss_sum = self._micro_loss(mb)
+        # each row's global sample index in the run (its dropout masks key on it, never on the split)
+        first = self.consumed + self.dp_rank * (cfg.global_batch // self.dp)
+        for k, mb in enumerate(micro_batches(dp_slice(batch, self.dp_rank, self.dp), cfg.micro_batch)):
+            ids = torch.arange(first + k * cfg.micro_batch, first + (k + 1) * cfg.micro_batch, device=self.device)
+            loss_sum = self._micro_loss(mb, ids)
             loss_sum.backward()
             buf = self.layout.flatten_grads(torch.empty(self.layout.numel + 1, dtype=torch.float32,
                                                         device=self.device))
@@ -208,6 +227,13 @@ class Trainer:
         if held is None:
             return {}
         held = held.to(self.device)
+        self.model.eval()  # no dropout
+        try:
+            return self._heldout_accuracy(held)
+        finally:
+            self.model.train()
+
+    def _heldout_accuracy(self, held) -> dict:
         n = len(held)
         lo, hi = self.dp_rank * n // self.dp, (self.dp_rank + 1) * n // self.dp
         counts = torch.zeros(4, dtype=torch.int64, device=self.device)  # exact, rows, right, answer tokens
@@ -274,9 +300,11 @@ class Trainer:
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, cfg.stop_after)
         self.logger.event("start", self.describe(), self.describe()["line"])
         if self.resume_changes:
-            self.logger.event("warning", {"resume_changes": self.resume_changes},
-                              f"warning: resuming {self.resumed_from} with other settings than it was saved with: "
-                              f"{'; '.join(self.resume_changes)} (the curve will differ from an uninterrupted run)")
+            self.logger.event("warning", {"resume_changes": self.resume_changes})
+            if self.rank == 0:
+                self.log.warning("resuming %s with other settings than it was saved with: %s (the curve will "
+                                 "differ from an uninterrupted run)", self.resumed_from,
+                                 "; ".join(self.resume_changes))
         saved_at = start = self.step
         signals = ExitSignalHandler(distributed=self.par is not None, device=self.device) \
             if cfg.exit_signal_handler else None
@@ -314,7 +342,8 @@ class Trainer:
                                        title=self._title())
                 self.logger.event("plot", {"path": path}, f"loss curve {path}")
             except ImportError:
-                self.logger.event("plot", {"path": None}, "loss-curve PNG skipped: matplotlib is not installed")
+                self.logger.event("plot", {"path": None})
+                self.log.warning("loss-curve PNG skipped: matplotlib is not installed")
         self.logger.close()
         return result
 

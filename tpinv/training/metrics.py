@@ -1,4 +1,5 @@
-"""Training logs: one line per step, a JSONL metrics file, a progress bar, a loss-curve PNG.
+"""Training logs: one line per step, a JSONL metrics file, a progress bar, a loss-curve PNG, and
+the metrics sinks (TensorBoard, W&B: :mod:`tpinv.training.sinks`) fed the same step records.
 
 Only the writer rank (global rank 0) logs.  Each step line shows the loss both as a decimal and
 as ``float.hex()`` -- the exact bits of the fp32 value -- so two runs can be compared by eye or
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import IO, Optional
+from typing import IO, Optional, Sequence
 
 __all__ = ["MetricsLogger", "format_step", "plot_loss_curve", "read_metrics", "METRICS_FILE", "PLOT_FILE"]
 
@@ -28,11 +29,14 @@ def format_step(rec: dict, total: int) -> str:
 
 
 class MetricsLogger:
-    """Writes step lines to ``stream``, records to ``LOG_DIR/metrics.jsonl``, a tqdm bar on a terminal."""
+    """Writes step lines to ``stream``, records to ``LOG_DIR/metrics.jsonl``, a tqdm bar on a terminal,
+    and each step record to every sink of ``sinks`` (objects with ``log_step(rec)`` and ``close()``)."""
 
     def __init__(self, total_steps: int, *, log_dir: Optional[str] = None, enabled: bool = True,
-                 progress: Optional[bool] = None, stream: Optional[IO[str]] = None, start_step: int = 0):
+                 progress: Optional[bool] = None, stream: Optional[IO[str]] = None, start_step: int = 0,
+                 sinks: Sequence = ()):
         self.total, self.enabled, self.log_dir = total_steps, enabled, log_dir
+        self.sinks = list(sinks) if enabled else []
         self.stream = stream if stream is not None else sys.stdout
         self.records: list[dict] = []
         self._file = self._bar = None
@@ -66,6 +70,8 @@ class MetricsLogger:
             return
         self._record(dict(rec, event="step"))
         self._write_line(format_step(rec, self.total))
+        for sink in self.sinks:
+            sink.log_step(rec)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{rec['loss']:.4f}")
@@ -79,6 +85,8 @@ class MetricsLogger:
             self._write_line(line)
 
     def close(self) -> None:
+        while self.sinks:
+            self.sinks.pop().close()
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -39,7 +39,9 @@ def build_model(config, tp_group, tp: int, tp_rank: int):
                          f"{args.max_position_embeddings}")
     model, _ = load_model(config.model, tp_group=tp_group, dtype=args.dtype, row_strategy=config.row_strategy,
                           leaves=config.leaves, init_seed=config.seed,
-                          sequence_parallel=getattr(config, "sequence_parallel", False))
+                          sequence_parallel=getattr(config, "sequence_parallel", False),
+                          hidden_dropout=config.hidden_dropout, attention_dropout=config.attention_dropout,
+                          dropout_seed=config.seed)
     if model.tp_size != tp or model.tp_rank != tp_rank:
         raise ValueError(f"the TP group holds rank {model.tp_rank} of {model.tp_size}, expected {tp_rank} of {tp}")
     return model.args, model.train()
