@@ -16,8 +16,9 @@ copy, no gather -- placed in the *full* (TP=1) parameter at the offset the layou
 DCP's default save planner keeps one write item per distinct chunk (its replicated-chunk
 dedup), so DP replicas and KV-head replicas are written once, and each rank writes only
 pieces of tensors it already holds: a save allocates at most one shard at a time.  The
-meshes are built without process groups (``_init_backend=False``): DCP only needs each rank's
-coordinate to compute the chunk offsets; its own collectives run on the group it is given.
+meshes are built without process groups (``_init_backend=False``, torch >= 2.6): DCP only needs
+each rank's coordinate (from its global rank) to compute the chunk offsets; its own collectives
+run on the group it is given.
 Why DTensor rather than DCP's planner API: the chunk offsets then come from one public
 description (mesh + placements) that DCP's load planner also uses to reshard.
 """
@@ -38,8 +39,8 @@ MOMENTS = ("master", "exp_avg", "exp_avg_sq")
 class ShardMeshes:
     """The device meshes of one (tp, dp) layout, built once per device type and KV-replica count."""
 
-    def __init__(self, tp: int, dp: int, rank: int):
-        self.tp, self.dp, self.rank = tp, dp, rank
+    def __init__(self, tp: int, dp: int):
+        self.tp, self.dp = tp, dp
         self._meshes: dict[tuple[str, int], DeviceMesh] = {}
 
     def mesh(self, device_type: str, replicas: int = 1) -> DeviceMesh:
@@ -47,7 +48,7 @@ class ShardMeshes:
         if key not in self._meshes:
             ranks = torch.arange(self.tp * self.dp)
             shape = (self.dp, self.tp) if replicas == 1 else (self.dp, self.tp // replicas, replicas)
-            self._meshes[key] = DeviceMesh(device_type, ranks.view(shape), _init_backend=False, _rank=self.rank)
+            self._meshes[key] = DeviceMesh(device_type, ranks.view(shape), _init_backend=False)
         return self._meshes[key]
 
     def dtensor(self, local: torch.Tensor, full_shape: tuple, dim: Optional[int], replicas: int) -> DTensor:

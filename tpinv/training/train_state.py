@@ -27,6 +27,7 @@ tensors in ``optimizer.safetensors``) is refused with an error naming it.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import shutil
@@ -96,7 +97,7 @@ class Checkpointer:
                  async_save: bool = False, keep_last: Optional[int] = None):
         self.root = os.path.abspath(root) if root else None
         self.rank, self.async_save, self.keep_last = rank, async_save, keep_last
-        self.meshes = ShardMeshes(tp, dp, rank) if distributed else None
+        self.meshes = ShardMeshes(tp, dp) if distributed else None
         self._group, self.pending = None, None
 
     @property
@@ -268,7 +269,9 @@ class _AlreadyStaged(AsyncStager):
 def write_shards(shards: dict, writer, kwargs: dict, asynchronous: bool = False):
     """The DCP write of this rank's shards (a future when ``asynchronous``)."""
     if asynchronous:
-        return dcp.async_save(shards, storage_writer=writer, async_stager=_AlreadyStaged(), **kwargs)
+        if "async_stager" in inspect.signature(dcp.async_save).parameters:  # else DCP stages the copies again
+            kwargs = dict(kwargs, async_stager=_AlreadyStaged())
+        return dcp.async_save(shards, storage_writer=writer, **kwargs)
     return dcp.save(shards, storage_writer=writer, **kwargs)
 
 
