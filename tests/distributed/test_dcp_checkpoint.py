@@ -6,6 +6,7 @@
   and TP1 x DP4 resumes from that too.  Control: the resume with another learning rate ends elsewhere.
 * DP replicas are written once: the shard files of the TP2 x DP2 save hold about the bytes of a
   one-process save (twice as many if each DP replica wrote its copy).
+* A flipped byte in one shard file (verified by rank 3) is refused on every rank, naming the file.
 * A save never materializes a full (unsharded) tensor: a dispatch-mode detector watching for
   tensors of a sharded parameter's full size sees none during ``Trainer.save``; control: the
   same detector fires on :func:`tpinv.distributed.reduce.gather_shards`.
@@ -77,6 +78,20 @@ def _save_and_resume(rank, world_size, ckpt, ckpt4):
                                          stream=io.StringIO()))
     out["control_lr"] = _summary(train(TrainConfig(**dict(BASE, load=ckpt, lr=2e-2)), ParallelDims(tp=4).build(),
                                        stream=io.StringIO()))
+    # a flipped byte in the file rank 3 verifies (files are checked round-robin): every rank refuses it
+    import torch.distributed as dist
+    from tpinv.training import CheckpointError
+    corrupt = os.path.join(ckpt, "step_00000001", "__2_0.distcp")
+    if rank == 0:
+        data = bytearray(open(corrupt, "rb").read())
+        data[-9] ^= 0x10
+        open(corrupt, "wb").write(bytes(data))
+    dist.barrier()
+    try:
+        Trainer(TrainConfig(**dict(BASE, load=ckpt)), ParallelDims(tp=2).build(), stream=io.StringIO())
+        out["corrupt"] = None
+    except CheckpointError as e:
+        out["corrupt"] = str(e)
     return out
 
 
@@ -90,7 +105,11 @@ def test_sharded_save_at_tp2_dp2_resumes_at_tp4_and_dp4_bitwise(tmp_path):
     with num_threads(1):
         full = Trainer(TrainConfig(**BASE), stream=io.StringIO()).run()
         Trainer(TrainConfig(**dict(BASE, save=one, stop_after=1)), stream=io.StringIO()).run()
-    out = run_ranks(_save_and_resume, 4, ckpt, ckpt4, timeout=600)[0]
+    outs = run_ranks(_save_and_resume, 4, ckpt, ckpt4, timeout=600)
+    out = outs[0]
+    errors = {o["corrupt"] for o in outs}
+    assert len(errors) == 1 and errors.pop().endswith("__2_0.distcp: sha256 mismatch with train_state.json; the "
+                                                      "file is corrupt"), [o["corrupt"] for o in outs]
 
     for name in ("tp4", "dp4", "dp4_from_tp4"):
         assert out[name]["step"] == BASE["steps"], name

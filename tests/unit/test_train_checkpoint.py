@@ -98,3 +98,21 @@ def test_export_tool_writes_the_trained_weights(tmp_path, capsys):
     assert tool.main([str(tmp_path / "no"), str(tmp_path / "other")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: checkpoint") and "not found" in err and not (tmp_path / "other").exists()
+
+
+def test_incomplete_or_mislabelled_checkpoints_are_refused(tmp_path):
+    from tpinv.training import CheckpointError
+    ck = tmp_path / "ck"
+    _run(steps=1, save=str(ck))
+    step = ck / step_dir_name(1)
+    shard = next(n for n in os.listdir(step) if n.endswith(".distcp"))
+    data = (step / shard).read_bytes()
+    (step / shard).unlink()
+    with pytest.raises(CheckpointError, match=f"{shard} is missing: the checkpoint is incomplete"):
+        _run(steps=2, load=str(ck))
+    (step / shard).write_bytes(data)
+    _run(steps=2, load=str(ck))  # control: restored, it loads
+    state = json.loads((step / STATE_FILE).read_text())
+    (step / STATE_FILE).write_text(json.dumps(dict(state, files={})))
+    with pytest.raises(CheckpointError, match="no file checksums"):
+        _run(steps=2, load=str(ck))
