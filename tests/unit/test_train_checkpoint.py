@@ -116,3 +116,13 @@ def test_incomplete_or_mislabelled_checkpoints_are_refused(tmp_path):
     (step / STATE_FILE).write_text(json.dumps(dict(state, files={})))
     with pytest.raises(CheckpointError, match="no file checksums"):
         _run(steps=2, load=str(ck))
+
+
+def test_an_async_save_is_published_at_close(tmp_path):
+    ck = tmp_path / "ck"
+    trainer = Trainer(TrainConfig(**dict(TINY, steps=2, save=str(ck), async_save=True)), stream=io.StringIO())
+    trainer.train_step()
+    trainer.save()
+    assert not (ck / step_dir_name(1)).exists() and not (ck / "latest").exists()  # in flight: a temp dir only
+    trainer.close()
+    assert (ck / "latest").read_text().strip() == step_dir_name(1) and (ck / step_dir_name(1) / STATE_FILE).is_file()

@@ -114,11 +114,14 @@ class Trainer:
         try:
             self._build(config, stream)
         except BaseException:
-            self.close()
+            self.close(publish=False)
             raise
 
-    def close(self) -> None:
-        """Release the lock of the ``save`` directory (the end of the run)."""
+    def close(self, publish: bool = True) -> None:
+        """The end of the run: publish an asynchronous save still in flight (collective; not when
+        ``publish=False``, after an error), close the metrics, release the ``save`` directory's lock."""
+        if publish and getattr(self, "checkpointer", None) is not None and self.logger is not None:
+            self.finalize_save()
         if self.logger is not None:
             self.logger.close()  # the sinks too (a W&B run is finished)
         if self.lock is not None:
@@ -291,9 +294,12 @@ class Trainer:
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict:
         try:
-            return self._run()
-        finally:
-            self.close()
+            result = self._run()
+        except BaseException:
+            self.close(publish=False)  # the other ranks may be gone: no collective
+            raise
+        self.close()
+        return result
 
     def _run(self) -> dict:
         cfg = self.cfg
