@@ -27,6 +27,7 @@ tensors in ``optimizer.safetensors``) is refused with an error naming it.
 """
 from __future__ import annotations
 
+import errno
 import inspect
 import os
 import random
@@ -165,7 +166,6 @@ class Checkpointer:
         return self._publish(pending.tmp, pending.step, pending.state, error)
 
     def _failed(self, step: int, e: BaseException) -> str:
-        import errno
         previous = latest_name(self.root) if os.path.isdir(self.root) else None
         keep = f"; the previous checkpoint {os.path.join(self.root, previous)} is intact" if previous else \
             "; no checkpoint was written"
@@ -244,10 +244,6 @@ class Checkpointer:
         _set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
         state["path"] = step_dir
         return state
-
-    def close(self) -> None:
-        """Publish an asynchronous save still in flight."""
-        self.finalize()
 
 
 class _AlreadyStaged(AsyncStager):
