@@ -30,6 +30,7 @@ from tpinv.distributed.mappings import (gather_from_tensor_model_parallel_region
                                         scatter_to_sequence_parallel_region)
 from tpinv.models.args import ModelArgs
 from tpinv.models.kv_cache import KVCache
+from tpinv.models.recompute import Recompute, checkpointed, recompute_active
 from tpinv.ops import apply_rope, attention, rope_cos_sin, silu_mul
 
 #: Std of the normal init of projection and embedding weights (HF ``initializer_range``).
@@ -79,6 +80,7 @@ class Attention(torch.nn.Module):
             self.k_norm = HeadRMSNorm(args.head_dim, args.rms_norm_eps, args.dtype, tp_group, self.replicas)
         else:
             self.q_norm = self.k_norm = None
+        self.recompute_core = False  # Megatron's selective recompute (Transformer.set_recompute)
 
     def forward(self, x, cos, sin, positions, mask, cache: Optional[KVCache], layer: int, k_pos=None):
         q = self.q_proj(x)[0]
@@ -94,7 +96,8 @@ class Attention(torch.nn.Module):
         if cache is not None:
             k, v = cache.append(layer, k, v, positions, check=False)  # checked once per step
         q = gather_replica_heads(q, self.tp_group, self.replicas)  # no-op unless KV heads are replicated
-        out = attention(q, k, v, positions, causal=True, window=self.window, mask=mask, k_pos=k_pos)
+        run = checkpointed if self.recompute_core and recompute_active(self) else _call
+        out = run(attention, q, k, v, positions, causal=True, window=self.window, mask=mask, k_pos=k_pos)
         out = split_replica_heads(out, self.tp_group, self.replicas)
         out = out.transpose(1, 2).reshape(B, S, self.local_heads * self.head_dim)
         return self.o_proj(out)[0]
@@ -138,6 +141,10 @@ class DecoderLayer(torch.nn.Module):
         h = x + (a if dropout is None else dropout(a, 4 * layer))
         m = self.mlp(self.post_attention_layernorm(h))
         return h + (m if dropout is None else dropout(m, 4 * layer + 1))
+
+
+def _call(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
 
 
 def kv_replicas(args: ModelArgs, tp_size: int) -> int:
@@ -213,6 +220,20 @@ class Transformer(torch.nn.Module):
                                             init_method=normal_init, bias=False, gather_output=False,
                                             skip_weight_param_allocation=args.tie_word_embeddings,
                                             tp_group=tp_group)
+        self.recompute = Recompute(total_layers=args.num_layers)
+
+    def set_recompute(self, granularity: Optional[str] = None, method: Optional[str] = None,
+                      num_layers: Optional[int] = None) -> "Transformer":
+        """Megatron's activation recompute (:mod:`tpinv.models.recompute`); the same bits as without."""
+        self.recompute = Recompute(granularity, method, num_layers, self.args.num_layers)
+        for layer in self.layers:
+            layer.self_attn.recompute_core = self.recompute.selective
+        return self
+
+    def _run_layers(self, start, end, h, cos, sin, positions, mask, cache, k_pos, dropout):
+        for i in range(start, end):
+            h = self.layers[i](h, cos, sin, positions, mask, cache, i, k_pos, dropout)
+        return h
 
     @property
     def vocab_start(self) -> int:
@@ -271,8 +292,13 @@ class Transformer(torch.nn.Module):
                             "(sequence_parallel=True)")
             h = scatter_to_sequence_parallel_region(h, self.tp_group, dim=1)
         dropout = self._dropout(sample_ids, h.shape[1])
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, positions, mask, cache, i, k_pos, dropout)
+        active = recompute_active(self) and self.recompute.granularity is not None
+        if active and cache is not None:
+            raise NotImplementedError(f"recompute_granularity={self.recompute.granularity!r} is for training: "
+                                      f"run a forward with a KV cache in eval mode or under torch.no_grad()")
+        for start, end, again in self.recompute.segments() if active else [(0, len(self.layers), False)]:
+            h = (checkpointed if again else _call)(self._run_layers, start, end, h, cos, sin, positions, mask,
+                                                   cache, k_pos, dropout)
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.args.tie_word_embeddings else None
         logits = self.lm_head(h, weight=weight)[0]

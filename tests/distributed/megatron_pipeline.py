@@ -45,7 +45,8 @@ def _data():
                "loss_mask": torch.ones(BATCH, SEQ)}
 
 
-def worker(rank, world, tp, pp, dropout_seed=7):
+def worker(rank, world, tp, pp, dropout_seed=7, recompute=None):
+    """``recompute``: megatron TransformerConfig recompute fields (e.g. ``recompute_granularity``)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -62,6 +63,8 @@ def worker(rank, world, tp, pp, dropout_seed=7):
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         cfg = config("gpt2", tp)
         cfg.pipeline_model_parallel_size = pp
+        for key, value in (recompute or {}).items():
+            setattr(cfg, key, value)
         first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
         gpt = tm.build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=first,
                                  post_process=last, spec_kwargs=dict(normalization="LayerNorm"),

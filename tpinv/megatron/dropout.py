@@ -11,9 +11,19 @@ scaling are :mod:`tpinv.layers.dropout`'s, shared with tpinv's own models.
 :func:`install_invariant_dropout` puts it into a megatron-core GPT model (embedding dropout,
 attention dropout, both bias-dropout-adds of every layer) and refuses any dropout it cannot
 replace, so the plain megatron RNG path never runs next to tpinv layers.
+
+Under megatron's activation recompute (``tensor_parallel.checkpoint``: ``recompute_granularity``
+"full" or "selective") a checkpointed forward runs twice, once without gradients and again during
+backward.  The recomputed call must draw the mask of the call it repeats, not the next one: a
+call made inside megatron's checkpoint forward records its call number, and its recompute (inside
+the checkpoint, during backward) takes the numbers back in the order they were recorded -- the order
+megatron's schedules run the backwards of a module's micro-batches.  So the masks, the loss and
+the gradients are the bits of the run without recompute.
 """
 from __future__ import annotations
 
+import collections
+import sys
 from typing import Optional
 
 import torch
@@ -52,6 +62,17 @@ def invariant_dropout(x: torch.Tensor, p: float, seed: int, site: int, call: int
     return apply_keep(x, keep_mask(x.shape, p, seed, site, call, device=x.device, **where), p)
 
 
+def _megatron_checkpoint_phase() -> Optional[str]:
+    """``"forward"`` inside megatron's checkpointed forward, ``"recompute"`` inside its recompute, else None."""
+    mrandom = sys.modules.get("megatron.core.tensor_parallel.random")
+    flag = getattr(mrandom, "is_checkpointing", None)
+    if flag is None or not flag():
+        return None
+    # megatron runs bias-dropout-add under enable_grad even in the checkpointed forward: the
+    # recompute is told apart by running inside the autograd engine's backward
+    return "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
 class InvariantDropout(torch.nn.Module):
     """Drop-in for ``torch.nn.Dropout`` (``dim``/``tp_group``: the dim sharded across TP ranks)."""
 
@@ -61,6 +82,19 @@ class InvariantDropout(torch.nn.Module):
         self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         self.calls = 0
+        self._to_recompute: collections.deque = collections.deque()  # call numbers of checkpointed forwards
+
+    def _call_number(self) -> int:
+        phase = _megatron_checkpoint_phase()
+        if phase == "recompute":
+            if not self._to_recompute:
+                raise RuntimeError(f"dropout site {self.site}: a recomputed call without a recorded checkpointed "
+                                   f"forward (megatron's recompute ran a forward it did not run before)")
+            return self._to_recompute.popleft()
+        call, self.calls = self.calls, self.calls + 1
+        if phase == "forward":
+            self._to_recompute.append(call)
+        return call
 
     def forward(self, x: torch.Tensor, p: Optional[float] = None, training: Optional[bool] = None) -> torch.Tensor:
         p = self.p if p is None else float(p)
@@ -70,9 +104,7 @@ class InvariantDropout(torch.nn.Module):
         if self.dim is not None:
             n = x.shape[self.dim]
             where = dict(dim=self.dim, offset=self.tp_rank * n, full=n * self.tp_size)
-        out = invariant_dropout(x, p, self.seed, self.site, self.calls, **where)
-        self.calls += 1
-        return out
+        return invariant_dropout(x, p, self.seed, self.site, self._call_number(), **where)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site}, dim={self.dim}, TP={self.tp_size}"
@@ -128,4 +160,20 @@ def install_invariant_dropout(model: torch.nn.Module, *, tp_group, seed: int) ->
                 raise NotImplementedError(
                     f"{name}.{attr} is megatron's RNG bias-dropout-add (hidden_dropout={module.hidden_dropout}), "
                     f"not TP-invariant: set hidden_dropout=0")
+    _check_recompute_support(model)
     return count
+
+
+def _check_recompute_support(model: torch.nn.Module) -> None:
+    """Refuse dropout under megatron's recompute where megatron cannot say when it recomputes."""
+    cfg = getattr(model, "config", None)
+    if not getattr(cfg, "recompute_granularity", None):
+        return
+    if not (getattr(cfg, "hidden_dropout", 0.0) or getattr(cfg, "attention_dropout", 0.0)):
+        return
+    import megatron.core.tensor_parallel.random as mrandom
+    if not hasattr(mrandom, "is_checkpointing"):
+        raise NotImplementedError(
+            f"recompute_granularity={cfg.recompute_granularity!r} with dropout needs megatron-core's "
+            f"tensor_parallel.random.is_checkpointing (to replay a recomputed dropout's mask), which this "
+            f"megatron-core lacks: set hidden_dropout=0 and attention_dropout=0, or turn recompute off")

@@ -5,6 +5,10 @@ replaces, in this process only:
 
 * the CUDA RNG tracker (``get_cuda_rng_tracker``): ``fork()`` becomes a no-op context -- with
   tpinv's invariant dropout no random generator is drawn from inside it;
+* without CUDA, the CUDA generator's state in megatron's activation recompute
+  (``tensor_parallel.checkpoint`` saves and restores it around the recomputed forward): reading it
+  gives ``None`` and restoring ``None`` does nothing -- the CPU generator's state is still saved
+  and restored by megatron itself;
 * ``torch.cuda.current_device`` -> ``"cpu"`` (megatron allocates its DDP buffers and scalars there),
   and, without CUDA, ``torch.cuda.synchronize`` -> no-op and ``Tensor.cuda()`` -> the tensor itself
   (megatron's pipeline schedules call both);
@@ -98,6 +102,9 @@ def megatron_cpu_shims() -> None:
             continue
         if hasattr(m, "get_cuda_rng_tracker"):
             m.get_cuda_rng_tracker = mrandom.get_cuda_rng_tracker
+    if not torch.cuda.is_available():  # recompute: megatron saves/restores the CUDA generator too
+        mrandom._get_cuda_rng_state = lambda *a, **k: None
+        mrandom._set_cuda_rng_state = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
     if not torch.cuda.is_available():  # the pipeline schedules synchronize and call Tensor.cuda()
         torch.cuda.synchronize = lambda *a, **k: None

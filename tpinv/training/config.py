@@ -51,6 +51,15 @@ class TrainConfig:
                                 choices=("tree", "column_only"))
     sequence_parallel: bool = setting(False, "Megatron's sequence parallelism: norms and residuals on sequence "
                                       "chunks (the same bits as without it)", MODEL)
+    recompute_granularity: Optional[str] = setting(
+        None, "Megatron's activation recompute (the same bits as without): 'selective' recomputes the attention "
+        "core of every layer, 'full' whole layers (with --recompute-method)", MODEL, choices=("full", "selective"))
+    recompute_method: Optional[str] = setting(
+        None, "with --recompute-granularity full: 'uniform' checkpoints consecutive groups of "
+        "--recompute-num-layers layers, 'block' checkpoints the first --recompute-num-layers layers one by one",
+        MODEL, choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = setting(
+        None, "with --recompute-granularity full: layers per group (uniform) or layers recomputed (block)", MODEL)
     vanilla: bool = setting(False, "the control: plain torch/BLAS/all_reduce path", MODEL)
     hidden_dropout: float = setting(0.0, "Megatron's hidden_dropout: dropout of the attention and MLP outputs "
                                     "before each residual add, masks keyed by (seed, layer, sample, token, "
@@ -132,6 +141,9 @@ class TrainConfig:
         if self.vanilla and (self.hidden_dropout or self.attention_dropout):
             raise NotImplementedError("hidden_dropout / attention_dropout > 0 are not supported by the vanilla "
                                       "control (--vanilla)")
+        if self.vanilla and self.recompute_granularity is not None:
+            raise NotImplementedError(f"recompute_granularity={self.recompute_granularity!r} is not supported by the "
+                                      f"vanilla control (--vanilla)")
         if self.warmup < 0 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("warmup, save_every and eval_every must be >= 0")
         if not self.dist_timeout > 0:

@@ -44,4 +44,5 @@ def build_model(config, tp_group, tp: int, tp_rank: int):
                           dropout_seed=config.seed)
     if model.tp_size != tp or model.tp_rank != tp_rank:
         raise ValueError(f"the TP group holds rank {model.tp_rank} of {model.tp_size}, expected {tp_rank} of {tp}")
+    model.set_recompute(config.recompute_granularity, config.recompute_method, config.recompute_num_layers)
     return model.args, model.train()
