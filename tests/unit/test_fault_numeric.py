@@ -13,7 +13,7 @@ import torch
 from tpinv.testing import assert_same_bits
 
 from tpinv.training import NonFiniteError, TrainConfig, Trainer
-from tpinv.training.train_state import LATEST_FILE
+from tpinv.training.ckpt_files import LATEST_FILE
 
 TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=4, micro_batch=4, steps=3, lr=1e-2, warmup=1,
             eval_every=0)

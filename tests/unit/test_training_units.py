@@ -19,6 +19,7 @@ from tpinv.core.contract import InvarianceError, tree_combine_list
 from tpinv.training import (CheckpointError, TrainConfig, Trainer, TreeAccumulator, adamw_update,
                             global_grad_norm, lr_at, read_metrics)
 from tpinv.training import train_state as train_ckpt
+from tpinv.training.ckpt_files import STATE_FILE
 from tpinv.training.loop import fp32_hex
 from tpinv.training.model import build_model
 from tpinv.training.optim import ParamLayout
@@ -238,14 +239,14 @@ def test_resume_continues_bitwise_and_errors_keep_previous(tmp_path, monkeypatch
 
     def disk_full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(train_ckpt, "write_safetensors", disk_full)
+    monkeypatch.setattr(train_ckpt, "write_shards", disk_full)
     with pytest.raises(CheckpointError, match="disk full.*step_00000002 is intact"):
         trainer.save()
     assert sorted(os.listdir(ckpt)) == before and (ckpt / "latest").read_text().strip() == "step_00000002"
 
     def crash(*a, **k):
         raise KeyboardInterrupt  # killed mid-save, after the weights were written
-    monkeypatch.setattr(train_ckpt, "write_safetensors", crash)
+    monkeypatch.setattr(train_ckpt, "write_shards", crash)
     with pytest.raises(KeyboardInterrupt):
         trainer.save()
     assert sorted(os.listdir(ckpt)) == before
@@ -259,11 +260,17 @@ def test_corrupt_and_mismatched_checkpoints_are_refused(tmp_path):
         _train(tmp_path, steps=2, load=str(ckpt), model="llama-tiny")
     with pytest.raises(CheckpointError, match="different model: dtype"):
         _train(tmp_path, steps=2, load=str(ckpt), dtype="fp32")
-    optim = ckpt / "step_00000001" / train_ckpt.OPTIM_FILE
-    data = bytearray(optim.read_bytes())
+    _train(tmp_path, steps=2, load=str(ckpt))  # intact: loads
+    shard = ckpt / "step_00000001" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
     data[-5] ^= 0x40
-    optim.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="sha256 mismatch"):
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: sha256 mismatch"):
+        _train(tmp_path, steps=2, load=str(ckpt))
+    state = ckpt / "step_00000001" / STATE_FILE
+    old = state.read_text().replace('"format_version": 2', '"format_version": 1')
+    state.write_text(old)
+    with pytest.raises(CheckpointError, match="format version 1; this tpinv reads version 2"):
         _train(tmp_path, steps=2, load=str(ckpt))
     with pytest.raises(CheckpointError, match="not a training checkpoint"):
         _train(tmp_path, steps=2, load=str(tmp_path))
@@ -285,9 +292,14 @@ def test_model_from_hf_directory_and_from_a_checkpoint(tmp_path):
         if name != "lm_head.weight":
             assert_same_bits(got[name.removeprefix("model.")], p.detach().to(torch.bfloat16), str(name))
     trainer.run()
-    again = Trainer(TrainConfig(**dict(TINY, model=str(tmp_path / "ck" / "step_00000001" / "model"))),
-                    stream=io.StringIO())
+    step_dir = str(tmp_path / "ck" / "step_00000001")
+    with pytest.raises(ValueError, match="is a training checkpoint.*tools/export_checkpoint.py"):
+        Trainer(TrainConfig(**dict(TINY, model=step_dir)), stream=io.StringIO())
+    from tpinv.training.export import export_model
+    out = export_model(step_dir, str(tmp_path / "exported"))
+    again = Trainer(TrainConfig(**dict(TINY, model=out)), stream=io.StringIO())
     assert again.weights_sha256() == trainer.weights_sha256()
+    assert again.weights_sha256() != Trainer(TrainConfig(**TINY), stream=io.StringIO()).weights_sha256()  # control
 
 
 def test_metrics_logger_lines_jsonl_progress_bar_and_plot(tmp_path):

@@ -32,18 +32,26 @@ def atomic_directory(out_dir: str, overwrite: bool = False) -> Iterator[str]:
         raise OSError(f"cannot write the output directory {out_dir}: {e.strerror} ({e.filename})") from None
     try:
         yield tmp
-        fsync_dir(tmp)
-        old = None
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".old-", dir=parent)
-            os.rename(out_dir, os.path.join(old, "replaced"))
-        os.rename(tmp, out_dir)
-        fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old)
+        publish_directory(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def publish_directory(tmp: str, out_dir: str) -> None:
+    """fsync the complete directory ``tmp`` and rename it to ``out_dir`` (an existing one is replaced
+    only once the new one is in place); ``tmp`` must sit beside ``out_dir``."""
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    fsync_dir(tmp)
+    old = None
+    if os.path.exists(out_dir):
+        old = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".old-", dir=parent)
+        os.rename(out_dir, os.path.join(old, "replaced"))
+    os.rename(tmp, out_dir)
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def fsync_file(f) -> None:

@@ -6,7 +6,8 @@ gradient sums over tokens and micro-batches, the data-parallel gradient reductio
 gradient norm -- follows the invariance contract, and the optimizer is elementwise, so the
 per-step losses and the final weights do not depend on the TP size.
 """
-from tpinv.training.train_state import CheckpointError, load_train_state, resolve_checkpoint, save_train_state
+from tpinv.training.ckpt_files import CheckpointError, resolve_checkpoint
+from tpinv.training.train_state import Checkpointer
 from tpinv.training.data import ArithmeticTask, Batch, dp_slice, make_dataset, micro_batches
 from tpinv.training.data_megatron import IndexedCorpus
 from tpinv.training.config import LaunchConfig, TrainConfig
@@ -15,8 +16,9 @@ from tpinv.training.metrics import MetricsLogger, plot_loss_curve, read_metrics
 from tpinv.training.optim import (InvariantAdamW, ParamLayout, TorchAdamW, adamw_update, clip_coefficient,
                                   global_grad_norm, lr_at, vanilla_grad_norm)
 
-__all__ = ["ArithmeticTask", "Batch", "CheckpointError", "IndexedCorpus", "NonFiniteError", "InvariantAdamW", "LaunchConfig", "MetricsLogger", "ParamLayout",
+__all__ = ["ArithmeticTask", "Batch", "CheckpointError", "Checkpointer", "IndexedCorpus", "NonFiniteError",
+           "InvariantAdamW", "LaunchConfig", "MetricsLogger", "ParamLayout",
            "TorchAdamW", "TrainConfig", "Trainer", "TreeAccumulator", "adamw_update",
-           "clip_coefficient", "dp_slice", "global_grad_norm", "load_train_state", "lr_at", "make_dataset",
-           "micro_batches", "plot_loss_curve", "read_metrics", "resolve_checkpoint", "save_train_state", "train",
+           "clip_coefficient", "dp_slice", "global_grad_norm", "lr_at", "make_dataset",
+           "micro_batches", "plot_loss_curve", "read_metrics", "resolve_checkpoint", "train",
            "vanilla_grad_norm"]

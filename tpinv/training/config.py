@@ -100,6 +100,13 @@ class TrainConfig:
                               "(without it, and without --load, such a directory is refused)", SAVE)
     stop_after: Optional[int] = setting(None, "stop after this step (the schedule still follows --steps); resume "
                                         "later with --load", SAVE)
+    async_save: bool = setting(False, "write checkpoints in a background thread while training goes on (each "
+                               "rank's shards are first copied to host memory); 'latest' moves when the save is "
+                               "finalized, at the next save or the end of the run", SAVE)
+    keep_last: Optional[int] = setting(None, "keep only the newest N complete step directories (older complete "
+                                       "ones are removed after each save; default: keep all)", SAVE)
+    exit_signal_handler: bool = setting(False, "on SIGTERM every rank finishes the current step, the run saves "
+                                        "a checkpoint and exits with status 0 (resume with --load)", SAVE)
     log_dir: Optional[str] = setting(None, "metrics.jsonl and loss_curve.png go here", SAVE)
     progress: Optional[bool] = setting(None, "tqdm progress bar (default: when stdout is a terminal)", SAVE)
     tensorboard_dir: Optional[str] = setting(None, "write the step scalars as TensorBoard event files here (needs "
@@ -143,8 +150,11 @@ class TrainConfig:
             raise ValueError(f"dist_timeout={self.dist_timeout}: expected a number of seconds > 0")
         self.check_numbers()
         check_sink_packages(self)
-        if self.save_every and not self.save:
-            raise ValueError(f"save_every={self.save_every} needs a directory to save to (--save DIR)")
+        for name in ("save_every", "async_save", "keep_last", "exit_signal_handler"):
+            if getattr(self, name) and not self.save:
+                raise ValueError(f"{name}={getattr(self, name)} needs a directory to save to (--save DIR)")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"keep_last={self.keep_last}: expected at least 1 step directory to keep")
 
 
 @dataclasses.dataclass

@@ -32,7 +32,8 @@ RESUME_KEYS = ("data", "tokenizer", "digits", "seed", "global_batch", "seq_len",
                "weight_decay", "clip_grad", "beta1", "beta2", "eps", "heldout_size", "hidden_dropout")
 #: Settings that say where a run saves, loads, logs or stops, not what it computes.
 _PLACE_KEYS = ("save", "load", "stop_after", "log_dir", "progress", "overwrite", "dist_timeout", "tensorboard_dir",
-               "wandb_project", "wandb_exp_name", "wandb_save_dir", "log_level")
+               "wandb_project", "wandb_exp_name", "wandb_save_dir", "log_level", "async_save", "keep_last",
+               "exit_signal_handler")
 
 
 class NonFiniteError(FloatingPointError):

@@ -31,10 +31,13 @@ import torch
 import torch.distributed as dist
 
 from tpinv.core.contract import InvarianceError
+from tpinv.io.checkpoint import param_meta_from_module
 from tpinv.io.run_dir import new_run_id
 from tpinv.ops import tree_sum
 from tpinv.distributed.reduce import gather_shards, tree_all_reduce
-from tpinv.training.train_state import load_train_state, save_train_state
+from tpinv.training.preemption import ExitSignalHandler
+from tpinv.training.ckpt_files import check_compatible
+from tpinv.training.train_state import Checkpointer
 from tpinv.training.config import TrainConfig
 from tpinv.training.guards import (NonFiniteError, changed_on_resume, check_finite, claim_save_dir, config_sha256,
                                    watchdog)
@@ -111,11 +114,14 @@ class Trainer:
         try:
             self._build(config, stream)
         except BaseException:
-            self.close()
+            self.close(publish=False)
             raise
 
-    def close(self) -> None:
-        """Release the lock of the ``save`` directory (the end of the run)."""
+    def close(self, publish: bool = True) -> None:
+        """The end of the run: publish an asynchronous save still in flight (collective; not when
+        ``publish=False``, after an error), close the metrics, release the ``save`` directory's lock."""
+        if publish and getattr(self, "checkpointer", None) is not None and self.logger is not None:
+            self.finalize_save()
         if self.logger is not None:
             self.logger.close()  # the sinks too (a W&B run is finished)
         if self.lock is not None:
@@ -142,10 +148,13 @@ class Trainer:
         self.optimizer = opt(self.layout, betas=(config.beta1, config.beta2), eps=config.eps,
                              weight_decay=config.weight_decay)
         self.step, self.consumed, self.history, self.resumed_from, self.resume_changes = 0, 0, [], None, []
+        self.checkpointer = Checkpointer(config.save, tp=self.tp, dp=self.dp, rank=self.rank,
+                                         distributed=parallel is not None, async_save=config.async_save,
+                                         keep_last=config.keep_last)
         if config.load:
-            st = load_train_state(config.load, model=self.model, optimizer=self.optimizer, layout=self.layout,
-                                  model_args=self.model_args, leaves=config.leaves, tp_size=self.tp,
-                                  tp_rank=self.tp_rank)
+            args = _args_dict(self.model_args)
+            st = self.checkpointer.load(config.load, layout=self.layout, optimizer=self.optimizer,
+                                        check=lambda state, where: check_compatible(state, args, config.leaves, where))
             self.step, self.consumed, self.resumed_from = st["step"], st["consumed_samples"], st["path"]
             self.run_id = st.get("run_id", self.run_id)
             self.resume_changes = changed_on_resume(st.get("config", {}), dataclasses.asdict(config))
@@ -266,19 +275,31 @@ class Trainer:
                  "run_id": self.run_id, "config_sha256": config_sha256(dataclasses.asdict(cfg)),
                  "data": self.dataset.describe(), "tp_size": self.tp, "dp_size": self.dp, "vanilla": cfg.vanilla,
                  "config": dataclasses.asdict(cfg)}
-        path = save_train_state(cfg.save, step=self.step, model=self.model, optimizer=self.optimizer,
-                                layout=self.layout, model_args=self.model_args, state=state,
-                                tp_group=self.tp_group, is_writer=self.rank == 0,
-                                world_group=dist.group.WORLD if self.par else None)
-        self.logger.event("checkpoint", {"step": self.step, "path": path}, f"saved checkpoint {path}")
+        state.update(model_args=_args_dict(self.model_args), param_meta=param_meta_from_module(self.model))
+        self.finalize_save()  # the save in flight first (its own event)
+        path = self.checkpointer.save(step=self.step, layout=self.layout, optimizer=self.optimizer, state=state)
+        if cfg.async_save:
+            self.logger.event("checkpoint_started", {"step": self.step, "path": path},
+                              f"saving checkpoint {path} in the background")
+        else:
+            self.logger.event("checkpoint", {"step": self.step, "path": path}, f"saved checkpoint {path}")
         return path
+
+    def finalize_save(self) -> None:
+        """Wait for an asynchronous save in flight and publish it (collective)."""
+        path = self.checkpointer.finalize()
+        if path is not None:
+            self.logger.event("checkpoint", {"step": int(path[-8:]), "path": path}, f"saved checkpoint {path}")
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict:
         try:
-            return self._run()
-        finally:
-            self.close()
+            result = self._run()
+        except BaseException:
+            self.close(publish=False)  # the other ranks may be gone: no collective
+            raise
+        self.close()
+        return result
 
     def _run(self) -> dict:
         cfg = self.cfg
@@ -291,19 +312,33 @@ class Trainer:
                                  "differ from an uninterrupted run)", self.resumed_from,
                                  "; ".join(self.resume_changes))
         saved_at = start = self.step
-        while self.step < end:
-            rec = self.train_step()
-            if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
-                rec.update(self.evaluate())
-            self.history.append(rec)
-            self.logger.step(rec)
-            if cfg.save and cfg.save_every and self.step % cfg.save_every == 0:
+        signals = ExitSignalHandler(distributed=self.par is not None, device=self.device) \
+            if cfg.exit_signal_handler else None
+        stopped_by_signal = False
+        try:
+            while self.step < end:
+                rec = self.train_step()
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or self.step == cfg.steps:
+                    rec.update(self.evaluate())
+                self.history.append(rec)
+                self.logger.step(rec)
+                if cfg.save and cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save()
+                    saved_at = self.step
+                if signals is not None and signals.stop_requested():  # the same step on every rank
+                    stopped_by_signal = True
+                    self.logger.event("exit_signal", {"step": self.step},
+                                      f"SIGTERM received: saving at step {self.step} and exiting")
+                    break
+            if cfg.save and saved_at != self.step:  # the end of a session that took steps
                 self.save()
-                saved_at = self.step
-        if cfg.save and saved_at != self.step:  # the end of a session that took steps
-            self.save()
+            self.finalize_save()
+        finally:
+            if signals is not None:
+                signals.close()
         result = {"step": self.step, "weights_sha256": self.weights_sha256("model"),
-                  "master_sha256": self.weights_sha256("master"), "history": self.history}
+                  "master_sha256": self.weights_sha256("master"), "history": self.history,
+                  "exit_signal": stopped_by_signal}
         self.logger.event("final", {k: v for k, v in result.items() if k != "history"},
                           f"final weights sha256 {result['weights_sha256']} (step {self.step})")
         if self.rank == 0 and cfg.log_dir and self.step > start:
@@ -331,6 +366,11 @@ class Trainer:
                 + (f" | resumed from {self.resumed_from}" if self.resumed_from else ""))
         return {"tp": self.tp, "dp": self.dp, "vanilla": cfg.vanilla, "start_step": self.step,
                 "config": dataclasses.asdict(cfg), "line": line}
+
+
+def _args_dict(model_args) -> dict:
+    from tpinv.io.hf_keys import args_to_dict
+    return args_to_dict(model_args)
 
 
 def train(config: TrainConfig, parallel=None, *, stream=None) -> dict:

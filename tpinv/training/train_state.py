@@ -1,251 +1,273 @@
-"""Training checkpoints: atomic, complete (weights, fp32 masters, AdamW moments, step, RNG, data
-position), and loadable at any TP size.
+"""Training checkpoints: sharded (every rank writes only its own shards, through
+torch.distributed.checkpoint), complete, checksummed, atomic, and loadable at any TP x DP layout.
 
-Layout of ``ROOT`` (the ``--save`` directory)::
+Layout of ``ROOT`` (the ``--save`` directory; the file names: :mod:`tpinv.training.ckpt_files`)::
 
-    latest                      the name of the newest complete step directory (replaced atomically)
-    step_00000040/              one directory per save, renamed into place only when complete
-        model/                  a tpinv checkpoint (tpinv.io.checkpoint) of the full model weights
-        optimizer.safetensors   full fp32 tensors: master/NAME, exp_avg/NAME, exp_avg_sq/NAME, rng/torch
-        train_state.json        step, data position, LR schedule, RNG, model args, sha256 of the file above
+    latest                  the name of the newest complete step directory (replaced atomically)
+    step_00000040/          one directory per save, renamed into place only when complete
+        .metadata           DCP's index: every tensor's global shape, dtype and chunks
+        __R_0.distcp        the chunks rank R wrote (DCP's files)
+        train_state.json    step, data position, optimizer and LR-schedule state, per-rank RNG,
+                            model args, config, and the sha256 of every file above
 
-Every tensor is stored *full*: the TP shards are gathered exactly (byte concatenation in rank
-order) before writing -- simple and fine at the sizes this runs at -- and at load each rank slices
-its shard of any TP size out of the full tensor, so values travel bit for bit.  Only global
-rank 0 writes; the outcome is broadcast, so every rank raises the same error.  A failed or
-interrupted save leaves ``latest`` and the step directory it names untouched.
+The tensors are ``model/NAME`` (the weights in the model dtype) and ``master/NAME``,
+``exp_avg/NAME``, ``exp_avg_sq/NAME`` (fp32), each described as its full TP=1 tensor
+(:mod:`tpinv.training.dcp_shards`); replicated chunks (DP replicas, replicated KV heads) are
+written once.  Loading reads, for each rank of any layout, exactly the chunk it holds -- the
+same bytes -- so a run resumed at another TP x DP layout continues bit for bit.
+
+A save: rank 0 makes ``step_X.tmp-*``; every rank writes its chunks there; the files are hashed
+(round-robin over the ranks) and rank 0 writes ``train_state.json``, renames the directory into
+place, replaces ``latest``, and removes the older complete steps beyond ``keep_last``.  With
+``async_save`` the shards are first copied to host memory and written by a background thread
+while training goes on; the save is *finalized* (hashed, published) at the next save or at the
+end of the run, so ``latest`` moves only then.  Any failure raises :class:`CheckpointError` on
+every rank and leaves ``latest`` and the step it names untouched.  Format version 1 (full
+tensors in ``optimizer.safetensors``) is refused with an error naming it.
 """
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
+import inspect
 import os
 import random
+import shutil
 import tempfile
+import warnings
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
 
-from tpinv.io.atomic_dir import atomic_directory, fsync_dir, fsync_file, write_json
+from tpinv.io.atomic_dir import publish_directory, write_json
 from tpinv.io.run_dir import clean_stale_temps
-from tpinv.io.checkpoint import (load_shard, param_meta_from_module, param_replicas_from_module, save_checkpoint,
-                                 shard_index)
-from tpinv.distributed.groups import group_size
-from tpinv.distributed.reduce import gather_shards
-from tpinv.io.safetensors_stream import CheckpointError, SafetensorsReader, TensorSpec, write_safetensors
+from tpinv.training.ckpt_files import (FORMAT_NAME, FORMAT_VERSION, STATE_FILE, CheckpointError, file_sha256,
+                                       latest_name, prune_steps, read_train_state, resolve_checkpoint, step_dir_name,
+                                       verify_files, write_latest)
+from tpinv.training.dcp_shards import ShardMeshes, sharded_state_dict
 
-__all__ = ["CheckpointError", "save_train_state", "load_train_state", "resolve_checkpoint", "read_train_state",
-           "step_dir_name", "STATE_FILE", "OPTIM_FILE", "MODEL_DIR", "LATEST_FILE"]
+__all__ = ["Checkpointer", "write_shards"]
 
-FORMAT_NAME, FORMAT_VERSION = "tpinv-train-state", 1
-STATE_FILE, OPTIM_FILE, MODEL_DIR, LATEST_FILE = "train_state.json", "optimizer.safetensors", "model", "latest"
-_MOMENTS = ("master", "exp_avg", "exp_avg_sq")
+# DCP's note that it runs in one process: ``no_dist=True`` (a run without torch.distributed) says so
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", module=r"torch\.distributed\.checkpoint")
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _full(t: torch.Tensor, dim: Optional[int], tp_group, replicas: int = 1) -> torch.Tensor:
-    if dim is None or group_size(tp_group) == 1:
-        return t.detach().clone()
-    return gather_shards(t, tp_group, dim, replicas)
-
-
-def _rng_state() -> tuple[dict, torch.Tensor]:
+def _rng_state() -> dict:
     version, mt, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return ({"python": [version, list(mt), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached]},
-            torch.get_rng_state())
+    return {"python": [version, list(mt), gauss], "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+            "torch": bytes(torch.get_rng_state().tolist()).hex()}
 
 
-def _set_rng_state(rng: dict, torch_state: torch.Tensor) -> None:
+def _set_rng_state(rng: dict) -> None:
     version, mt, gauss = rng["python"]
     random.setstate((version, tuple(mt), gauss))
     name, keys, pos, has_gauss, cached = rng["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch_state)
+    torch.set_rng_state(torch.tensor(list(bytes.fromhex(rng["torch"])), dtype=torch.uint8))
 
 
-def _write_latest(root: str, name: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=LATEST_FILE + ".tmp-", dir=root)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(name + "\n")
-            fsync_file(f)
-        os.replace(tmp, os.path.join(root, LATEST_FILE))
-        fsync_dir(root)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def _agree(error: Optional[str], group) -> Optional[str]:
+    """The first error any rank of ``group`` reports (the same on every rank), or None."""
+    if group is None:
+        return error
+    box: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(box, error, group=group)
+    return next((e for e in box if e), None)
 
 
-def _latest_name(root: str) -> Optional[str]:
-    path = os.path.join(root, LATEST_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return f.read().strip() or None
+class _Pending:
+    """An asynchronous save whose shards are being written."""
+
+    def __init__(self, future, tmp: str, step: int, state: dict):
+        self.future, self.tmp, self.step, self.state = future, tmp, step, state
 
 
-def _write(root: str, step: int, model_args, meta: dict, full: dict, state: dict,
-           torch_rng: torch.Tensor) -> str:
-    out = os.path.join(root, step_dir_name(step))
-    with atomic_directory(out, overwrite=True) as tmp:
-        weights = {name: full[name]["weight"] for name in meta}
-        save_checkpoint(weights, os.path.join(tmp, MODEL_DIR), model_args=model_args, param_meta=meta,
-                        leaves=state["leaves"], row_strategy=state["row_strategy"], extra={"step": step})
-        pairs = [(TensorSpec(f"{k}/{name}", torch.float32, tuple(t[k].shape)), lambda x=t[k]: x)
-                 for name, t in full.items() for k in _MOMENTS]
-        pairs.append((TensorSpec("rng/torch", torch.uint8, tuple(torch_rng.shape)), lambda: torch_rng))
-        write_safetensors(os.path.join(tmp, OPTIM_FILE), pairs, metadata={"format": "pt"})
-        state = dict(state, files={OPTIM_FILE: _file_sha256(os.path.join(tmp, OPTIM_FILE))})
-        write_json(os.path.join(tmp, STATE_FILE), state)
-    _write_latest(root, step_dir_name(step))
-    return out
+class Checkpointer:
+    """Saves and loads one run's training state (every method is collective over the world).
 
-
-def save_train_state(root: str, *, step: int, model, optimizer, layout, model_args, state: dict,
-                     tp_group=None, is_writer: bool = True, world_group=None) -> str:
-    """Save the training state after ``step`` steps into ``root/step_XXXXXXXX`` (collective on all ranks).
-
-    ``state`` holds the JSON-able run state (data position, schedule, config, ``leaves``,
-    ``row_strategy``); model args, optimizer state and RNG are added here.  Raises
-    :class:`CheckpointError` on every rank if the writer fails (e.g. disk full); the previous
-    checkpoint stays complete and ``latest`` keeps naming it.  ``world_group`` holds every rank
-    that saves (the writer's error is broadcast over it); ``None`` only in a single-process run.
+    ``meshes`` is None for a single process without torch.distributed; otherwise the DCP
+    collectives run on a gloo group of the whole world made for checkpoints (a background
+    save never shares a group with the training collectives).
     """
-    meta = param_meta_from_module(model)
-    full = {}
-    for s in layout.slots:
-        local = dict(optimizer.tensors(s.name), weight=layout.params[s.name])
-        full[s.name] = {k: _full(v, s.partition_dim, tp_group, s.replicas) for k, v in local.items()}
-    rng, torch_rng = _rng_state()
-    state = dict(state, format=FORMAT_NAME, format_version=FORMAT_VERSION, step=step, rng=rng,
-                 optimizer=optimizer.state(), model_args=_args_dict(model_args))
-    error, path = None, os.path.join(os.path.abspath(root), step_dir_name(step))
-    if is_writer:
+
+    def __init__(self, root: Optional[str], *, tp: int = 1, dp: int = 1, rank: int = 0, distributed: bool = False,
+                 async_save: bool = False, keep_last: Optional[int] = None):
+        self.root = os.path.abspath(root) if root else None
+        self.rank, self.async_save, self.keep_last = rank, async_save, keep_last
+        self.meshes = ShardMeshes(tp, dp) if distributed else None
+        self._group, self.pending = None, None
+
+    @property
+    def group(self):
+        if self.meshes is not None and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _dcp_kwargs(self) -> dict:
+        return {"process_group": self.group} if self.meshes is not None else {"no_dist": True}
+
+    def _bcast(self, obj):
+        if self.meshes is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    # -- save ------------------------------------------------------------------------------------
+    def save(self, *, step: int, layout, optimizer, state: dict) -> str:
+        """Save the state after ``step`` steps; returns ``ROOT/step_XXXXXXXX`` (not yet there if async)."""
+        self.finalize()
+        rng = _rng_state()
+        rngs = [rng] if self.meshes is None else [None] * dist.get_world_size(self.group)
+        if self.meshes is not None:
+            dist.all_gather_object(rngs, rng, group=self.group)
+        state = dict(state, format=FORMAT_NAME, format_version=FORMAT_VERSION, step=step, rng=rngs,
+                     optimizer=optimizer.state())
+        tmp, error = None, None
+        if self.rank == 0:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                clean_stale_temps(self.root)  # what a killed save left (the caller holds the directory's lock)
+                tmp = tempfile.mkdtemp(prefix=step_dir_name(step) + ".tmp-", dir=self.root)
+            except OSError as e:
+                error = self._failed(step, e)
+        tmp, error = self._bcast((tmp, error))
+        if error:
+            raise CheckpointError(error)
         try:
-            os.makedirs(root, exist_ok=True)
-            clean_stale_temps(root)  # what a killed save left (the caller holds the directory's lock)
-            path = _write(os.path.abspath(root), step, model_args, meta, full, state, torch_rng)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            previous = _latest_name(root) if os.path.isdir(root) else None
-            keep = f"; the previous checkpoint {os.path.join(root, previous)} is intact" if previous else \
-                "; no checkpoint was written"
-            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                error = f"disk full while saving the checkpoint of step {step} to {root} ({e}){keep}"
-            else:
-                error = f"saving the checkpoint of step {step} to {root} failed: {type(e).__name__}: {e}{keep}"
-    if group_size(world_group, "world_group") > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0, group=world_group)
-        error = box[0]
-    if error:
-        raise CheckpointError(error)
-    return path
+            shards = sharded_state_dict(layout, optimizer, self.meshes, stage=self.async_save)
+            writer = dcp.FileSystemWriter(tmp, thread_count=1)
+            if self.async_save:
+                self.pending = _Pending(write_shards(shards, writer, self._dcp_kwargs(), asynchronous=True),
+                                        tmp, step, state)
+                return os.path.join(self.root, step_dir_name(step))
+            write_shards(shards, writer, self._dcp_kwargs())
+        except Exception as e:  # noqa: BLE001 - reported on every rank by _publish
+            error = self._failed(step, e)
+        except BaseException:  # interrupted: what was written goes, latest stays
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self._publish(tmp, step, state, error)
+
+    def finalize(self) -> Optional[str]:
+        """Wait for the asynchronous save in flight (if any) and publish it; its step directory or None."""
+        if self.pending is None:
+            return None
+        pending, self.pending, error = self.pending, None, None
+        try:
+            pending.future.result()
+        except Exception as e:  # noqa: BLE001
+            error = self._failed(pending.step, e)
+        return self._publish(pending.tmp, pending.step, pending.state, error)
+
+    def _failed(self, step: int, e: BaseException) -> str:
+        previous = latest_name(self.root) if os.path.isdir(self.root) else None
+        keep = f"; the previous checkpoint {os.path.join(self.root, previous)} is intact" if previous else \
+            "; no checkpoint was written"
+        cause = getattr(e, "failures", None) or e  # DCP's CheckpointException carries each rank's error
+        text = f"{type(e).__name__}: {e}"
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in str(cause):
+            return f"disk full while saving the checkpoint of step {step} to {self.root} ({e}){keep}"
+        return f"saving the checkpoint of step {step} to {self.root} failed: {text}{keep}"
+
+    def _publish(self, tmp: str, step: int, state: dict, error: Optional[str]) -> str:
+        """Hash the written files, write the state, rename into place, replace ``latest`` (collective)."""
+        error = _agree(error, self.group)
+        hashes: dict = {}
+        if not error:
+            world = 1 if self.meshes is None else dist.get_world_size(self.group)
+            rank = 0 if self.meshes is None else dist.get_rank(self.group)
+            try:
+                names = sorted(n for n in os.listdir(tmp) if n != STATE_FILE)
+                hashes = {n: file_sha256(os.path.join(tmp, n)) for n in names[rank::world]}
+            except OSError as e:
+                error = self._failed(step, e)
+            if self.meshes is not None:
+                parts: list = [None] * world
+                dist.all_gather_object(parts, (hashes, error), group=self.group)
+                hashes = {k: v for h, _ in parts for k, v in h.items()}
+                error = next((e for _, e in parts if e), None)
+        out = os.path.join(self.root, step_dir_name(step))
+        if self.rank == 0:
+            try:
+                if error:
+                    raise RuntimeError(error)
+                write_json(os.path.join(tmp, STATE_FILE), dict(state, files=hashes))
+                publish_directory(tmp, out)
+                write_latest(self.root, step_dir_name(step))
+                if self.keep_last:
+                    prune_steps(self.root, self.keep_last)
+            except Exception as e:  # noqa: BLE001
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = error or self._failed(step, e)
+        error = self._bcast(error)
+        if error:
+            raise CheckpointError(error)
+        return out
+
+    # -- load ------------------------------------------------------------------------------------
+    def load(self, path: str, *, layout, optimizer, check=None) -> dict:
+        """Load a checkpoint (a ``--save`` root or a step directory) into this rank's shards.
+
+        ``check(state, step_dir)`` may refuse the checkpoint (e.g. another model) before any
+        tensor is read.  Restores the optimizer state and this rank's RNG (rank 0's when the
+        world size changed); returns the saved state with ``path`` set to the step directory.
+        """
+        step_dir = resolve_checkpoint(path)
+        state = read_train_state(step_dir)
+        if check is not None:
+            check(state, step_dir)
+        world = 1 if self.meshes is None else dist.get_world_size(self.group)
+        rank = 0 if self.meshes is None else dist.get_rank(self.group)
+        error = None
+        try:
+            verify_files(step_dir, state, part=(rank, world))
+        except CheckpointError as e:
+            error = str(e)
+        error = _agree(error, self.group)
+        if error:
+            raise CheckpointError(error)
+        shards = sharded_state_dict(layout, optimizer, self.meshes)
+        try:
+            with torch.no_grad():
+                dcp.load(shards, storage_reader=dcp.FileSystemReader(step_dir), **self._dcp_kwargs())
+        except Exception as e:  # noqa: BLE001 - DCP raises on every rank alike
+            raise CheckpointError(f"{step_dir}: reading the sharded tensors failed: "
+                                  f"{' '.join(str(e).split())[:600]}") from None
+        optimizer.load_state(state["optimizer"])
+        rngs = state["rng"]
+        _set_rng_state(rngs[rank] if len(rngs) == world else rngs[0])
+        state["path"] = step_dir
+        return state
 
 
-def _args_dict(model_args) -> dict:
-    from tpinv.io.hf_keys import args_to_dict
-    return args_to_dict(model_args)
+class _AlreadyStaged(AsyncStager):
+    """The shards were copied to host memory when the state dict was built (``stage=True``): DCP's
+    default stager would copy them a second time."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
-def resolve_checkpoint(path: str) -> str:
-    """The step directory ``path`` names: itself, or the one its ``latest`` file names."""
-    if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {path} not found")
-    if os.path.isfile(os.path.join(path, STATE_FILE)):
-        return os.path.abspath(path)
-    name = _latest_name(path)
-    if name is None:
-        raise CheckpointError(f"{path} is not a training checkpoint: expected {STATE_FILE} in it, or a "
-                              f"'{LATEST_FILE}' file naming a step directory")
-    step_dir = os.path.join(path, name)
-    if not os.path.isfile(os.path.join(step_dir, STATE_FILE)):
-        raise CheckpointError(f"{path}/{LATEST_FILE} names {name}, but {step_dir}/{STATE_FILE} is missing")
-    return os.path.abspath(step_dir)
+def write_shards(shards: dict, writer, kwargs: dict, asynchronous: bool = False):
+    """The DCP write of this rank's shards (a future when ``asynchronous``)."""
+    if asynchronous:
+        if "async_stager" in inspect.signature(dcp.async_save).parameters:  # else DCP stages the copies again
+            kwargs = dict(kwargs, async_stager=_AlreadyStaged())
+        return dcp.async_save(shards, storage_writer=writer, **kwargs)
+    return dcp.save(shards, storage_writer=writer, **kwargs)
 
 
-def read_train_state(step_dir: str) -> dict:
-    """Parse and check ``train_state.json`` and the sha256 of the optimizer file."""
-    path = os.path.join(step_dir, STATE_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} cannot be read as JSON: {e}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT_NAME or \
-            state.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: not a {FORMAT_NAME} version {FORMAT_VERSION} file")
-    optim = os.path.join(step_dir, OPTIM_FILE)
-    if not os.path.isfile(optim):
-        raise CheckpointError(f"{optim} is missing: the checkpoint is incomplete")
-    want = state.get("files", {}).get(OPTIM_FILE)
-    if want != _file_sha256(optim):
-        raise CheckpointError(f"{optim}: sha256 mismatch with {STATE_FILE}; the file is corrupt")
-    return state
-
-
-def _check_compatible(state: dict, model_args: dict, leaves: int, where: str) -> None:
-    saved = state.get("model_args", {})
-    diff = [f"{k} (checkpoint {saved.get(k)!r}, this run {model_args.get(k)!r})"
-            for k in sorted(set(saved) | set(model_args)) if saved.get(k) != model_args.get(k)]
-    if diff:
-        raise CheckpointError(f"{where} was saved for a different model: {'; '.join(diff)}")
-    if state.get("leaves") != leaves:
-        raise CheckpointError(f"{where} was saved with leaves={state.get('leaves')}, this run uses leaves={leaves}; "
-                              f"the leaf count fixes the reduction order and must match")
-
-
-def load_train_state(path: str, *, model, optimizer, layout, model_args, leaves: int, tp_size: int = 1,
-                     tp_rank: int = 0) -> dict:
-    """Load a checkpoint (a ``--save`` root or a step directory) into this rank's shards; returns its state.
-
-    The model weights, master weights and moments are sliced for ``tp_rank`` of ``tp_size``;
-    the RNG states are restored.  Raises :class:`CheckpointError` for a missing, incomplete or
-    corrupt checkpoint or one saved for a different model.
-    """
-    step_dir = resolve_checkpoint(path)
-    state = read_train_state(step_dir)
-    _check_compatible(state, _args_dict(model_args), leaves, step_dir)
-    meta = param_meta_from_module(model)
-    try:
-        weights = load_shard(os.path.join(step_dir, MODEL_DIR), tp_size, tp_rank, param_meta=meta, verify=True,
-                             replicas=param_replicas_from_module(model))
-    except (KeyError, ValueError, OSError) as e:
-        raise CheckpointError(f"{step_dir}/{MODEL_DIR}: {e}") from None
-    with SafetensorsReader(os.path.join(step_dir, OPTIM_FILE)) as reader, torch.no_grad():
-        for s in layout.slots:
-            index = shard_index(s.full_shape, s.partition_dim, tp_size, tp_rank, s.name, s.replicas)
-            layout.params[s.name].copy_(_checked(weights[s.name], s.shape, f"model {s.name}"))
-            local = optimizer.tensors(s.name)
-            for k in _MOMENTS:
-                key = f"{k}/{s.name}"
-                if key not in reader.specs or tuple(reader.specs[key].shape) != tuple(s.full_shape):
-                    raise CheckpointError(f"{step_dir}/{OPTIM_FILE}: {key} is missing or not of shape "
-                                          f"{list(s.full_shape)}")
-                local[k].copy_(_checked(reader.get(key, index), s.shape, key))
-        torch_rng = reader.get("rng/torch") if "rng/torch" in reader.specs else torch.get_rng_state()
-    optimizer.load_state(state["optimizer"])
-    _set_rng_state(state["rng"], torch_rng)
-    state["path"] = step_dir
-    return state
-
-
-def _checked(t: torch.Tensor, shape: tuple, what: str) -> torch.Tensor:
-    if tuple(t.shape) != tuple(shape):
-        raise CheckpointError(f"{what}: checkpoint slice has shape {list(t.shape)}, expected {list(shape)}")
-    return t
