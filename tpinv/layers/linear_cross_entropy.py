@@ -32,7 +32,11 @@ from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.cross_entropy import logits_grad, logsumexp_and_target
 from tpinv.layers.functions import column_input_grad, rounded_matmul, weight_grad
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "check_chunk_tokens"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "check_chunk_tokens", "LOG_PROB_CHUNK_TOKENS"]
+
+#: Tokens per chunk of the RL log-prob paths (:mod:`tpinv.rl`, :func:`tpinv.engine.metrics.trainer_log_probs`):
+#: 4096 x 151,936 vocabulary entries are 2.3 GiB of fp32 logits at TP=1 (and V/C per rank).
+LOG_PROB_CHUNK_TOKENS = 4096
 
 
 def check_chunk_tokens(chunk_tokens: Optional[int], name: str = "chunk_tokens") -> Optional[int]:
