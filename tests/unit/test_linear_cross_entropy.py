@@ -145,3 +145,30 @@ def test_errors_name_the_setting():
     model = Transformer(get_config("qwen3-tiny"))
     with pytest.raises(ValueError, match="chunk_tokens"):
         model.loss(target, target, chunk_tokens=0)
+
+
+def test_trainer_setting_keeps_the_curve_and_weights(monkeypatch):
+    import io
+
+    import tpinv.models.transformer as transformer
+    from tpinv.training import TrainConfig
+    from tpinv.training.loop import Trainer
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["chunk_tokens"])
+        return linear_cross_entropy(*args, **kwargs)
+    monkeypatch.setattr(transformer, "linear_cross_entropy", counted)
+    tiny = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch=4, eval_every=0, warmup=1,
+                lr=1e-2, steps=2)
+    runs = {}
+    for chunk in (None, 5):
+        result = Trainer(TrainConfig(**tiny, cross_entropy_chunk_tokens=chunk), stream=io.StringIO()).run()
+        runs[chunk] = ([(r["loss_hex"], r["grad_norm_hex"]) for r in result["history"]],
+                       result["weights_sha256"])
+    assert runs[5] == runs[None]
+    assert calls and set(calls) == {5}   # the chunked path ran (in the chunked run only)
+    with pytest.raises(ValueError, match="cross_entropy_chunk_tokens"):
+        TrainConfig(**tiny, cross_entropy_chunk_tokens=0).check(1)
+    with pytest.raises(NotImplementedError, match="cross_entropy_chunk_tokens"):
+        TrainConfig(**tiny, cross_entropy_chunk_tokens=4, vanilla=True).check(1)
