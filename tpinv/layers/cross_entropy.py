@@ -60,10 +60,11 @@ def logits_grad(x: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, dloss: 
     Elementwise given the row's ``lse``: the bits of an entry do not depend on which columns or
     rows are computed with it."""
     outside = (local < 0) | (local >= x.shape[-1])
-    grad = torch.exp(x - lse.unsqueeze(-1))
-    hit = torch.zeros_like(grad).scatter_(-1, local.masked_fill(outside, 0).unsqueeze(-1),
-                                          (~outside).to(grad.dtype).unsqueeze(-1))
-    return (grad - hit) * dloss.unsqueeze(-1)
+    grad = (x - lse.unsqueeze(-1)).exp_()
+    # minus the one-hot, in place: g + (-1) is g - 1 and g + (-0.0) is g (IEEE), one entry per row
+    minus_hit = (~outside).to(grad.dtype).neg_().unsqueeze(-1)
+    grad.scatter_add_(-1, local.masked_fill(outside, 0).unsqueeze(-1), minus_hit)
+    return grad.mul_(dloss.unsqueeze(-1))
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,

@@ -15,9 +15,10 @@ holding the ``[tokens, V/C]`` logits.  Why the chunking cannot change a bit:
   itself, on a ``[tokens, slice]`` block whose logits are recomputed (each logit has the bits
   of the full matrix's).  The slice holds about as many elements as a token chunk.
 
-Memory: at most ``chunk_tokens * V/C`` logits live at once (fp32, with their rounded
-gradient), plus the fp32 ``[chunk_tokens]`` rows of the reductions; the cost is one extra
-output-layer product in the forward-only case (none) and two in the backward (the logits are
+Memory: at most ``chunk_tokens * V/C`` logits live at once (about 12 bytes each at the
+backward's peak: the rounded logits, their fp32 copy, the fp32 gradient and its rounding),
+besides the saved hidden states and one fp32 value per token.  The cost: none in a forward
+without grad; with a backward the output layer's product runs twice more (the logits are
 recomputed for ``dX`` and for ``dW``).
 """
 from __future__ import annotations
@@ -35,8 +36,8 @@ from tpinv.layers.functions import column_input_grad, rounded_matmul, weight_gra
 __all__ = ["linear_cross_entropy", "linear_log_probs", "check_chunk_tokens", "LOG_PROB_CHUNK_TOKENS"]
 
 #: Tokens per chunk of the RL log-prob paths (:mod:`tpinv.rl`, :func:`tpinv.engine.metrics.trainer_log_probs`):
-#: 4096 x 151,936 vocabulary entries are 2.3 GiB of fp32 logits at TP=1 (and V/C per rank).
-LOG_PROB_CHUNK_TOKENS = 4096
+#: 512 x 151,936 vocabulary entries are 0.29 GiB of fp32 logits at TP=1 (V/C entries per rank).
+LOG_PROB_CHUNK_TOKENS = 512
 
 
 def check_chunk_tokens(chunk_tokens: Optional[int], name: str = "chunk_tokens") -> Optional[int]:
