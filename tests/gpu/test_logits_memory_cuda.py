@@ -55,6 +55,16 @@ def test_column_forward_rounds_in_the_epilogue():
     assert ref_peak >= out_bytes * 3 * 0.95, (ref_peak, out_bytes)   # control: fp32 + bf16 copies
 
 
+@pytest.mark.parametrize("leaves", [1, 8])
+def test_epilogue_equals_fp32_then_round_for_every_config(leaves):
+    from tpinv.kernels.tiles import CANDIDATE_CONFIGS
+    from tpinv.kernels.triton_matmul import matmul_cuda
+    x, w = rand(300, 512), rand(384, 512, seed=1)
+    for cfg in CANDIDATE_CONFIGS:
+        assert_same_bits(matmul_cuda(x, w, leaves, config=cfg), matmul_partial_cuda(x, w, leaves, config=cfg)
+                         .to(torch.bfloat16), f"bf16 epilogue, leaves={leaves}, {cfg.name()}")
+
+
 def unchunked(x, w, target, seed_grad):
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(ColumnParallelMatmul.apply(x, w, None, None, 8, True), target)
