@@ -148,6 +148,8 @@ def run_case(spec: str, batch: int, seq: int, measures, *, dtype, device, iters:
     targets = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
     weights = (torch.rand(batch, seq, generator=gen) / (batch * seq)).to(device)
     out = {"model": spec, "batch": batch, "seq": seq, "vocab": vocab, "chunk_tokens": chunk,
+           "note": "peak_gib_above_weights: max_memory_allocated during one call minus memory_allocated "
+                   "before it (weights and inputs); a train step's includes the parameter gradients",
            "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / GIB}
     for measure_name in measures:
         for path, fn in _paths(measure_name, model, hf, tokens, targets, weights, chunk).items():
