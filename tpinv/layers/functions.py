@@ -66,7 +66,7 @@ def column_input_grad(dy: torch.Tensor, weight: torch.Tensor, group, leaves: int
     on row ``t`` of ``dy`` only.
     """
     tp = group_size(group)
-    if tp == 1 and stride == 1:   # no partial crosses ranks or blocks: rounded in the epilogue
+    if tp == 1 and stride == 1 and replicas == 1:   # no partial crosses ranks or blocks: rounded in the epilogue
         return rounded_matmul(dy, weight.t(), leaves)
     n = weight.shape[0] // (stride * replicas)
     off = replica_index * n
