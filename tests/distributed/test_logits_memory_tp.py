@@ -7,6 +7,8 @@
 * Chunked cross-entropy: ``model.loss(..., chunk_tokens=5)`` gives the loss and every parameter
   gradient (gathered) of the unchunked loss, at every TP size, and with sequence parallelism at
   TP 2 and 4.
+* Bounded cross-rank partials: with ``PARTIAL_CHUNK_BYTES`` at one byte every fp32 partial
+  that crosses ranks is reduced a row at a time; the loss and gradients keep the TP 1 bits.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tpinv.distributed.reduce import all_gather
+from tpinv.layers import functions
 from tpinv.models import Transformer, get_config
 from tpinv.testing import assert_bits_differ, assert_same_bits, run_ranks
 
@@ -79,6 +82,12 @@ def run(rank, world_size):
         if world_size > 1:
             out[name, "loss-sp"] = loss_case(build(name, group, sequence_parallel=True), tokens, targets,
                                              seed_grad, 5, group)
+            saved = functions.PARTIAL_CHUNK_BYTES
+            functions.PARTIAL_CHUNK_BYTES = 1   # every cross-rank reduction one row at a time
+            try:
+                out[name, "loss-rows"] = loss_case(build(name, group), tokens, targets, seed_grad, None, group)
+            finally:
+                functions.PARTIAL_CHUNK_BYTES = saved
     return out
 
 
@@ -112,3 +121,5 @@ def test_selected_rows_and_chunked_loss_at_tp_1_2_4():
             if tp > 1:
                 check_loss(out[name, "loss-sp"], results[1][name, "loss", None],
                            f"TP={tp} {name}: chunked with sequence parallelism vs TP=1")
+                check_loss(out[name, "loss-rows"], results[1][name, "loss", None],
+                           f"TP={tp} {name}: cross-rank partials reduced a row at a time vs TP=1")

@@ -25,7 +25,7 @@ the whole sequence, so every output and gradient has the bits of SP off.
 A product no rank shares (the column forward, ``dW``, the row layer's local ``dX``) is
 rounded once by :func:`tpinv.ops.matmul` -- on CUDA in the kernel's epilogue, so no fp32
 tensor of the product's size exists; an fp32 partial is materialised only where it is
-combined across ranks.  Rounding in the epilogue or after is the same single rounding of
+combined across ranks, and then :data:`PARTIAL_CHUNK_BYTES` of rows at a time.  Rounding in the epilogue or after is the same single rounding of
 the same fp32 value: the same bits.
 """
 from __future__ import annotations
@@ -39,8 +39,18 @@ from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.distributed.reduce import all_gather, tree_all_reduce, tree_reduce_scatter
 
 
+#: Bytes of fp32 partials a cross-rank reduction holds at once: rows are reduced in chunks of
+#: this size (each row's sum is the same whatever rows share its chunk).
+PARTIAL_CHUNK_BYTES = 256 << 20
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
+
+
+def _row_chunks(rows: int, row_bytes: int) -> list[slice]:
+    step = max(1, PARTIAL_CHUNK_BYTES // max(row_bytes, 1))
+    return [slice(s, s + step) for s in range(0, rows, step)]
 
 
 def rounded_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int) -> torch.Tensor:
@@ -70,11 +80,16 @@ def column_input_grad(dy: torch.Tensor, weight: torch.Tensor, group, leaves: int
         return rounded_matmul(dy, weight.t(), leaves)
     n = weight.shape[0] // (stride * replicas)
     off = replica_index * n
-    parts = torch.stack([matmul_partial(dy.narrow(-1, off + j * n, n), weight.narrow(0, off + j * n, n).t(),
-                                        leaves // tp) for j in range(stride)], dim=-1)
-    if tp > 1:
-        parts = tree_all_reduce(parts, group, leaves=leaves)
-    return tree_combine(parts).to(dy.dtype)
+    dy2 = _flat(dy)
+    dx = torch.empty(dy2.shape[0], weight.shape[1], dtype=dy.dtype, device=dy.device)
+    for rows in _row_chunks(dy2.shape[0], 4 * stride * weight.shape[1]):
+        parts = torch.stack([matmul_partial(dy2[rows].narrow(-1, off + j * n, n),
+                                            weight.narrow(0, off + j * n, n).t(), leaves // tp)
+                             for j in range(stride)], dim=-1)
+        if tp > 1:
+            parts = tree_all_reduce(parts, group, leaves=leaves)
+        dx[rows] = tree_combine(parts)
+    return dx.reshape(*dy.shape[:-1], weight.shape[1])
 
 
 def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -128,12 +143,14 @@ class RowParallelTreeMatmul(torch.autograd.Function):
         ctx.seq_dim = seq_dim if tp > 1 else None
         if tp == 1:   # no partial crosses ranks: rounded in the epilogue
             return rounded_matmul(x, weight, leaves)
-        part = matmul_partial(x, weight, leaves // tp)
         if ctx.seq_dim is not None:  # sequence parallel: the same tree, each rank keeps its chunk
-            part = tree_reduce_scatter(part, group, dim=seq_dim, leaves=leaves)
-        else:
-            part = tree_all_reduce(part, group, leaves=leaves)
-        return part.to(x.dtype)
+            part = matmul_partial(x, weight, leaves // tp)
+            return tree_reduce_scatter(part, group, dim=seq_dim, leaves=leaves).to(x.dtype)
+        x2 = _flat(x)
+        y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        for rows in _row_chunks(x2.shape[0], 4 * weight.shape[0]):   # bounded fp32 partials
+            y[rows] = tree_all_reduce(matmul_partial(x2[rows], weight, leaves // tp), group, leaves=leaves)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
