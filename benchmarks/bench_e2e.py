@@ -21,7 +21,13 @@ invariant prefill of the same tokens (the last position's logits, bitwise) and t
 if they differ.
 Prints a table; ``--json`` writes the records.  Runs on CPU too (a check of the script).
 
+``--memory issue`` adds peak memory beside time for tpinv, vanilla and HF transformers at the
+shapes of :data:`benchmarks.memory_e2e.ISSUE_CASES` (forward without grad, a training step, and
+the log-probs of one 32k-token sequence); ``--memory tiny`` runs them at a tiny shape (CPU);
+``--memory-only`` skips the measurements above.
+
     python -m benchmarks.bench_e2e --model qwen3-0.6b --json out.json
+    python -m benchmarks.bench_e2e --memory issue --memory-only --json memory.json
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ import time
 import torch
 
 from benchmarks.common import write_json
+from benchmarks.memory_e2e import ISSUE_CASES, TINY_CASES, format_rows, run_cases
+from tpinv.layers.linear_cross_entropy import LOG_PROB_CHUNK_TOKENS
 from tpinv.core.dtypes import dtype_from_name
 from tpinv.core.capture import capture
 from tpinv.engine.decode_graph import DecodeGraph
@@ -159,7 +167,7 @@ def decode_rates(model, device, batch: int, prompt_len: int, new: int, repeats: 
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-0.6b", help="config name, optionally :LAYERS")
     p.add_argument("--batch", type=int, default=4)
@@ -171,9 +179,26 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--json", default=None)
-    opts = p.parse_args()
+    p.add_argument("--memory", choices=["issue", "tiny"], default=None,
+                   help="also measure peak memory beside time (tpinv, vanilla, HF) at these shapes")
+    p.add_argument("--memory-only", action="store_true", help="only the --memory cases")
+    p.add_argument("--chunk-tokens", type=int, default=LOG_PROB_CHUNK_TOKENS,
+                   help="chunk_tokens of the chunked cross-entropy / log-prob paths")
+    opts = p.parse_args(argv)
+    if opts.memory_only and opts.memory is None:
+        p.error("--memory-only needs --memory issue or --memory tiny")
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    memory = None
+    if opts.memory:
+        memory = run_cases(ISSUE_CASES if opts.memory == "issue" else TINY_CASES, dtype=dtype_from_name(opts.dtype),
+                           device=device, iters=opts.iters, chunk=opts.chunk_tokens)
+        print("\n".join(format_rows(memory)))
+    if opts.memory_only:
+        if opts.json:
+            write_json(opts.json, {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                                   "dtype": opts.dtype, "memory": memory}, indent=2)
+        return
     name, _, layers = opts.model.partition(":")
     model = build(name, int(layers) if layers else None, dtype_from_name(opts.dtype), device)
     params = sum(t.numel() for t in model.parameters())
@@ -203,7 +228,7 @@ def main() -> None:
               f"{'>= 0.75':>8}")
     if opts.json:
         write_json(opts.json, {"device": dev, "model": opts.model, "params": params, "dtype": opts.dtype,
-                               "train": train, "decode": decode}, indent=2)
+                               "train": train, "decode": decode, "memory": memory}, indent=2)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.common import ROW_STRATEGIES
 from tpinv.layers.dropout import TokenDropout, check_dropout_rate
 from tpinv.layers.kv_replication import gather_replica_heads, split_replica_heads
-from tpinv.distributed.mappings import (gather_from_tensor_model_parallel_region,
+from tpinv.distributed.mappings import (gather_from_sequence_parallel_region,
+                                        gather_from_tensor_model_parallel_region,
                                         scatter_to_sequence_parallel_region)
+from tpinv.layers.linear_cross_entropy import check_chunk_tokens, linear_cross_entropy
 from tpinv.models.args import ModelArgs
 from tpinv.models.kv_cache import KVCache
 from tpinv.models.recompute import Recompute, checkpointed, recompute_active
@@ -190,6 +192,19 @@ def packed_key_positions(tokens: torch.Tensor, positions: Optional[torch.Tensor]
     return positions
 
 
+def select_positions(h: torch.Tensor, index: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+    """Rows ``h[b, index[b, j]]`` of ``h [B, S, H]``: ``[B, n, H]`` (an exact copy)."""
+    if sequence_parallel:
+        raise NotImplementedError("logits_index with sequence_parallel=True is not supported (the rows live "
+                                  "on different ranks); build the model without sequence parallelism")
+    if index.dtype != torch.int64 or index.dim() != 2 or index.shape[0] != h.shape[0]:
+        raise ValueError(f"logits_index must be int64 of shape [B={h.shape[0]}, n], got {index.dtype} "
+                         f"{list(index.shape)}")
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= h.shape[1]):
+        raise ValueError(f"logits_index holds positions outside [0, {h.shape[1]})")
+    return h.gather(1, index.to(h.device).unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+
+
 class Transformer(torch.nn.Module):
     """Decoder-only LM; ``forward`` returns this rank's vocabulary shard of the logits."""
 
@@ -269,8 +284,13 @@ class Transformer(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 cache: Optional[KVCache] = None, mask: Optional[torch.Tensor] = None, *,
                 num_valid: Optional[torch.Tensor] = None, gather_logits: bool = False,
-                sample_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                sample_ids: Optional[torch.Tensor] = None,
+                logits_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``[B, S, V/C]`` in ``args.dtype`` (``[B, S, V]`` with ``gather_logits``, exact).
+
+        ``logits_index`` (int64 ``[B, n]``): the output layer runs on those positions of each
+        row only and the logits are ``[B, n, V/C]`` -- the same bits as those rows of the full
+        logits, since a logit depends on its own hidden row only (no ``[B, S, V]`` tensor).
 
         ``positions [B, S]`` default to ``arange(S)`` after each request's cache length.
         With ``cache`` the new keys/values are written at their positions and attention
@@ -284,6 +304,20 @@ class Transformer(torch.nn.Module):
         In training mode with ``hidden_dropout > 0``, ``sample_ids`` (int64 ``[B]``, each row's
         global sample index in the run) key the dropout masks (:mod:`tpinv.layers.dropout`).
         """
+        h = self.hidden_states(tokens, positions, cache, mask, num_valid=num_valid, sample_ids=sample_ids)
+        if logits_index is not None:
+            h = select_positions(h, logits_index, self.sequence_parallel)
+        logits = self.lm_head(h, weight=self.embed_tokens.weight if self.args.tie_word_embeddings else None)[0]
+        if gather_logits and self.tp_size > 1:
+            logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
+        return logits
+
+    def hidden_states(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                      cache: Optional[KVCache] = None, mask: Optional[torch.Tensor] = None, *,
+                      num_valid: Optional[torch.Tensor] = None,
+                      sample_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The final norm's output ``[B, S, H]``, the output layer's input (arguments as :meth:`forward`;
+        with sequence parallelism this rank's sequence chunk)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must have shape [B, S], got {list(tokens.shape)}")
         k_pos = packed_key_positions(tokens, positions, cache)
@@ -306,13 +340,22 @@ class Transformer(torch.nn.Module):
             h = (checkpointed if again else _call)(self._run_layers, start, end, h, cos, sin, positions, mask,
                                                    cache, k_pos, dropout)
         h = self.norm(h)
-        weight = self.embed_tokens.weight if self.args.tie_word_embeddings else None
-        logits = self.lm_head(h, weight=weight)[0]
         if cache is not None:
             cache.advance(positions, num_valid, check=False)
-        if gather_logits and self.tp_size > 1:
-            logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
-        return logits
+        return h
+
+    def _whole_sequence(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` over the whole sequence: with sequence parallelism all-gathered exactly (its
+        gradient keeps this rank's chunk of the full, identical ``dX``); else ``h``."""
+        if not self.sequence_parallel:
+            return h
+        return gather_from_sequence_parallel_region(h.transpose(0, 1).contiguous(), self.tp_group,
+                                                    tensor_parallel_output_grad=False).transpose(0, 1)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """This rank's shard ``[V/C, H]`` of the output layer (the embedding's when tied)."""
+        return self.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
 
     def _dropout(self, sample_ids: Optional[torch.Tensor], local_len: int) -> Optional[TokenDropout]:
         """This forward's hidden dropout: None unless training with ``hidden_dropout > 0``."""
@@ -326,15 +369,27 @@ class Transformer(torch.nn.Module):
         return TokenDropout(self.hidden_dropout, self.dropout_seed, sample_ids, first)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, positions: Optional[torch.Tensor] = None,
-             mask: Optional[torch.Tensor] = None, sample_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Per-token cross-entropy ``[B, S]`` in fp32 (vocab-parallel, invariant)."""
+             mask: Optional[torch.Tensor] = None, sample_ids: Optional[torch.Tensor] = None, *,
+             chunk_tokens: Optional[int] = None) -> torch.Tensor:
+        """Per-token cross-entropy ``[B, S]`` in fp32 (vocab-parallel, invariant).
+
+        ``chunk_tokens``: the output layer and the cross-entropy run that many tokens at a time
+        (:func:`tpinv.layers.linear_cross_entropy`), so at most ``chunk_tokens x V/C`` logits
+        exist at once; the loss and every gradient have the same bits as ``None`` (whole).
+        """
         if targets.shape != tokens.shape:
             raise ValueError(f"targets must have the shape of tokens, {list(tokens.shape)}, got "
                              f"{list(targets.shape)}")
+        if check_chunk_tokens(chunk_tokens) is not None:
+            return linear_cross_entropy(self._whole_sequence(self.hidden_states(tokens, positions, mask=mask,
+                                                                                   sample_ids=sample_ids)),
+                                        self.output_weight, targets,
+                                        tp_group=self.tp_group, leaves=self.leaves, chunk_tokens=chunk_tokens)
         logits = self.forward(tokens, positions, mask=mask, sample_ids=sample_ids)
         return vocab_parallel_cross_entropy(logits, targets, tp_group=self.tp_group, leaves=self.leaves)
 
     def log_probs(self, tokens: torch.Tensor, targets: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                  mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Per-token ``log p(target)`` ``[B, S]`` in fp32: ``-loss``, the same bits at every TP size."""
-        return -self.loss(tokens, targets, positions, mask)
+                  mask: Optional[torch.Tensor] = None, *, chunk_tokens: Optional[int] = None) -> torch.Tensor:
+        """Per-token ``log p(target)`` ``[B, S]`` in fp32: ``-loss``, the same bits at every TP size
+        and every ``chunk_tokens``."""
+        return -self.loss(tokens, targets, positions, mask, chunk_tokens=chunk_tokens)

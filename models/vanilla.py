@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tpinv.core.capture import capturing
 from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.models.kv_cache import KVCache
-from tpinv.models.transformer import packed_key_positions
+from tpinv.models.transformer import packed_key_positions, select_positions
 from tpinv.ops import rope_cos_sin
 from tpinv.ops.attention import block_visibility
 from tpinv.ops.attention_packed import packed_visible
@@ -194,7 +194,8 @@ def _attention(attn, x, cos, sin, positions, mask, cache, layer, group, k_pos=No
 
 def vanilla_forward(model, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
                     cache: Optional[KVCache] = None, mask: Optional[torch.Tensor] = None, *,
-                    num_valid: Optional[torch.Tensor] = None, gather_logits: bool = False) -> torch.Tensor:
+                    num_valid: Optional[torch.Tensor] = None, gather_logits: bool = False,
+                    logits_index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Logits of ``model`` computed the plain way (same signature as ``Transformer.forward``)."""
     if getattr(model.layers[0].mlp.down_proj, "strategy", "tree") != "tree":
         raise NotImplementedError("the vanilla control needs the 'tree' row layout (Megatron's weight shards)")
@@ -215,6 +216,8 @@ def vanilla_forward(model, tokens: torch.Tensor, positions: Optional[torch.Tenso
         mlp = layer.mlp
         h = h + _row(F.silu(_column(x, mlp.gate_proj, group)) * _column(x, mlp.up_proj, group), mlp.down_proj, group)
     h = plain_rms_norm(h, model.norm.weight, model.norm.eps)
+    if logits_index is not None:
+        h = select_positions(h, logits_index)
     weight = emb.weight if args.tie_word_embeddings else model.lm_head.weight
     logits = F.linear(_CopyToTP.apply(h, group), weight)
     if cache is not None:

@@ -81,7 +81,7 @@ def _worker_dtype(rank, world, dtype):
     tm.swap_to_tpinv(stock, tp_group=group)  # in place, keeping the weights
     with record_ops() as seen:
         out["swapped"] = _run(stock, group)
-    assert "tpinv::matmul_partial" in seen
+    assert "tpinv::matmul" in seen or "tpinv::matmul_partial" in seen   # the contract's matmul, either form
     torch.manual_seed(0)
     built = tm.build_gpt_model(cfg, tp_group=group, vocab_size=VOCAB, max_sequence_length=SEQ,
                                spec_kwargs=dict(normalization="RMSNorm"), position_embedding_type="rope")

@@ -309,7 +309,8 @@ def test_invariant_path_runs():
     with record_ops() as log:
         y = matmul(x, w)
         y.sum().backward()
-    assert "tpinv::matmul" in log and "tpinv::matmul_partial" in log
+    # the forward and dX: each the contract's product rounded once by the op (the epilogue on CUDA)
+    assert log.count("tpinv::matmul") == 2 and "tpinv::matmul_partial" not in log
     assert "aten::mm" not in log and "aten::addmm" not in log and "aten::bmm" not in log
 
 

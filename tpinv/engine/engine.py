@@ -158,10 +158,9 @@ decode): the same bits as the eager step (``docs/compile.md``); prefill stays ea
 
     # ---- model calls ------------------------------------------------------------------------
 
-    def _forward(self, tokens, positions, cache, num_valid) -> torch.Tensor:
-        if self.vanilla:
-            return vanilla_forward(self.model, tokens, positions, cache, num_valid=num_valid, gather_logits=True)
-        return self.model(tokens, positions, cache, num_valid=num_valid, gather_logits=True)
+    def _forward(self, tokens, positions, cache, num_valid, logits_index=None) -> torch.Tensor:
+        forward = (lambda *a, **k: vanilla_forward(self.model, *a, **k)) if self.vanilla else self.model
+        return forward(tokens, positions, cache, num_valid=num_valid, gather_logits=True, logits_index=logits_index)
 
     def _decode(self, states: list[SequenceState]) -> torch.Tensor:
         """One token for each running request, in one forward over all slots: logits rows [n, V]."""
@@ -193,13 +192,16 @@ decode): the same bits as the eager step (``docs/compile.md``); prefill stays ea
         positions = torch.arange(S, dtype=torch.int64).expand(len(states), S).contiguous()
         temp = self.model.new_cache(len(states), S, device=self.device)
         dev = self.device
-        logits = self._forward(tokens.to(dev), positions.to(dev), temp, torch.tensor(lengths, device=dev))
+        last = torch.tensor(lengths, dtype=torch.int64, device=dev) - 1
+        # the output layer runs on each request's last prompt position only: the same bits as that
+        # row of the full logits (a logit depends on its own hidden row), no [B, S, V] tensor
+        logits = self._forward(tokens.to(dev), positions.to(dev), temp, last + 1, logits_index=last[:, None])
         for i, (s, n) in enumerate(zip(states, lengths)):
             self.cache.k[:, s.slot, :, :n] = temp.k[:, i, :, :n]
             self.cache.v[:, s.slot, :, :n] = temp.v[:, i, :, :n]
             self.cache.lengths[s.slot] = n
             s.cached = n
-        return logits[torch.arange(len(states), device=dev), torch.tensor(lengths, device=dev) - 1]
+        return logits[:, 0]
 
     def _raw_log_probs(self, row: torch.Tensor) -> torch.Tensor:
         """``log softmax(row)`` over the full vocabulary, fp32 (for top log-probs)."""

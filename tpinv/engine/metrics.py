@@ -28,6 +28,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from tpinv.layers.linear_cross_entropy import LOG_PROB_CHUNK_TOKENS
+
 __all__ = ["count_unique_outputs", "fraction_bitwise_equal", "k3_kl", "max_abs_logprob_diff",
            "max_probability_divergence", "mismatch_metrics", "token_mult_prob_error", "trainer_log_probs"]
 
@@ -112,7 +114,8 @@ def max_probability_divergence(top_probs: Sequence[torch.Tensor], top: int = 5) 
 
 
 def trainer_log_probs(model, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *,
-                      vanilla: bool = False) -> list[torch.Tensor]:
+                      vanilla: bool = False, chunk_tokens: Optional[int] = LOG_PROB_CHUNK_TOKENS
+                      ) -> list[torch.Tensor]:
     """The training forward's log-probs of each ``(prompt_ids, generated_ids)``'s generated tokens.
 
     One full-sequence forward without a cache over all sequences, right-padded:
@@ -120,7 +123,8 @@ def trainer_log_probs(model, sequences: Sequence[tuple[Sequence[int], Sequence[i
     (:func:`~tpinv.models.vanilla.vanilla_forward` with the logits gathered, then
     ``torch.log_softmax``, as an FSDP/HF trainer computes it).  The log-prob of generated token
     ``j`` is read at position ``len(prompt) + j - 1``.  Returns fp32 ``[len(generated)]`` per
-    sequence.  Call it on every rank of the model's group.
+    sequence.  Call it on every rank of the model's group.  ``chunk_tokens``: the output layer runs
+    that many tokens at a time (the same bits; ``None``: all at once).
     """
     from tpinv.models.vanilla import vanilla_forward
     rows = [list(p) + list(g) for p, g in sequences]
@@ -136,5 +140,5 @@ def trainer_log_probs(model, sequences: Sequence[tuple[Sequence[int], Sequence[i
             logits = vanilla_forward(model, tokens, gather_logits=True).float()
             lp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
         else:
-            lp = model.log_probs(tokens, targets)
+            lp = model.log_probs(tokens, targets, chunk_tokens=chunk_tokens)
     return [lp[i, len(p) - 1:len(p) - 1 + len(g)].detach().clone() for i, (p, g) in enumerate(sequences)]

@@ -20,7 +20,8 @@ from tpinv.distributed.groups import group_size_rank
 from tpinv.distributed.reduce import tree_all_reduce
 
 
-def _logsumexp_and_target(logits: torch.Tensor, target: torch.Tensor, group, leaves: int):
+def logsumexp_and_target(logits: torch.Tensor, target: torch.Tensor, group, leaves: int):
+    """``(fp32 logits, logsumexp, target logit, local target index, target off this shard)`` per row."""
     tp, rank = group_size_rank(group)
     check_tp_size(tp, leaves)
     v = logits.shape[-1]
@@ -43,16 +44,25 @@ def _logsumexp_and_target(logits: torch.Tensor, target: torch.Tensor, group, lea
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, leaves):
-        x, lse, picked, local, outside = _logsumexp_and_target(logits, target, group, leaves)
-        ctx.save_for_backward(x, lse, local, outside)
+        x, lse, picked, local, _ = logsumexp_and_target(logits, target, group, leaves)
+        ctx.save_for_backward(x, lse, local)
         ctx.dtype = logits.dtype
         return lse - picked
 
     @staticmethod
     def backward(ctx, dloss):
-        x, lse, local, outside = ctx.saved_tensors
-        grad = cross_entropy_grad(x, lse, local, outside, dloss)   # (softmax - onehot) * dloss, an op
-        return grad.to(ctx.dtype), None, None, None
+        x, lse, local = ctx.saved_tensors
+        return logits_grad(x, lse, local, dloss).to(ctx.dtype), None, None, None
+
+
+def logits_grad(x: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:
+    """fp32 ``(softmax - onehot) * dloss`` of the fp32 logits ``x [..., v]`` (columns ``0..v-1`` of
+    the vocabulary, relative to which ``local`` indexes the targets; any other index hits none).
+    Elementwise given the row's ``lse``: the bits of an entry do not depend on which columns or
+    rows are computed with it.  The arithmetic is the op ``tpinv::cross_entropy_grad`` (compiled
+    code runs the eager ``exp``), one full-size buffer."""
+    outside = (local < 0) | (local >= x.shape[-1])
+    return cross_entropy_grad(x, lse, local, outside, dloss)
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,

@@ -21,6 +21,12 @@ the whole sequence, so every output and gradient has the bits of SP off.
 
 ``dW`` and ``dbias`` reduce over tokens, which TP never splits: a fixed order
 (``leaves=1``) on every rank.
+
+A product no rank shares (the column forward, ``dW``, the row layer's local ``dX``) is
+rounded once by :func:`tpinv.ops.matmul` -- on CUDA in the kernel's epilogue, so no fp32
+tensor of the product's size exists; an fp32 partial is materialised only where it is
+combined across ranks, and then :data:`PARTIAL_CHUNK_BYTES` of rows at a time.  Rounding in the epilogue or after is the same single rounding of
+the same fp32 value: the same bits.
 """
 from __future__ import annotations
 
@@ -28,18 +34,62 @@ from __future__ import annotations
 import torch
 
 from tpinv.core.contract import tree_combine
-from tpinv.ops import matmul_partial, tree_sum
+from tpinv.ops import matmul, matmul_partial, tree_sum
 from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.distributed.reduce import all_gather, tree_all_reduce, tree_reduce_scatter
+
+
+#: Bytes of fp32 partials a cross-rank reduction holds at once: rows are reduced in chunks of
+#: this size (each row's sum is the same whatever rows share its chunk).
+PARTIAL_CHUNK_BYTES = 256 << 20
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _weight_grad(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dW = dY^T X, reduced over the flattened tokens in a fixed order."""
-    return matmul_partial(_flat(dy).t(), _flat(x).t(), 1).to(dtype)
+def _row_chunks(rows: int, row_bytes: int) -> list[slice]:
+    step = max(1, PARTIAL_CHUNK_BYTES // max(row_bytes, 1))
+    return [slice(s, s + step) for s in range(0, rows, step)]
+
+
+def rounded_matmul(x: torch.Tensor, w: torch.Tensor, leaves: int) -> torch.Tensor:
+    """``x @ w^T`` by the contract, rounded once to ``x.dtype`` (in the epilogue on CUDA)."""
+    return matmul(x, w, leaves, 1)
+
+
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dW = dY^T X, reduced over the flattened tokens in a fixed order, rounded once."""
+    if dy.dtype != dtype:   # one rounding, from fp32 straight to the weight's dtype
+        return matmul_partial(_flat(dy).t(), _flat(x).t(), 1).to(dtype)
+    return rounded_matmul(_flat(dy).t(), _flat(x).t(), 1)
+
+
+def column_input_grad(dy: torch.Tensor, weight: torch.Tensor, group, leaves: int, stride: int = 1,
+                      replicas: int = 1, replica_index: int = 0) -> torch.Tensor:
+    """A column-parallel layer's ``dX = dY W`` (reduced over the TP-split N), rounded to ``dy.dtype``.
+
+    With stride s (Megatron's interleaved [gate_r; up_r] shards) N is s blocks of L leaves
+    each: each block is reduced by the contract, then the blocks are added by the tree.  With
+    ``replicas`` R (KV-head replication) the R ranks holding the same rows each take their own
+    1/R of them: rank r's N-leaves, as without replication.  Row ``t`` of the result depends
+    on row ``t`` of ``dy`` only.
+    """
+    tp = group_size(group)
+    if tp == 1 and stride == 1 and replicas == 1:   # no partial crosses ranks or blocks: rounded in the epilogue
+        return rounded_matmul(dy, weight.t(), leaves)
+    n = weight.shape[0] // (stride * replicas)
+    off = replica_index * n
+    dy2 = _flat(dy)
+    dx = torch.empty(dy2.shape[0], weight.shape[1], dtype=dy.dtype, device=dy.device)
+    for rows in _row_chunks(dy2.shape[0], 4 * stride * weight.shape[1]):
+        parts = torch.stack([matmul_partial(dy2[rows].narrow(-1, off + j * n, n),
+                                            weight.narrow(0, off + j * n, n).t(), leaves // tp)
+                             for j in range(stride)], dim=-1)
+        if tp > 1:
+            parts = tree_all_reduce(parts, group, leaves=leaves)
+        dx[rows] = tree_combine(parts)
+    return dx.reshape(*dy.shape[:-1], weight.shape[1])
 
 
 def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -59,7 +109,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         ctx.group, ctx.leaves, ctx.reduce_dgrad, ctx.stride = group, leaves, reduce_dgrad, stride
         ctx.replicas, ctx.replica_index = replicas, replica_index
         ctx.bias_dtype = None if bias is None else bias.dtype
-        y = matmul_partial(x, weight, 1).to(x.dtype)
+        y = rounded_matmul(x, weight, 1)
         return y if bias is None else y + bias
 
     @staticmethod
@@ -67,26 +117,16 @@ class ColumnParallelMatmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         if ctx.seq_dim is not None:
             x = all_gather(x, ctx.group, dim=ctx.seq_dim)
-        tp = group_size(ctx.group) if ctx.reduce_dgrad else 1
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            # With stride s (Megatron's interleaved [gate_r; up_r] shards) N is s blocks of
-            # L leaves each: reduce each block by the contract, then add the blocks by the tree.
-            # With ``replicas`` R (KV-head replication) the R ranks holding the same rows each
-            # take their own 1/R of them: rank r's N-leaves, as without replication.
-            n = weight.shape[0] // (ctx.stride * ctx.replicas)
-            off = ctx.replica_index * n
-            parts = torch.stack([matmul_partial(dy.narrow(-1, off + j * n, n),
-                                                weight.narrow(0, off + j * n, n).t(),
-                                                ctx.leaves // tp) for j in range(ctx.stride)], dim=-1)
-            if tp > 1:
-                parts = tree_all_reduce(parts, ctx.group, leaves=ctx.leaves)
-            dx = tree_combine(parts).to(x.dtype)
+            group = ctx.group if ctx.reduce_dgrad else None
+            dx = column_input_grad(dy.to(x.dtype), weight, group, ctx.leaves, ctx.stride, ctx.replicas,
+                                   ctx.replica_index)
             if ctx.seq_dim is not None:  # this rank's sequence chunk of the (identical) full dX
                 n = dx.shape[ctx.seq_dim] // group_size(ctx.group)
                 dx = dx.narrow(ctx.seq_dim, group_size_rank(ctx.group)[1] * n, n).contiguous()
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(dy, x, weight.dtype)
+            dw = weight_grad(dy, x, weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(dy, ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None, None
@@ -101,12 +141,16 @@ class RowParallelTreeMatmul(torch.autograd.Function):
         ctx.group, ctx.leaves = group, leaves
         tp = group_size(group)
         ctx.seq_dim = seq_dim if tp > 1 else None
-        part = matmul_partial(x, weight, leaves // tp)
+        if tp == 1:   # no partial crosses ranks: rounded in the epilogue
+            return rounded_matmul(x, weight, leaves)
         if ctx.seq_dim is not None:  # sequence parallel: the same tree, each rank keeps its chunk
-            part = tree_reduce_scatter(part, group, dim=seq_dim, leaves=leaves)
-        elif tp > 1:
-            part = tree_all_reduce(part, group, leaves=leaves)
-        return part.to(x.dtype)
+            part = matmul_partial(x, weight, leaves // tp)
+            return tree_reduce_scatter(part, group, dim=seq_dim, leaves=leaves).to(x.dtype)
+        x2 = _flat(x)
+        y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        for rows in _row_chunks(x2.shape[0], 4 * weight.shape[0]):   # bounded fp32 partials
+            y[rows] = tree_all_reduce(matmul_partial(x2[rows], weight, leaves // tp), group, leaves=leaves)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
@@ -116,9 +160,9 @@ class RowParallelTreeMatmul(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             # N (the output) is whole on every rank: the full L-leaf tree, locally.
-            dx = matmul_partial(dy, weight.t(), ctx.leaves).to(x.dtype)
+            dx = rounded_matmul(dy, weight.t(), ctx.leaves)
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(dy, x, weight.dtype)
+            dw = weight_grad(dy, x, weight.dtype)
         return dx, dw, None, None, None
 
 
@@ -131,7 +175,7 @@ class RowParallelColumnOnlyMatmul(torch.autograd.Function):
         x_full = all_gather(x, group, dim=-1) if tp > 1 else x
         ctx.save_for_backward(x_full, weight)
         ctx.group, ctx.leaves = group, leaves
-        y = matmul_partial(x_full, weight, leaves).to(x.dtype)
+        y = rounded_matmul(x_full, weight, leaves)
         return all_gather(y, group, dim=-1) if tp > 1 else y
 
     @staticmethod
@@ -141,11 +185,11 @@ class RowParallelColumnOnlyMatmul(torch.autograd.Function):
         n = weight.shape[0]
         dy_r = dy.narrow(-1, rank * n, n)
         dx = dw = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and tp == 1:
+            dx = rounded_matmul(dy_r, weight.t(), ctx.leaves)
+        elif ctx.needs_input_grad[0]:
             part = matmul_partial(dy_r, weight.t(), ctx.leaves // tp)
-            if tp > 1:
-                part = tree_reduce_scatter(part, ctx.group, dim=-1, leaves=ctx.leaves)
-            dx = part.to(x_full.dtype)
+            dx = tree_reduce_scatter(part, ctx.group, dim=-1, leaves=ctx.leaves).to(x_full.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(dy_r, x_full, weight.dtype)
+            dw = weight_grad(dy_r, x_full, weight.dtype)
         return dx, dw, None, None

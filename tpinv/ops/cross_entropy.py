@@ -54,10 +54,11 @@ def _lse_fake(total, row_max):
 def cross_entropy_grad_op(x: Tensor, lse: Tensor, target: Tensor, outside: Tensor, dloss: Tensor) -> Tensor:
     """fp32 ``(exp(x - lse) - onehot(target)) * dloss`` over this rank's vocabulary slice ``x [..., V/C]``;
     ``target`` is local to the slice, ``outside`` marks the rows whose target another rank holds."""
-    grad = torch.exp(x - lse.unsqueeze(-1))
-    hit = torch.zeros_like(grad).scatter_(-1, target.masked_fill(outside, 0).unsqueeze(-1),
-                                          (~outside).to(grad.dtype).unsqueeze(-1))
-    return (grad - hit) * dloss.unsqueeze(-1)
+    grad = (x - lse.unsqueeze(-1)).exp_()   # one full-size buffer, updated in place below
+    # minus the one-hot, in place: g + (-1) is g - 1 and g + (-0.0) is g (IEEE), one entry per row
+    minus_hit = (~outside).to(grad.dtype).neg_().unsqueeze(-1)
+    grad.scatter_add_(-1, target.masked_fill(outside, 0).unsqueeze(-1), minus_hit)
+    return grad.mul_(dloss.unsqueeze(-1))
 
 
 @register_fake(cross_entropy_grad_op)

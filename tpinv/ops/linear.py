@@ -81,10 +81,10 @@ def _matmul_backward(ctx, grad):
     grad = grad.to(x.dtype)
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = matmul_partial_op(grad, w.t(), ctx.grad_leaves).to(x.dtype)
+        dx = matmul_op(grad, w.t(), ctx.grad_leaves, 1)     # rounded once (in the epilogue on CUDA)
     if ctx.needs_input_grad[1]:
         n, k = w.shape
-        dw = matmul_partial_op(grad.reshape(-1, n).t(), x.reshape(-1, k).t(), 1).to(w.dtype)
+        dw = matmul_op(grad.reshape(-1, n).t(), x.reshape(-1, k).t(), 1, 1)
     return dx, dw, None, None
 
 

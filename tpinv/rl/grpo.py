@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tpinv.distributed.reduce import all_gather
 from tpinv.io.checkpoint import shard_index
+from tpinv.layers.linear_cross_entropy import LOG_PROB_CHUNK_TOKENS
 
 __all__ = ["arithmetic_prompt", "arithmetic_reward", "group_advantages", "policy_loss", "full_weights",
            "sync_weights", "sequence_log_probs"]
@@ -61,11 +62,15 @@ def policy_loss(train_lp: torch.Tensor, rollout_lp: torch.Tensor, advantages: to
 
 
 def sequence_log_probs(model, prompts: Sequence[Sequence[int]], generations: Sequence[Sequence[int]], *,
-                       vanilla: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       vanilla: bool = False, chunk_tokens: Optional[int] = LOG_PROB_CHUNK_TOKENS
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer log-probs ``[B, T]`` of each generation (with grad) and the bool mask of its tokens.
 
     One right-padded forward without a cache; token ``j`` of generation ``i`` is scored at
     position ``len(prompt_i) + j - 1``.  ``vanilla``: the plain forward and ``torch.log_softmax``.
+    ``chunk_tokens``: the output layer and the log-softmax run that many tokens at a time, in the
+    forward and the backward (:func:`tpinv.layers.linear_cross_entropy`: the same bits, at most
+    ``chunk_tokens x V/C`` logits at once; ``None``: all at once).
     """
     from tpinv.models.vanilla import vanilla_forward
     rows = [list(p) + list(g) for p, g in zip(prompts, generations)]
@@ -79,7 +84,7 @@ def sequence_log_probs(model, prompts: Sequence[Sequence[int]], generations: Seq
         logits = vanilla_forward(model, tokens, gather_logits=True).float()
         lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
     else:
-        lp = model.log_probs(tokens, targets)
+        lp = model.log_probs(tokens, targets, chunk_tokens=chunk_tokens)
     out = lp.new_zeros(len(rows), T)
     mask = torch.zeros(len(rows), T, dtype=torch.bool)
     for i, (p, g) in enumerate(zip(prompts, generations)):

@@ -131,12 +131,33 @@ def pack_conversations(convs: Sequence[Sequence[Turn]]) -> Packed:
     return Packed(tokens, positions, mask, [p[3] for p in packs], [p[4] for p in packs])
 
 
-def packed_logits(model, packed: Packed, *, vanilla: bool = False) -> torch.Tensor:
-    """Full-vocabulary logits ``[B, S, V]`` of the packed rows (call on every rank of the group)."""
+def packed_logits(model, packed: Packed, *, vanilla: bool = False,
+                  logits_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Full-vocabulary logits ``[B, S, V]`` of the packed rows (call on every rank of the group);
+    with ``logits_index [B, n]`` those slots' only, ``[B, n, V]`` (the same bits as those rows)."""
     from tpinv.models.vanilla import vanilla_forward
     forward = (lambda *a, **k: vanilla_forward(model, *a, **k)) if vanilla else model
     with torch.no_grad():
-        return forward(packed.tokens, packed.positions, mask=packed.mask, gather_logits=True)
+        return forward(packed.tokens, packed.positions, mask=packed.mask, gather_logits=True,
+                       logits_index=logits_index)
+
+
+def _query_index(packed: Packed) -> tuple[torch.Tensor, list[list[slice]]]:
+    """Every row's scored slots, concatenated turn after turn (rows padded with slot 0), and per
+    row and turn where that turn's slots sit in the concatenation."""
+    flat, spans = [], []
+    for slots_c in packed.query_slots:
+        row, where = [], []
+        for slots in slots_c:
+            where.append(slice(len(row), len(row) + len(slots)))
+            row.extend(int(i) for i in slots)
+        flat.append(row)
+        spans.append(where)
+    width = max(1, max(len(r) for r in flat))
+    index = torch.zeros(len(flat), width, dtype=torch.int64)
+    for b, row in enumerate(flat):
+        index[b, :len(row)] = torch.tensor(row, dtype=torch.int64)
+    return index, spans
 
 
 def packed_log_probs(model, packed: Packed, *, vanilla: bool = False
@@ -147,12 +168,13 @@ def packed_log_probs(model, packed: Packed, *, vanilla: bool = False
     training path's vocabulary log-softmax); ``vanilla`` uses the plain forward and
     ``torch.log_softmax``.
     """
-    logits = packed_logits(model, packed, vanilla=vanilla)
+    index, spans = _query_index(packed)
+    logits = packed_logits(model, packed, vanilla=vanilla, logits_index=index)   # the scored slots only
     lps, tops = [], []
-    for b, (slots_c, targets_c) in enumerate(zip(packed.query_slots, packed.targets)):
+    for b, (spans_c, targets_c) in enumerate(zip(spans, packed.targets)):
         lp_c, top_c = [], []
-        for slots, targets in zip(slots_c, targets_c):
-            rows = logits[b, slots]
+        for span, targets in zip(spans_c, targets_c):
+            rows = logits[b, span]
             tgt = torch.tensor(targets, dtype=torch.int64)
             if vanilla:
                 lp = torch.log_softmax(rows.float(), -1).gather(-1, tgt[:, None])[:, 0]

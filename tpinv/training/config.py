@@ -21,6 +21,7 @@ import typing
 from typing import Any, Optional
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError
+from tpinv.layers.linear_cross_entropy import check_chunk_tokens
 from tpinv.training.guards import check_optimizer_numbers
 from tpinv.training.sinks import check_sink_packages
 
@@ -66,6 +67,10 @@ class TrainConfig:
                                     "feature): the same at every TP/SP/DP layout", MODEL)
     attention_dropout: float = setting(0.0, "Megatron's attention_dropout on the attention probabilities: not "
                                        "supported by tpinv's fused attention (> 0 is refused)", MODEL)
+    cross_entropy_chunk_tokens: Optional[int] = setting(
+        None, "run the output layer and the cross-entropy this many tokens at a time, forward and backward "
+        "(at most N x vocab/TP logits at once; the same loss and gradient bits as unchunked; default: all tokens "
+        "at once)", MODEL)
     dist_timeout: float = setting(600.0, "seconds a rank waits for the others before the run stops with an "
                                   "error naming the ranks that did not answer", MODEL)
     steps: int = setting(100, "optimizer steps of the run (the LR schedule's length)", OPTIM)
@@ -136,6 +141,9 @@ class TrainConfig:
                 f"global_batch / micro_batch = {self.global_batch} / {self.micro_batch} = {leaves} micro-batches: "
                 f"the gradient tree over micro-batches needs a power of two so every data-parallel size (a power "
                 f"of two dividing it) holds whole sub-trees; e.g. global_batch={self.micro_batch * (1 << leaves.bit_length())}")
+        check_chunk_tokens(self.cross_entropy_chunk_tokens, "cross_entropy_chunk_tokens")
+        if self.vanilla and self.cross_entropy_chunk_tokens is not None:
+            raise NotImplementedError("cross_entropy_chunk_tokens is not supported by the vanilla control (--vanilla)")
         if self.vanilla and self.sequence_parallel:
             raise NotImplementedError("sequence_parallel=True is not supported by the vanilla control (--vanilla)")
         if self.vanilla and (self.hidden_dropout or self.attention_dropout):

@@ -172,7 +172,8 @@ class Trainer:
         if self.cfg.vanilla:
             from tpinv.models.vanilla import vanilla_loss
             return (vanilla_loss(self.model, mb.tokens, mb.targets) * mb.loss_mask).sum()
-        per_token = self.model.loss(mb.tokens, mb.targets, sample_ids=sample_ids)
+        per_token = self.model.loss(mb.tokens, mb.targets, sample_ids=sample_ids,
+                                    chunk_tokens=self.cfg.cross_entropy_chunk_tokens)
         return tree_sum((per_token * mb.loss_mask).reshape(-1), 1)
 
     def _dp_sum(self, total: torch.Tensor) -> torch.Tensor:
