@@ -7,7 +7,8 @@ weights, and nothing else: gradients are dropped between runs) --
 
 * ``tpinv``: :class:`tpinv.models.Transformer` (``loss`` / ``log_probs`` as the trainer and the
   RL scorers call them; ``tpinv-chunked``: with ``chunk_tokens``, the output layer and the
-  cross-entropy a chunk of tokens at a time -- the same bits);
+  cross-entropy a chunk of tokens at a time -- the same bits; ``tpinv-chunked-recompute``: also
+  Megatron's full recompute, uniform, one layer per checkpoint -- the same bits);
 * ``vanilla``: :mod:`tpinv.models.vanilla` on the same weights (cuBLAS, SDPA, full logits);
 * ``hf``: ``transformers``' ``*ForCausalLM`` of the same shape with random weights (``labels=``
   for the loss; ``log_softmax`` of the logits for log-probs).
@@ -99,14 +100,19 @@ def measure(fn: Callable[[], object], device, iters: int) -> dict:
 
 def _paths(measure_name: str, model: Transformer, hf, tokens, targets, weights, chunk: int) -> dict:
     """Callables of one measure, by path name."""
-    def train(loss_fn, params, seed=weights):
+    def train(loss_fn, params, seed=weights, after=None):
         def run():
             for p in params:
                 p.grad = None
             loss_fn().backward(seed)
             for p in params:
                 p.grad = None
+            if after is not None:
+                after()
         return run
+
+    def recomputed(m):  # Megatron's full recompute, one layer per checkpoint (the same bits)
+        return m.set_recompute("full", "uniform", 1)
 
     def no_grad(fn):
         def run():
@@ -131,6 +137,8 @@ def _paths(measure_name: str, model: Transformer, hf, tokens, targets, weights, 
         hf_params = list(hf.parameters())
         paths = {"tpinv": train(lambda: model.loss(tokens, targets), params),
                  "tpinv-chunked": train(lambda: model.loss(tokens, targets, chunk_tokens=chunk), params),
+                 "tpinv-chunked-recompute": train(lambda: recomputed(model).loss(tokens, targets, chunk_tokens=chunk),
+                                                  params, after=lambda: model.set_recompute()),
                  "vanilla": train(lambda: vanilla_loss(model, tokens, targets), params),
                  "hf": train(lambda: hf(input_ids=tokens, labels=tokens).loss, hf_params, None)}
     elif measure_name == "logprob":
