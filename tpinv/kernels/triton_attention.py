@@ -143,7 +143,8 @@ def clean_kv(vis, scored, summed):
     """
     seen = (tl.max(vis.to(tl.int32), 0) > 0)[:, None]
     scored = tl.where(seen, scored, tl.zeros_like(scored))
-    bad = seen & ~(tl.abs(summed) < float("inf"))
+    bad = seen & ((summed != summed) | (tl.abs(summed) == float("inf")))   # NaN or +-inf; no `~`:
+    # Triton 3.2/3.3's interpreter cannot negate a boolean block
     summed = tl.where(seen & ~bad, summed, tl.zeros_like(summed))
     return scored, summed, bad
 

@@ -40,8 +40,25 @@ except ImportError:  # pragma: no cover - every triton >= 3.0 ships it
 __all__ = ["silu_mul_forward_cuda", "silu_mul_backward_cuda", "apply_rope_forward_cuda",
            "apply_rope_backward_cuda", "silu_config", "rope_config"]
 
-#: Launch options of every kernel here: no mul+add contraction, IEEE subnormals in libdevice.
-_EXACT_OPTIONS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
+
+
+def _exact_options() -> dict:
+    """Launch options of every kernel here: no mul+add contraction, IEEE subnormals in libdevice.
+
+    ``enable_reflect_ftz`` exists from Triton 3.4; older Tritons (3.2, 3.3: torch 2.6, 2.7)
+    always link libdevice in flush-to-zero mode and reject the option.  There the one libdevice
+    call, ``exp(-g)``, flushes a subnormal result to zero; it only enters ``exp(-g) + 1``, where
+    any value below ``2**-24`` rounds to ``1`` either way, so the silu bits do not move.
+    """
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        has_ftz_option = "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__
+    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+        has_ftz_option = False
+    return dict(enable_fp_fusion=False, **({"enable_reflect_ftz": False} if has_ftz_option else {}))
+
+
+_EXACT_OPTIONS = _exact_options()
 
 
 def _interpreting() -> bool:
