@@ -1,7 +1,7 @@
 """libdevice's flush-to-zero mode cannot move a bit of the Triton SiLU-and-mul kernels.
 
-Triton 3.2 and 3.3 (torch 2.6, 2.7) always link libdevice in flush-to-zero mode; Triton >= 3.4
-has ``enable_reflect_ftz``, which :mod:`tpinv.kernels.triton_elementwise` turns off.  The
+Triton 3.2 and 3.3 (torch 2.6, 2.7) always link libdevice in flush-to-zero mode; newer Tritons
+have ``enable_reflect_ftz``, which :mod:`tpinv.kernels.triton_elementwise` turns off.  The
 kernels' one libdevice call is ``exp(-g)``, used only as ``exp(-g) + 1``.  Checked here, on a
 Triton that has the option: the forward and backward kernels compiled in both modes give the
 same bits for every one of the 2**32 fp32 gate values.  Negative control: a libdevice call that

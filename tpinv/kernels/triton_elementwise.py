@@ -41,12 +41,11 @@ __all__ = ["silu_mul_forward_cuda", "silu_mul_backward_cuda", "apply_rope_forwar
            "apply_rope_backward_cuda", "silu_config", "rope_config"]
 
 
-
 def _exact_options() -> dict:
     """Launch options of every kernel here: no mul+add contraction, IEEE subnormals in libdevice.
 
-    ``enable_reflect_ftz`` exists from Triton 3.4; older Tritons (3.2, 3.3: torch 2.6, 2.7)
-    always link libdevice in flush-to-zero mode and reject the option.  The one libdevice call
+    ``enable_reflect_ftz`` is absent from Triton 3.2 and 3.3 (torch 2.6, 2.7), which always link
+    libdevice in flush-to-zero mode and reject the option.  The one libdevice call
     here, ``exp``, gives the same bits in both modes: the forward and backward kernels compiled
     with and without FTZ agree on all 2**32 fp32 gate values (tests/gpu/test_libdevice_ftz.py).
     """
