@@ -239,7 +239,10 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: str = "invariant", 
     _check_matches(model, styles)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.embed_tokens
     tied = getattr(model.lm_head, "weight", None) is not None and model.lm_head.weight is embed.weight
+    root = styles.pop("", None)  # the model itself: torch < 2.7's parallelize_module skips a "" key
     parallelize_module(model, tp_mesh, styles)
+    if root is not None:
+        parallelize_module(model, tp_mesh, root)
     if tied:
         model.lm_head.weight = embed.weight
     return model

@@ -24,6 +24,7 @@ replicated tensors.
 """
 from __future__ import annotations
 
+import inspect
 import types
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -46,6 +47,10 @@ __all__ = ["MeshInfo", "InvariantColwiseParallel", "InvariantColumnOnlyParallel"
            "mesh_info", "replace_forward", "replica_mesh"]
 
 OUTPUTS = ("shard", "replicate", "dtensor")
+
+#: torch < 2.7: ``distribute_tensor`` has no ``src_data_rank`` and always sends the mesh's first
+#: rank's data, which is ``src_data_rank=0``; any other choice is refused there.
+_HAS_SRC_DATA_RANK = "src_data_rank" in inspect.signature(distribute_tensor).parameters
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,12 @@ def _shard_param(module: nn.Module, name: str, mesh: DeviceMesh, placement, src_
     if isinstance(param, DTensor):
         raise InvarianceError(f"{type(module).__name__}.{name} is already a DTensor: the module was "
                               f"parallelized before; apply a plan to an unsharded model once")
+    if not _HAS_SRC_DATA_RANK and src_data_rank != 0:
+        raise NotImplementedError(f"src_data_rank={src_data_rank!r} needs torch >= 2.7 (this torch "
+                                  f"{torch.__version__} always distributes rank 0's data)")
+    kwargs = {"src_data_rank": src_data_rank} if _HAS_SRC_DATA_RANK else {}
     placements = list(placement) if isinstance(placement, tuple) else [placement]
-    dist_param = nn.Parameter(distribute_tensor(param.detach(), mesh, placements,
-                                                src_data_rank=src_data_rank),
+    dist_param = nn.Parameter(distribute_tensor(param.detach(), mesh, placements, **kwargs),
                               requires_grad=param.requires_grad)
     module.register_parameter(name, dist_param)
 
@@ -130,6 +138,8 @@ class _AddReplicatedBias(torch.autograd.Function):
 
 
 class _InvariantStyle(ParallelStyle):
+    src_data_rank: Optional[int] = 0   # torch >= 2.7's ParallelStyle default; parallelize_module sets it
+
     def __init__(self, *, leaves: int = DEFAULT_LEAVES):
         super().__init__()
         self.leaves = leaves

@@ -143,8 +143,10 @@ def clean_kv(vis, scored, summed):
     """
     seen = (tl.max(vis.to(tl.int32), 0) > 0)[:, None]
     scored = tl.where(seen, scored, tl.zeros_like(scored))
-    bad = seen & ~(tl.abs(summed) < float("inf"))
-    summed = tl.where(seen & ~bad, summed, tl.zeros_like(summed))
+    # NaN or +-inf, spelled without `~` (Triton 3.2/3.3's interpreter cannot negate a boolean block)
+    nonfinite = (summed != summed) | (tl.abs(summed) == float("inf"))
+    bad = seen & nonfinite
+    summed = tl.where(nonfinite, tl.zeros_like(summed), tl.where(seen, summed, tl.zeros_like(summed)))
     return scored, summed, bad
 
 
