@@ -22,7 +22,22 @@ import tpinv
 from tpinv.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from tpinv.models.configs import get_config
 from tpinv.models.transformer import LayerConfig, Transformer
+from tpinv.core.compile import COMPILE_TORCH_FLOOR, check_compile_torch
 from tpinv.testing import assert_bits_differ, assert_same_bits
+
+_OLD_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2]) < COMPILE_TORCH_FLOOR
+needs_compile_torch = pytest.mark.skipif(_OLD_TORCH, reason=f"tpinv.compile needs torch >= {COMPILE_TORCH_FLOOR} "
+                                         f"(refused below it: test_compile_refuses_an_older_torch)")
+
+
+def test_compile_refuses_an_older_torch():
+    with pytest.raises(NotImplementedError, match=r"tpinv.compile needs torch >= 2\.13.*torch 2\.6\.0\+cu124 is installed"):
+        check_compile_torch("2.6.0+cu124")
+    check_compile_torch("2.13.0+cpu")  # control: the tested release passes
+    check_compile_torch("2.15.0")
+    if _OLD_TORCH:
+        with pytest.raises(NotImplementedError, match="tpinv.compile needs torch"):
+            tpinv.compile(torch.nn.Linear(2, 2))
 
 
 @pytest.fixture(autouse=True)
@@ -74,6 +89,7 @@ def _layer_inputs():
     return torch.randint(0, 64, (2, 7), generator=gen), torch.randint(0, 64, (2, 7), generator=gen)
 
 
+@needs_compile_torch
 def test_helper_refuses_settings_that_change_bits():
     with pytest.raises(ValueError, match="emulate_precision_casts"):
         tpinv.compile(torch.nn.Linear(2, 2), options={"emulate_precision_casts": False})
@@ -83,6 +99,7 @@ def test_helper_refuses_settings_that_change_bits():
         tpinv.compile(torch.nn.Linear(2, 2), backend="aot_eager", options={"max_autotune": True})
 
 
+@needs_compile_torch
 def test_layers_bf16_compiled_equal_eager_and_a_fused_bf16_chain_differs():
     torch.manual_seed(0)
     layers = _Layers(torch.bfloat16)
@@ -103,6 +120,7 @@ def test_layers_bf16_compiled_equal_eager_and_a_fused_bf16_chain_differs():
                        "plain torch.compile of a bf16 chain (fused in fp32, rounded once)")
 
 
+@needs_compile_torch
 @pytest.mark.slow
 def test_layers_fp32_plain_compile_equal_eager():
     """fp32 has no narrowing cast to fuse: plain torch.compile keeps the eager bits too."""
@@ -113,6 +131,7 @@ def test_layers_fp32_plain_compile_equal_eager():
     _assert_all_same(_run(torch.compile(layers, fullgraph=True), layers, *inputs), eager, "torch.compile(fp32)")
 
 
+@needs_compile_torch
 def test_token_id_check_runs_inside_the_compiled_graph():
     torch.manual_seed(0)
     config = LayerConfig(params_dtype=torch.float32, tpinv_leaves=8, tpinv_row_strategy="tree")
@@ -129,6 +148,7 @@ def test_token_id_check_runs_inside_the_compiled_graph():
         compiled(torch.tensor([[-1, 0, 0]]))
 
 
+@needs_compile_torch
 def test_cache_position_check_runs_inside_the_compiled_graph():
     from tpinv.models.kv_cache import KVCache
     cache = KVCache(2, 8, 1, 1, 4, dtype=torch.float32)
@@ -150,6 +170,7 @@ def test_cache_position_check_runs_inside_the_compiled_graph():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,explicit_positions", [
     ("qwen3-tiny", False), ("llama-tiny", True), ("mistral-tiny", False)])
+@needs_compile_torch
 def test_model_compiled_equal_eager_forward_and_backward(name, explicit_positions):
     """Logits, per-token losses and every parameter gradient of a bf16 model.  With explicit
     positions the compiled model takes the packed attention path (it cannot branch on their
@@ -171,6 +192,7 @@ def test_model_compiled_equal_eager_forward_and_backward(name, explicit_position
     _assert_all_same(compiled, eager, f"tpinv.compile({name})")
 
 
+@needs_compile_torch
 @pytest.mark.slow
 def test_engine_compiled_decode_equals_eager():
     from tpinv.engine import Engine

@@ -131,6 +131,9 @@ def test_opcheck(qualname):
         torch.library.opcheck(op, args)
 
 
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13),
+                    reason="torch.library.opcheck compares the fake's strides with the kernel's from the torch "
+                           "tpinv.compile needs (2.13); torch 2.6's does not, so this control cannot fail there")
 def test_opcheck_control_fake_with_input_strides():
     """Control: a fake that copies its input's layout (``empty_like``) where the kernel returns a
     contiguous tensor -- the defect of ``tpinv::attention``'s fake before the registry made every

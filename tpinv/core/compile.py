@@ -15,6 +15,7 @@ bits with plain ``torch.compile`` too.  See ``docs/compile.md``.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,6 +29,22 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
 #: tracing-only ``aot_eager``/``eager``, which run the traced graph's ATen ops as eager does.
 BACKENDS = ("inductor", "aot_eager", "eager")
 
+#: The oldest torch (major, minor) on which tpinv.compile's guarantees were tested.  Below it the
+#: compile is refused: on torch 2.6 the in-graph value checks did not raise and inductor's bf16 glue
+#: kept fp32 values (docs/compile.md, docs/versions.md).
+COMPILE_TORCH_FLOOR = (2, 13)
+
+
+def check_compile_torch(installed: Optional[str] = None) -> None:
+    """Raise NotImplementedError when torch ``installed`` (default: this torch) is below :data:`COMPILE_TORCH_FLOOR`."""
+    installed = torch.__version__ if installed is None else installed
+    found = re.match(r"(\d+)\.(\d+)", installed)
+    if found is None or tuple(map(int, found.groups())) < COMPILE_TORCH_FLOOR:
+        need = ".".join(map(str, COMPILE_TORCH_FLOOR))
+        raise NotImplementedError(f"tpinv.compile needs torch >= {need} (the oldest release its same-bits and "
+                                  f"in-graph check guarantees were tested on); torch {installed} is installed. "
+                                  f"Run eager, or replay a CUDA graph (tpinv.engine's cuda_graph=True)")
+
 
 def compile(model: Callable, *, backend: str = "inductor", fullgraph: bool = True,
             dynamic: Optional[bool] = None, options: Optional[dict[str, Any]] = None, **kwargs) -> Callable:
@@ -36,6 +53,7 @@ def compile(model: Callable, *, backend: str = "inductor", fullgraph: bool = Tru
     ``fullgraph=True`` by default: a graph break is an error, not a silent split.  ``options``
     are passed to inductor on top of :data:`INDUCTOR_OPTIONS`; one that changes those raises.
     """
+    check_compile_torch()
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: tpinv.compile supports {BACKENDS} (the backends whose "
                          f"compiled bits are the eager bits); call torch.compile yourself for another")

@@ -24,13 +24,20 @@ description (mesh + placements) that DCP's load planner also uses to reshard.
 """
 from __future__ import annotations
 
+import inspect
+
 from typing import Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["MOMENTS", "ShardMeshes", "sharded_state_dict", "full_state_dict"]
+__all__ = ["MOMENTS", "ONE_PROCESS", "ShardMeshes", "sharded_state_dict", "full_state_dict"]
+
+#: DCP's keyword for a save or load in one process without torch.distributed: ``no_dist=True``
+#: (torch >= 2.7); torch 2.6 has no such keyword and runs so by itself when no group exists.
+ONE_PROCESS = {"no_dist": True} if "no_dist" in inspect.signature(dcp.load).parameters else {}
 
 #: The optimizer tensors saved per parameter, beside the model weight (key ``model/NAME``).
 MOMENTS = ("master", "exp_avg", "exp_avg_sq")

@@ -47,7 +47,7 @@ from tpinv.io.run_dir import clean_stale_temps
 from tpinv.training.ckpt_files import (FORMAT_NAME, FORMAT_VERSION, STATE_FILE, CheckpointError, file_sha256,
                                        latest_name, prune_steps, read_train_state, resolve_checkpoint, step_dir_name,
                                        verify_files, write_latest)
-from tpinv.training.dcp_shards import ShardMeshes, sharded_state_dict
+from tpinv.training.dcp_shards import ONE_PROCESS, ShardMeshes, sharded_state_dict
 
 __all__ = ["Checkpointer", "write_shards"]
 
@@ -108,7 +108,7 @@ class Checkpointer:
         return self._group
 
     def _dcp_kwargs(self) -> dict:
-        return {"process_group": self.group} if self.meshes is not None else {"no_dist": True}
+        return {"process_group": self.group} if self.meshes is not None else dict(ONE_PROCESS)
 
     def _bcast(self, obj):
         if self.meshes is None:
