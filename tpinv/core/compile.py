@@ -30,8 +30,8 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
 BACKENDS = ("inductor", "aot_eager", "eager")
 
 #: The oldest torch (major, minor) on which tpinv.compile's guarantees were tested.  Below it the
-#: compile is refused: on torch 2.6 the in-graph value checks did not raise and inductor's bf16 glue
-#: kept fp32 values (docs/compile.md, docs/versions.md).
+#: compile is refused: on torch 2.6 the in-graph value checks did not raise and compiled bf16 layers
+#: gave another loss than eager (docs/compile.md, docs/versions.md).
 COMPILE_TORCH_FLOOR = (2, 13)
 
 
