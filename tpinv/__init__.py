@@ -6,9 +6,9 @@ training and in inference, by fixing the order of every reduction (see
 effects: it overrides no aten op and changes no global setting.  It refuses a torch older
 than :data:`TORCH_FLOOR`, the oldest release the test suite passed on (``docs/versions.md``).
 """
-import re as _re
-
 import torch as _torch
+
+from tpinv.core.versions import torch_at_least as _torch_at_least
 
 #: The oldest torch release (major, minor) tpinv supports: setup.cfg's ``torch>=`` and docs/versions.md.
 TORCH_FLOOR = (2, 6)
@@ -16,8 +16,7 @@ TORCH_FLOOR = (2, 6)
 
 def _require_torch(installed: str) -> None:
     """Raise ImportError when the torch release ``installed`` (e.g. ``"2.5.1+cu124"``) is below the floor."""
-    found = _re.match(r"(\d+)\.(\d+)", installed)
-    if found is None or tuple(map(int, found.groups())) < TORCH_FLOOR:
+    if not _torch_at_least(TORCH_FLOOR, installed):
         need = ".".join(map(str, TORCH_FLOOR))
         raise ImportError(f"tpinv needs torch >= {need}, but torch {installed} is installed "
                           f"(pip install 'torch>={need}'; docs/versions.md lists the tested versions)")

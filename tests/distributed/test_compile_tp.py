@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tpinv.core.versions import torch_at_least
+
 from tpinv.core.compile import COMPILE_TORCH_FLOOR
 
 from tpinv.testing import assert_bits_differ, assert_same_bits, run_ranks
@@ -50,7 +52,7 @@ def _compile_tp(rank, world_size, tokens, targets):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < COMPILE_TORCH_FLOOR,
+@pytest.mark.skipif(not torch_at_least(COMPILE_TORCH_FLOOR),
                     reason="tpinv.compile needs a newer torch (refused below COMPILE_TORCH_FLOOR)")
 def test_tp2_compiled_model_equals_eager_forward_and_backward():
     gen = torch.Generator().manual_seed(1)

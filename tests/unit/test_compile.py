@@ -23,9 +23,10 @@ from tpinv.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelE
 from tpinv.models.configs import get_config
 from tpinv.models.transformer import LayerConfig, Transformer
 from tpinv.core.compile import COMPILE_TORCH_FLOOR, check_compile_torch
+from tpinv.core.versions import torch_at_least
 from tpinv.testing import assert_bits_differ, assert_same_bits
 
-_OLD_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2]) < COMPILE_TORCH_FLOOR
+_OLD_TORCH = not torch_at_least(COMPILE_TORCH_FLOOR)
 needs_compile_torch = pytest.mark.skipif(_OLD_TORCH, reason=f"tpinv.compile needs torch >= {COMPILE_TORCH_FLOOR} "
                                          f"(refused below it: test_compile_refuses_an_older_torch)")
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tpinv.core.versions import torch_at_least
+
 import tpinv.ops  # noqa: F401  (defines every op)
 from tpinv.ops.registry import OPS
 from tpinv.ops.rope import _encode_scaling
@@ -131,7 +133,7 @@ def test_opcheck(qualname):
         torch.library.opcheck(op, args)
 
 
-@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13),
+@pytest.mark.skipif(not torch_at_least((2, 13)),
                     reason="torch.library.opcheck compares the fake's strides with the kernel's from the torch "
                            "tpinv.compile needs (2.13); torch 2.6's does not, so this control cannot fail there")
 def test_opcheck_control_fake_with_input_strides():

@@ -15,10 +15,11 @@ bits with plain ``torch.compile`` too.  See ``docs/compile.md``.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Optional
 
 import torch
+
+from tpinv.core.versions import torch_at_least
 
 __all__ = ["BACKENDS", "INDUCTOR_OPTIONS", "compile"]
 
@@ -38,8 +39,7 @@ COMPILE_TORCH_FLOOR = (2, 13)
 def check_compile_torch(installed: Optional[str] = None) -> None:
     """Raise NotImplementedError when torch ``installed`` (default: this torch) is below :data:`COMPILE_TORCH_FLOOR`."""
     installed = torch.__version__ if installed is None else installed
-    found = re.match(r"(\d+)\.(\d+)", installed)
-    if found is None or tuple(map(int, found.groups())) < COMPILE_TORCH_FLOOR:
+    if not torch_at_least(COMPILE_TORCH_FLOOR, installed):
         need = ".".join(map(str, COMPILE_TORCH_FLOOR))
         raise NotImplementedError(f"tpinv.compile needs torch >= {need} (the oldest release its same-bits and "
                                   f"in-graph check guarantees were tested on); torch {installed} is installed. "
