@@ -14,6 +14,7 @@ import os
 import pytest
 
 from tpinv.testing import run_ranks
+from tpinv.testing.runs import assert_runs_differ, assert_same_run, run_summary
 from tpinv.testing.corpus import tiny_corpus_jsonl, tiny_tokenizer_json
 from tpinv.training import TrainConfig
 
@@ -55,13 +56,6 @@ def _preprocess(tmp_path):
     return tok, prefixes
 
 
-def _same(a, b, where):
-    assert a["curve"] == b["curve"], f"{where}: per-step curves differ:\n{a['curve']}\n{b['curve']}"
-    assert a["sha"] == b["sha"] and a["master"] == b["master"], f"{where}: final weights differ"
-
-
-def _differ(a, b, where):
-    assert a["curve"] != b["curve"] and a["sha"] != b["sha"], f"{where}: the vanilla control did not differ"
 
 
 @pytest.mark.slow
@@ -81,12 +75,12 @@ def test_a_megatron_blend_trains_to_the_same_bits_at_every_tp_x_dp_layout(tmp_pa
     assert "data megatron" in tp1["log"] and "data megatron" in tp2dp2["log"]  # the indexed blend was read
     assert tp1["loss_tokens"] == [BASE["global_batch"] * BASE["seq_len"]] * BASE["steps"]  # loss on every token
     assert len(tp1["curve"]) == BASE["steps"]
-    _same(tp2dp2, tp1, "TP2xDP2 vs TP1xDP1")
-    _same(tp4, tp1, "TP4xDP1 vs TP1xDP1")
-    _same(tp1dp2, tp1, "TP1xDP2 vs TP1xDP1")
+    assert_same_run(tp2dp2, tp1, "TP2xDP2 vs TP1xDP1")
+    assert_same_run(tp4, tp1, "TP4xDP1 vs TP1xDP1")
+    assert_same_run(tp1dp2, tp1, "TP1xDP2 vs TP1xDP1")
     assert stopped["curve"] == tp1["curve"][:1]  # a resume reads the rest of the same global batches
-    _same(resumed, dict(tp1, curve=tp1["curve"][1:]), "stopped after step 1 and resumed")
+    assert_same_run(resumed, dict(tp1, curve=tp1["curve"][1:]), "stopped after step 1 and resumed")
     views = [r[i] for world in (world4, world2) for r in world for i in range(len(r))] + [tp1, v_tp1]
     assert {view["data"] for view in views} == {tp1["data"]}, "a rank or layout saw other rows"
-    _differ(v_tp1dp2, v_tp1, "vanilla TP1xDP2 vs TP1xDP1")
-    _differ(v_tp2dp2, v_tp4, "vanilla TP2xDP2 vs TP4xDP1")
+    assert_runs_differ(v_tp1dp2, v_tp1, "vanilla TP1xDP2 vs TP1xDP1")
+    assert_runs_differ(v_tp2dp2, v_tp4, "vanilla TP2xDP2 vs TP4xDP1")

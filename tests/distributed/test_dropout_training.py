@@ -15,6 +15,7 @@ import io
 import pytest
 
 from tpinv.testing import run_ranks
+from tpinv.testing.runs import assert_runs_differ, assert_same_run, run_summary
 from tpinv.training import TrainConfig
 
 BASE = dict(model="qwen3-tiny", digits=1, seq_len=8, global_batch=8, micro_batch=2, steps=3, lr=1e-2,
@@ -48,18 +49,10 @@ def run_configs(rank, world_size, configs):
                            stream=io.StringIO())
         finally:
             transformer.TokenDropout = keyed
-        out.append({"curve": [(r["loss_hex"], r["grad_norm_hex"]) for r in result["history"]],
-                    "sha": result["weights_sha256"], "master": result["master_sha256"]})
+        out.append(run_summary(result))
     return out if rank == 0 else None
 
 
-def _same(a, b, where):
-    assert a["curve"] == b["curve"], f"{where}: per-step curves differ:\n{a['curve']}\n{b['curve']}"
-    assert a["sha"] == b["sha"] and a["master"] == b["master"], f"{where}: final weights differ"
-
-
-def _differ(a, b, where):
-    assert a["curve"] != b["curve"] and a["sha"] != b["sha"], f"{where}: the control did not differ"
 
 
 @pytest.mark.slow
@@ -70,14 +63,14 @@ def test_dropout_training_same_bits_at_every_layout():
     tp1, off, torch_dp1 = run_ranks(run_configs, 1, [(1, {}), (1, dict(hidden_dropout=0.0)), (1, torch_drop)],
                                     timeout=300)[0]
     assert len(tp1["curve"]) == BASE["steps"]
-    _same(tp2, tp1, "TP2 vs TP1")
-    _same(tp4, tp1, "TP4 vs TP1")
-    _same(tp1dp2, tp1, "TP1xDP2 vs TP1xDP1")
-    _same(tp2dp2, tp1, "TP2xDP2 vs TP1xDP1")
-    _same(sp2dp2, tp1, "TP2xDP2 sequence-parallel vs TP1xDP1")
-    _same(sp4, tp1, "TP4 sequence-parallel vs TP1xDP1")
-    _differ(off, tp1, "dropout 0 vs 0.1")
-    _differ(torch_dp2, torch_dp1, "torch's RNG dropout, TP1xDP2 vs TP1xDP1")
+    assert_same_run(tp2, tp1, "TP2 vs TP1")
+    assert_same_run(tp4, tp1, "TP4 vs TP1")
+    assert_same_run(tp1dp2, tp1, "TP1xDP2 vs TP1xDP1")
+    assert_same_run(tp2dp2, tp1, "TP2xDP2 vs TP1xDP1")
+    assert_same_run(sp2dp2, tp1, "TP2xDP2 sequence-parallel vs TP1xDP1")
+    assert_same_run(sp4, tp1, "TP4 sequence-parallel vs TP1xDP1")
+    assert_runs_differ(off, tp1, "dropout 0 vs 0.1")
+    assert_runs_differ(torch_dp2, torch_dp1, "torch's RNG dropout, TP1xDP2 vs TP1xDP1")
 
 
 def test_vanilla_with_dropout_is_refused():

@@ -12,6 +12,7 @@ import io
 import pytest
 
 from tpinv.testing import run_ranks
+from tpinv.testing.runs import assert_same_run, run_summary
 
 BASE = dict(model="qwen3-tiny", digits=1, seq_len=8, global_batch=8, micro_batch=4, steps=3, lr=1e-2, warmup=1,
             eval_every=0)
@@ -55,15 +56,9 @@ def run_configs(rank, world_size, configs):
             result = train(TrainConfig(**dict(BASE, **overrides)), ParallelDims(tp=tp).build(), stream=io.StringIO())
         finally:
             transformer.checkpointed = real
-        curve = [(r["step"], r["loss_hex"], r["grad_norm_hex"]) for r in result["history"]]
-        out.append({"curve": curve, "sha": result["weights_sha256"], "master": result["master_sha256"],
-                    "checkpoints": len(entered)})
+        out.append(run_summary(result, checkpoints=len(entered)))
     return out if rank == 0 else None
 
-
-def _same(a, b, where):
-    assert a["curve"] == b["curve"], f"{where}: per-step curves differ"
-    assert a["sha"] == b["sha"] and a["master"] == b["master"], f"{where}: final weights differ"
 
 
 @pytest.mark.slow
@@ -81,7 +76,7 @@ def test_recompute_keeps_the_curve_at_every_tp():
             "TP=4 SP full uniform 2": (uniform4_sp, micro), "TP=4 SP selective": (selective4_sp, 2 * micro)}
     for where, (run, checkpoints) in runs.items():
         assert run["checkpoints"] == checkpoints, f"{where}: {run['checkpoints']} checkpointed regions"
-        _same(run, ref, f"{where} vs TP=1 without recompute")
+        assert_same_run(run, ref, f"{where} vs TP=1 without recompute")
     # control: a recompute that is not the forward it replaces
     assert perturbed2["checkpoints"] == 2 * micro
     assert perturbed2["curve"][0][1] == ref["curve"][0][1], "the first forward is not perturbed"

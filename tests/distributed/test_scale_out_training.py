@@ -17,6 +17,7 @@ import io
 import pytest
 
 from tpinv.testing import run_ranks
+from tpinv.testing.runs import assert_runs_differ, assert_same_run, run_summary
 from tpinv.training import TrainConfig
 
 BASE = dict(model="qwen3-tiny", digits=1, seq_len=8, global_batch=8, micro_batch=2, steps=3, lr=1e-2,
@@ -30,18 +31,10 @@ def run_configs(rank, world_size, configs):
     out = []
     for tp, overrides in configs:
         result = train(TrainConfig(**dict(BASE, **overrides)), ParallelDims(tp=tp).build(), stream=io.StringIO())
-        out.append({"curve": [(r["loss_hex"], r["grad_norm_hex"]) for r in result["history"]],
-                    "sha": result["weights_sha256"], "master": result["master_sha256"]})
+        out.append(run_summary(result))
     return out if rank == 0 else None
 
 
-def _same(a, b, where):
-    assert a["curve"] == b["curve"], f"{where}: per-step curves differ:\n{a['curve']}\n{b['curve']}"
-    assert a["sha"] == b["sha"] and a["master"] == b["master"], f"{where}: final weights differ"
-
-
-def _differ(a, b, where):
-    assert a["curve"] != b["curve"] and a["sha"] != b["sha"], f"{where}: the vanilla control did not differ"
 
 
 @pytest.mark.slow
@@ -53,16 +46,16 @@ def test_tp_x_dp_layouts_and_sequence_parallel_give_one_curve():
     tp1, v_tp1 = run_ranks(run_configs, 1, [(1, {}), (1, v)], timeout=300)[0]
     v_tp1dp2, = run_ranks(run_configs, 2, [(1, v)], timeout=300)[0]
     assert len(tp1["curve"]) == BASE["steps"]
-    _same(tp2dp2, tp1, "TP2xDP2 vs TP1xDP1")
-    _same(tp4, tp1, "TP4xDP1 vs TP1xDP1")
-    _same(tp1dp4, tp1, "TP1xDP4 vs TP1xDP1")
-    _same(sp2dp2, tp1, "TP2xDP2 sequence-parallel vs TP1xDP1")
-    _same(sp4, tp1, "TP4xDP1 sequence-parallel vs TP1xDP1")
+    assert_same_run(tp2dp2, tp1, "TP2xDP2 vs TP1xDP1")
+    assert_same_run(tp4, tp1, "TP4xDP1 vs TP1xDP1")
+    assert_same_run(tp1dp4, tp1, "TP1xDP4 vs TP1xDP1")
+    assert_same_run(sp2dp2, tp1, "TP2xDP2 sequence-parallel vs TP1xDP1")
+    assert_same_run(sp4, tp1, "TP4xDP1 sequence-parallel vs TP1xDP1")
     # vanilla DP2 adds (g0 + g1) + (g2 + g3), DP1 the chain ((g0 + g1) + g2) + g3: another order by
     # construction (at DP4 a rank holds one micro-batch, and a backend that adds the four in rank
     # order gives the chain again, so DP4 vs DP1 would differ only by the backend's luck)
-    _differ(v_tp1dp2, v_tp1, "vanilla TP1xDP2 vs TP1xDP1")
-    _differ(v_tp2dp2, v_tp4, "vanilla TP2xDP2 vs TP4xDP1")
+    assert_runs_differ(v_tp1dp2, v_tp1, "vanilla TP1xDP2 vs TP1xDP1")
+    assert_runs_differ(v_tp2dp2, v_tp4, "vanilla TP2xDP2 vs TP4xDP1")
 
 
 @pytest.mark.slow
@@ -72,10 +65,10 @@ def test_tp8_training_equals_tp1_with_split_and_replicated_kv_heads():
         (8, kv8), (8, kv2), (8, dict(kv2, sequence_parallel=True)), (8, dict(kv8, vanilla=True))], timeout=600)[0]
     t1_kv8, t1_kv2, v1_kv8 = run_ranks(run_configs, 1, [(1, kv8), (1, kv2), (1, dict(kv8, vanilla=True))],
                                        timeout=300)[0]
-    _same(t8_kv8, t1_kv8, "qwen3-kv8-tiny TP=8 vs TP=1")
-    _same(t8_kv2, t1_kv2, "qwen3-kv2-tiny TP=8 (4 replicas per KV head) vs TP=1")
-    _same(t8_kv2_sp, t1_kv2, "qwen3-kv2-tiny TP=8 sequence-parallel vs TP=1")
-    _differ(v8_kv8, v1_kv8, "vanilla qwen3-kv8-tiny TP=8 vs TP=1")
+    assert_same_run(t8_kv8, t1_kv8, "qwen3-kv8-tiny TP=8 vs TP=1")
+    assert_same_run(t8_kv2, t1_kv2, "qwen3-kv2-tiny TP=8 (4 replicas per KV head) vs TP=1")
+    assert_same_run(t8_kv2_sp, t1_kv2, "qwen3-kv2-tiny TP=8 sequence-parallel vs TP=1")
+    assert_runs_differ(v8_kv8, v1_kv8, "vanilla qwen3-kv8-tiny TP=8 vs TP=1")
 
 
 def test_micro_batch_count_must_be_a_power_of_two():
@@ -96,5 +89,5 @@ def test_replicated_kv_checkpoint_resumes_at_any_tp(tmp_path):
     full, resumed1 = run_ranks(run_configs, 1, [(1, kv2), (1, dict(kv2, load=ckpt))], timeout=300)[0]
     assert stopped["curve"] == full["curve"][:1]
     tail = {**full, "curve": full["curve"][1:]}
-    _same(resumed4, tail, "resumed at TP=4")
-    _same(resumed1, tail, "resumed at TP=1")
+    assert_same_run(resumed4, tail, "resumed at TP=4")
+    assert_same_run(resumed1, tail, "resumed at TP=1")
