@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tpinv.kernels.launch import launch
 from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
 #: Leaf counts the kernel unrolls (saved tree levels: registers for 1-2, smem for the 3rd).
@@ -287,28 +288,48 @@ def launch_checked(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: tor
 
 def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
             cfg: GluonConfig) -> torch.Tensor:
-    """Descriptors, persistent grid and launch for checked inputs."""
+    """Descriptors, persistent grid and launch for checked inputs (planned once per shape)."""
+    m, k = x.shape
+    n = w.shape[0]
+    key = (tuple(x.shape), x.stride(), tuple(w.shape), w.stride(), x.dtype, out_dtype, leaves, cfg,
+           x.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0, x.device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(x, w, leaves, out_dtype, cfg, key)
+    x_t, w_kn, x_block, w_block, grid, consts = plan
+    out = torch.empty((m, n), device=x.device, dtype=out_dtype)
+    x_desc = TensorDescriptor.from_tensor(x.t() if x_t else x, x_block[0], x_block[1])
+    w_desc = TensorDescriptor.from_tensor(w.t() if w_kn else w, w_block[0], w_block[1])
+    launch(_contract_mm_ws_kernel, grid, x_desc, w_desc, out, m, n, out.stride(0), k // leaves // consts["BK"],
+           key=key, **consts["kw"])
+    return out
+
+
+_PLANS: dict = {}
+
+
+def _plan(x, w, leaves, out_dtype, cfg, key) -> tuple:
     m, k = x.shape
     n = w.shape[0]
     leaf_len = k // leaves
     bk = block_k(x.dtype, leaf_len)
     check_gluon_config(cfg, leaves, bk)
-    out = torch.empty((m, n), device=x.device, dtype=out_dtype)
     gdt = _DTYPES[x.dtype]
     x_t, w_kn = _major(x) == "col", _major(w) == "col"
-    x_desc = _descriptor(x.t() if x_t else x, [bk, cfg.block_m] if x_t else [cfg.block_m, bk], gdt)
-    w_desc = _descriptor(w.t() if w_kn else w, [bk, cfg.block_n] if w_kn else [cfg.block_n, bk], gdt)
+    x_block = [bk, cfg.block_m] if x_t else [cfg.block_m, bk]
+    w_block = [bk, cfg.block_n] if w_kn else [cfg.block_n, bk]
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if dev not in _SM_COUNT:
         _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = (min(_SM_COUNT[dev], tiles), )
-    _contract_mm_ws_kernel[grid](
-        x_desc, w_desc, out, m, n, out.stride(0), leaf_len // bk,
-        LEAVES=leaves, STAGES=cfg.num_stages, GROUP_M=cfg.group_m,
-        PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
-        num_warps=cfg.num_warps)
-    return out
+    kw = dict(LEAVES=leaves, STAGES=cfg.num_stages, GROUP_M=cfg.group_m,
+              PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
+              num_warps=cfg.num_warps)
+    if len(_PLANS) >= 4096:
+        _PLANS.clear()
+    return (x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), grid,
+            {"BK": bk, "kw": kw})
 
 
 _LAYOUTS: dict = {}
@@ -322,9 +343,9 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return _CAPABILITY[index]
 
 
-def _descriptor(t: torch.Tensor, block: list[int], gdt) -> TensorDescriptor:
-    """A TMA descriptor of the row-major ``t`` in ``block`` tiles (swizzled for wgmma)."""
+def _layout(block: list[int], gdt):
+    """The shared-memory layout of a TMA tile of ``block`` (swizzled for wgmma)."""
     key = (tuple(block), gdt)
     if key not in _LAYOUTS:
         _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(block, gdt)
-    return TensorDescriptor.from_tensor(t, block, _LAYOUTS[key])
+    return _LAYOUTS[key]

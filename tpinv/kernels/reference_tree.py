@@ -8,6 +8,8 @@ elementwise add, so each output element's bits depend only on the values of its 
 row and the leaf length -- never on the other rows, the batch size, strides, chunking
 or the number of threads.  Zero padding on the right is an exact identity, so a row
 padded to a longer length gives the same value (up to the sign of an all-zero sum).
+On CUDA, :func:`halving_sum` of an fp32 tensor runs the same adds in one Triton launch
+(:mod:`tpinv.kernels.triton_tree`) instead of one tensor add per level.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ def _next_pow2(n: int) -> int:
 
 def halving_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum the last dim (any length) by contiguous halving over a zero-padded power of two."""
+    if x.is_cuda and x.dtype == torch.float32 and x.dim() >= 1:
+        from tpinv.kernels.triton_tree import halving_sum_cuda   # imports Triton: CUDA only
+        return halving_sum_cuda(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
     n = x.shape[-1]
     p = _next_pow2(n)
     if p != n:

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpinv.kernels.launch import launch
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 
 __all__ = ["attention_forward_cuda", "AttentionConfig", "forward_config", "padded_head_dim",
@@ -294,7 +295,7 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     m, (s_mb, s_ms, s_mt) = mask_args(mask, q)
     cfg = forward_config(q.dtype, DP)
     n_tiles = triton.cdiv(S * g, cfg.block_m)
-    _attn_fwd_kernel[(n_tiles, B * Hkv)](
+    launch(_attn_fwd_kernel, (n_tiles, B * Hkv),
         q, k, v, q_pos, m, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), q_pos.stride(0), q_pos.stride(1),

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpinv.kernels.launch import launch
 from tpinv.core.contract import InvarianceError
 from tpinv.kernels.reference_activation import check_silu_mul_inputs
 from tpinv.kernels.reference_rope import check_rope_inputs
@@ -126,7 +127,7 @@ def _launch_silu_fwd(gate, up, config=None):
     n = gate.numel()
     if n:
         block, warps = config or silu_config(n)
-        _silu_mul_fwd_kernel[(triton.cdiv(n, block),)](
+        launch(_silu_mul_fwd_kernel, (triton.cdiv(n, block),),
             _flat(gate), _flat(up), out.view(-1), n, BLOCK=block, PRECISE_EXP=not _interpreting(),
             num_warps=warps, **_EXACT_OPTIONS)
     return out
@@ -138,7 +139,7 @@ def _launch_silu_bwd(grad, gate, up, config=None):
     n = gate.numel()
     if n:
         block, warps = config or silu_config(n)
-        _silu_mul_bwd_kernel[(triton.cdiv(n, block),)](
+        launch(_silu_mul_bwd_kernel, (triton.cdiv(n, block),),
             _flat(grad), _flat(gate), _flat(up), d_gate.view(-1), d_up.view(-1), n, BLOCK=block,
             PRECISE_EXP=not _interpreting(), num_warps=warps, **_EXACT_OPTIONS)
     return d_gate, d_up
@@ -245,7 +246,7 @@ def _launch_rope(x, cos, sin, sign, config=None):
     n_hgroups, n_dchunks = triton.cdiv(heads, block_h), triton.cdiv(half, block_half)
     n_sblocks = triton.cdiv(seq, block_s)
     grid = (batch * n_sblocks * n_dchunks * n_hgroups,)
-    _rope_kernel[grid](x, cos, sin, out, heads, seq,
+    launch(_rope_kernel, grid, x, cos, sin, out, heads, seq,
                        x.stride(0), x.stride(1), x.stride(2), sc_b, sc_s, ss_b, ss_s,
                        out.stride(0), out.stride(1), out.stride(2), n_hgroups, n_dchunks, n_sblocks,
                        HALF=half, SIGN=sign, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_HALF=block_half,

@@ -22,12 +22,15 @@ changes an addition; see :mod:`tpinv.kernels.tiles`.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, check_divisible, check_dtype,
                             check_leaves)
+from tpinv.kernels.launch import launch
 from tpinv.kernels.tiles import (GLUON_MIN_ROWS, MAX_LEAVES_PER_CTA, MatmulConfig, block_k,
                                  check_config, launch_config)
 
@@ -194,6 +197,57 @@ def _tma_ok(t: torch.Tensor, inner: int) -> bool:
             and t.shape[outer] * t.stride(outer) < _INT32_MAX)
 
 
+class _Plan(NamedTuple):
+    """Everything about a launch that follows from shapes, strides, dtypes and alignment."""
+    key: tuple
+    use_tma: bool
+    w_kn: bool
+    x_block: list
+    w_block: list
+    split: int
+    grid: tuple
+    consts: dict
+
+
+_PLANS: dict = {}
+
+
+def _plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
+          config: MatmulConfig, allow_tma: bool) -> _Plan:
+    key = (tuple(x2.shape), x2.stride(), tuple(w.shape), w.stride(), x2.dtype, out_dtype, leaves,
+           config, allow_tma, x2.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    m, k = x2.shape
+    n = w.shape[0]
+    leaf_len = k // leaves
+    bk = block_k(x2.dtype, leaf_len)
+    split = config.effective_split(leaves)
+    per_cta = leaves // split
+    bm, bn = config.block_m, config.block_n
+    even_k = leaf_len % bk == 0
+    w_kn = w.stride(0) == 1 and w.stride(1) != 1
+    use_tma = (allow_tma and even_k and _tma_ok(x2, 1)
+               and (_tma_ok(w, 0) if w_kn else _tma_ok(w, 1)))
+    if not use_tma:
+        w_kn = False
+        for name, t in (("x", x2), ("w", w)):
+            if sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) > _INT32_MAX:
+                raise ValueError(f"{name} {tuple(t.shape)} is too large for 32-bit offsets; "
+                                 f"split it along its rows")
+    consts = dict(LEAVES_PER_CTA=per_cta, LOG2_LEAVES_PER_CTA=per_cta.bit_length() - 1,
+                  USE_TMA=use_tma, W_KN=w_kn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  GROUP_M=config.group_m, EVEN_K=even_k, IS_FP32=(x2.dtype == torch.float32),
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    plan = _Plan(key, use_tma, w_kn, [bm, bk], [bk, bn] if w_kn else [bn, bk], split, grid, consts)
+    if len(_PLANS) >= 4096:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
 def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
             config: MatmulConfig, allow_tma: bool = True) -> torch.Tensor:
     """Run the kernel on x2 [M, K], w [N, K]; ``allow_tma=False`` forces pointer loads."""
@@ -204,43 +258,28 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
         return out
     if k == 0:
         return out.zero_()
-    leaf_len = k // leaves
-    bk = block_k(x2.dtype, leaf_len)
-    split = config.effective_split(leaves)
-    per_cta = leaves // split
-    bm, bn = config.block_m, config.block_n
-    even_k = leaf_len % bk == 0
-    w_kn = w.stride(0) == 1 and w.stride(1) != 1
-    use_tma = (allow_tma and even_k and _tma_ok(x2, 1)
-               and (_tma_ok(w, 0) if w_kn else _tma_ok(w, 1)))
-    if use_tma:
-        x_ref = TensorDescriptor.from_tensor(x2, [bm, bk])
-        w_ref = (TensorDescriptor(w.T, [k, n], [w.stride(1), 1], [bk, bn]) if w_kn
-                 else TensorDescriptor.from_tensor(w, [bn, bk]))
+    plan = _plan(x2, w, leaves, out_dtype, config, allow_tma)
+    if plan.use_tma:
+        x_ref = TensorDescriptor(x2, [m, k], [x2.stride(0), 1], plan.x_block)
+        w_ref = (TensorDescriptor(w.T, [k, n], [w.stride(1), 1], plan.w_block) if plan.w_kn
+                 else TensorDescriptor(w, [n, k], [w.stride(0), 1], plan.w_block))
     else:
-        for name, t in (("x", x2), ("w", w)):
-            if sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) > _INT32_MAX:
-                raise ValueError(f"{name} {tuple(t.shape)} is too large for 32-bit offsets; "
-                                 f"split it along its rows")
-        x_ref, w_ref, w_kn = x2, w, False
+        x_ref, w_ref = x2, w
+    split = plan.split
     if split == 1:
         dest, stride_g = out, 0
     else:
         dest = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
         stride_g = dest.stride(0)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    _contract_mm_kernel[(tiles, split)](
-        x_ref, w_ref, dest, m, n, leaf_len,
-        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
-        stride_g, dest.stride(-2), dest.stride(-1),
-        LEAVES_PER_CTA=per_cta, LOG2_LEAVES_PER_CTA=per_cta.bit_length() - 1,
-        USE_TMA=use_tma, W_KN=w_kn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=config.group_m, EVEN_K=even_k, IS_FP32=(x2.dtype == torch.float32),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    launch(_contract_mm_kernel, plan.grid,
+           x_ref, w_ref, dest, m, n, k // leaves,
+           x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
+           stride_g, dest.stride(-2), dest.stride(-1), key=plan.key, **plan.consts)
     if split > 1:
         block = 1024
-        _combine_groups_kernel[(triton.cdiv(m * n, block),)](
-            dest, out, m * n, stride_g, GROUPS=split, BLOCK=block, num_warps=4)
+        launch(_combine_groups_kernel, (triton.cdiv(m * n, block),),
+               dest, out, m * n, stride_g, key=("combine",) + plan.key, GROUPS=split, BLOCK=block,
+               num_warps=4)
     return out
 
 
@@ -262,13 +301,23 @@ def gluon_kernel_for(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: 
 
 
 _GLUON: list = []   # [the gluon_matmul module, or None without Gluon], once resolved
+_GLUON_CHOICE: dict = {}   # shape, strides, dtypes, leaves, alignment, device -> gluon module or None
+_UNSEEN = object()
 
 
 def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
          config: MatmulConfig | None) -> torch.Tensor:
     _check_inputs(x, w, leaves)
     x2 = x.reshape(-1, x.shape[-1])
-    gluon = gluon_kernel_for(x2, w, leaves, out_dtype) if config is None else None
+    gluon = None
+    if config is None:
+        key = (tuple(x2.shape), x2.stride(), tuple(w.shape), w.stride(), x2.dtype, out_dtype, leaves,
+               x2.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0, x2.device)
+        gluon = _GLUON_CHOICE.get(key, _UNSEEN)
+        if gluon is _UNSEEN:
+            if len(_GLUON_CHOICE) >= 4096:
+                _GLUON_CHOICE.clear()
+            gluon = _GLUON_CHOICE[key] = gluon_kernel_for(x2, w, leaves, out_dtype)
     if gluon is not None:
         out = gluon.launch_checked(x2, w, leaves, out_dtype)
     else:

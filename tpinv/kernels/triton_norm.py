@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpinv.kernels.launch import launch
 from tpinv.kernels.reference_norm import (check_per_head_inputs, check_rms_norm_backward_inputs, check_rms_norm_inputs,
                                     rms_norm_backward, rms_norm_backward_heads, rms_norm_forward,
                                     rms_norm_out_dtype, sum_over_tokens_per_head)
@@ -94,7 +95,7 @@ def rms_norm_forward_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     out = torch.empty(rows.shape, dtype=rms_norm_out_dtype(x, weight), device=x.device)
     if rows.shape[0]:
         block, warps = _block_for(hidden)
-        _rms_norm_fwd_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, hidden, float(hidden),
+        launch(_rms_norm_fwd_kernel, (rows.shape[0],), rows, weight.contiguous(), out, hidden, float(hidden),
                                                float(eps),
                                                rows.stride(0), out.stride(0), BLOCK=block,
                                                num_warps=warps)
@@ -111,7 +112,7 @@ def _backward_rows(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     contrib = torch.empty((n_rows, hidden), dtype=torch.float32, device=x.device)
     if n_rows:
         block, warps = _block_for(hidden)
-        _rms_norm_bwd_kernel[(n_rows,)](grads, rows, weight.contiguous(), grad_x, contrib, hidden,
+        launch(_rms_norm_bwd_kernel, (n_rows,), grads, rows, weight.contiguous(), grad_x, contrib, hidden,
                                         float(hidden), float(eps), grads.stride(0), rows.stride(0),
                                         grad_x.stride(0), BLOCK=block, num_warps=warps)
     return grad_x.reshape(x.shape), contrib

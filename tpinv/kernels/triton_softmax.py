@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpinv.kernels.launch import launch
 from tpinv.core.contract import tree_combine
 from tpinv.kernels.reference_softmax import (check_partial_inputs, check_softmax_inputs,
                                        logsumexp_from_parts, safe_shift)
@@ -211,7 +212,7 @@ def _fused(rows: torch.Tensor, leaves: int, mode: int, config: tuple | None = No
     block = leaf_block(leaf_len)
     target = rows if out is None else out
     grid = (_programs(n_rows, rows.device, per_sm),)
-    _softmax_rows_kernel[grid](
+    launch(_softmax_rows_kernel, grid,
         rows, target, max_, total, n_rows, width, leaf_len, rows.stride(0), target.stride(0),
         MODE=mode, ROW_BLOCK=row_block, LEAVES=leaves, LOG2_LEAVES=_log2(leaves),
         GROUP=min(group, leaves), LEAF_BLOCK=block, LOG2_LEAF_BLOCK=_log2(block),
@@ -229,7 +230,7 @@ def sum_exp_partial_cuda(x: torch.Tensor, max_: torch.Tensor, leaves: int) -> to
     partials = torch.empty((n_rows, leaves), dtype=torch.float32, device=rows.device)
     if n_rows:
         block = leaf_block(leaf_len)
-        _leaf_sum_exp_kernel[(n_rows, leaves)](
+        launch(_leaf_sum_exp_kernel, (n_rows, leaves),
             rows, shift, partials, leaf_len, rows.stride(0), leaves, BLOCK=block,
             LOG2_BLOCK=_log2(block), num_warps=8 if block >= 2048 else 4,
             enable_fp_fusion=False)
@@ -261,7 +262,7 @@ def _from_parts(x: torch.Tensor, max_: torch.Tensor, total: torch.Tensor, log: b
     if rows.numel():
         shift = safe_shift(max_).reshape(-1).contiguous()
         grid = (rows.shape[0], triton.cdiv(rows.shape[1], _OUT_BLOCK))
-        _from_parts_kernel[grid](rows, shift, total.reshape(-1).contiguous(), out, rows.shape[1],
+        launch(_from_parts_kernel, grid, rows, shift, total.reshape(-1).contiguous(), out, rows.shape[1],
                                  rows.stride(0), out.stride(0), LOG=log, BLOCK=_OUT_BLOCK,
                                  num_warps=8, enable_fp_fusion=False)
     return out.reshape(x.shape)

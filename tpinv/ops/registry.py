@@ -14,6 +14,13 @@ registry makes each kernel's outputs contiguous (a copy, exact, only where a ker
 another layout) and each fake's too -- so the strides torch.compile plans with from the fake are
 the strides the kernel returns, whatever the layout of the inputs
 (``tests/unit/test_opcheck.py`` runs ``torch.library.opcheck`` on every op in :data:`OPS`).
+
+Eager calls: an op called in plain eager code -- not under ``torch.compile``, no dispatch or
+function mode, no profiler, no functorch transform, plain tensors passed positionally -- runs
+its kernel directly (through an :class:`torch.autograd.Function` made from the op's own
+``register_autograd`` formula when a gradient is needed), skipping the dispatcher's Python
+round trip (:class:`InvariantOp`).  It is the same kernel with the same check, so the same
+bits (``tests/unit/test_eager_calls.py``); everything else goes through the registered op.
 """
 from __future__ import annotations
 
@@ -81,6 +88,88 @@ def with_contiguous_outputs(kernel: Callable) -> Callable:
     return run
 
 
+class _EagerAutograd(torch.autograd.Function):
+    """Base of each op's eager autograd function (:meth:`InvariantOp.register_autograd`)."""
+
+
+class InvariantOp(CustomOpDef):
+    """A ``tpinv::`` custom op whose plain eager calls run the kernel directly.
+
+    Same kernel, same input check and same autograd formula as the registered op; the
+    dispatcher is skipped only where nothing could observe or transform the call (see the
+    module docstring).  :data:`EAGER_CALLS` (``False``) turns the direct path off."""
+
+    def __call__(self, *args, **kwargs):
+        fast = self._tpinv_eager
+        if (kwargs or not EAGER_CALLS[0] or len(args) != fast.arity or torch.compiler.is_compiling()
+                or _observed()):
+            return self._opoverload(*args, **kwargs)
+        device = None
+        for i in fast.tensor_args:
+            t = args[i]
+            if t is None:
+                continue
+            if type(t) not in _PLAIN_TENSORS:
+                return self._opoverload(*args)
+            if device is None:
+                device = t.device.type
+            elif t.device.type != device:
+                return self._opoverload(*args)
+        kernel = fast.kernels.get(device)
+        if kernel is None:
+            return self._opoverload(*args)
+        if fast.autograd is not None and torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            if fast.mutates:
+                return self._opoverload(*args)
+            return fast.autograd.apply(kernel, *args)
+        return kernel(*args)
+
+    def register_autograd(self, backward, /, *, setup_context=None):
+        super().register_autograd(backward, setup_context=setup_context)
+
+        def forward(ctx, kernel, *args):
+            out = kernel(*args)
+            if setup_context is not None:
+                setup_context(ctx, args, out)
+            return out
+
+        def eager_backward(ctx, *grads):
+            needs = ctx.needs_input_grad
+            ctx.needs_input_grad = needs[1:]  # the formula sees the op's own inputs, not the kernel
+            try:
+                result = backward(ctx, *grads)
+            finally:
+                ctx.needs_input_grad = needs
+            return (None, *result) if isinstance(result, tuple) else (None, result)
+
+        class_name = f"Eager_{self._name}"
+        self._tpinv_eager.autograd = type(class_name, (_EagerAutograd,), {
+            "forward": staticmethod(forward), "backward": staticmethod(eager_backward)})
+
+
+def _observed() -> bool:
+    """Whether something may watch or transform an op call (then it goes through the dispatcher)."""
+    return (torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch.autograd._profiler_enabled() or torch._C._are_functorch_transforms_active())
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+#: ``[True]``: plain eager calls run the kernel directly (:class:`InvariantOp`); ``[False]``: every
+#: call goes through the dispatcher (tests compare the two).
+EAGER_CALLS = [True]
+
+
+class _EagerPath:
+    """What :meth:`InvariantOp.__call__` needs, computed once per op."""
+
+    def __init__(self, schema, kernels: dict, mutates: bool):
+        self.arity = len(schema.arguments)
+        self.tensor_args = tuple(i for i, a in enumerate(schema.arguments)
+                                 if "Tensor" in str(a.type) and "[]" not in str(a.type))
+        self.kernels, self.mutates, self.autograd = kernels, mutates, None
+
+
 class OpDef(NamedTuple):
     """One op in one place: the op, its reference (CPU) kernel, its CUDA kernel and its input check."""
     op: CustomOpDef
@@ -146,7 +235,11 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
             kernel = cuda
         else:
             kernel = lazy_kernel(cuda)
-        op.register_kernel("cuda", with_contiguous_outputs(kernel))
+        cuda_slot = with_contiguous_outputs(kernel)
+        op.register_kernel("cuda", cuda_slot)
+        op.__class__ = InvariantOp
+        op._tpinv_eager = _EagerPath(op._opoverload._schema, {"cpu": with_contiguous_outputs(reference),
+                                                              "cuda": cuda_slot}, bool(mutated))
         OPS[qualname] = OpDef(op, reference, cuda, check, kernel)
         return op
 

@@ -1,0 +1,114 @@
+"""Launching Triton kernels with less host work: each specialization bound once.
+
+Invariant kept: a launch runs exactly the compiled kernel Triton's own ``kernel[grid](...)``
+would run for the same arguments -- the first launch of a specialization goes through Triton
+(which compiles or finds the kernel), later launches of it call that compiled kernel's launcher
+directly.  A specialization is named by a key that holds every integer argument's value, every
+tensor's dtype and 16-byte alignment, and every constexpr and launch option -- a superset of
+what Triton specializes on -- so a bound kernel is never launched with arguments Triton would
+have compiled differently.  Only the launch path changes (host time), never the arithmetic.
+
+:func:`launch` is the call sites' ``kernel[grid](*args, **kwargs)``; a call site that already
+knows its specialization (a per-shape plan) passes ``key=`` and skips building it per call.
+Triton versions without the launcher API used here (and Triton's interpreter) launch through
+Triton every time: same kernel, more host time.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import torch
+
+try:
+    import triton
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
+    triton = None
+    _knobs = None
+
+__all__ = ["launch", "bound_launches", "BIND"]
+
+#: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
+BIND = [True]
+
+#: Bound specializations kept before the table is cleared and refilled.
+MAX_BOUND = 4096
+
+_BOUND: dict = {}        # (kernel, device, key) -> (compiled kernel, tail of constexpr values)
+_NAMES: dict = {}        # kernel -> its parameter names and defaults
+_COUNT = [0]
+
+
+def bound_launches() -> int:
+    """How many launches so far went through a bound launcher (tests assert it moves)."""
+    return _COUNT[0]
+
+
+def _arg_key(a: Any):
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, (bool, int)) or a is None:
+        return a
+    if isinstance(a, float):
+        return float
+    raise TypeError(type(a))
+
+
+def _parameters(fn) -> tuple:
+    params = _NAMES.get(fn)
+    if params is None:
+        sig = inspect.signature(fn.fn)
+        params = _NAMES[fn] = tuple((p.name, p.default) for p in sig.parameters.values())
+    return params
+
+
+def _interpreting(fn) -> bool:
+    return not hasattr(fn, "device_caches") or type(fn).__name__ == "InterpretedFunction"
+
+
+def launch(fn, grid: tuple, *args, key: Optional[tuple] = None, **kwargs) -> None:
+    """``fn[grid](*args, **kwargs)``, through a bound launcher when this specialization ran before.
+
+    ``args`` are the kernel's leading (runtime) arguments, ``kwargs`` its constexprs and launch
+    options; ``key`` (optional) names the specialization when the caller knows it (it must
+    determine every integer argument and constexpr, and every tensor's dtype and alignment)."""
+    if not BIND[0] or _knobs is None or _interpreting(fn):
+        fn[grid](*args, **kwargs)
+        return
+    if key is None:
+        try:
+            key = (tuple(map(_arg_key, args)), tuple(kwargs.items()))
+        except TypeError:        # an argument kind this module does not key: Triton decides
+            fn[grid](*args, **kwargs)
+            return
+    device = _driver.active.get_current_device()
+    entry = _BOUND.get((fn, device, key))
+    if entry is None:
+        compiled = fn[grid](*args, **kwargs)
+        params = _parameters(fn)
+        if compiled is None or fn.pre_run_hooks or len(args) > len(params):
+            return
+        tail = []
+        for name, default in params[len(args):]:
+            if name in kwargs:
+                tail.append(kwargs[name])
+            elif default is not inspect.Parameter.empty:
+                tail.append(default)
+            else:
+                return                   # a runtime argument passed by keyword: not bound
+        if len(_BOUND) >= MAX_BOUND:     # e.g. decode: one key per cache length
+            _BOUND.clear()
+        _BOUND[(fn, device, key)] = (compiled, tuple(tail))
+        return
+    compiled, tail = entry
+    stream = _driver.active.get_current_stream(device)
+    full = (*args, *tail)
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    enter = _knobs.runtime.launch_enter_hook
+    metadata = compiled.launch_metadata(grid, stream, *full) if enter is not None else None
+    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, metadata,
+                 enter, _knobs.runtime.launch_exit_hook, *full)
+    _COUNT[0] += 1
