@@ -296,12 +296,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtyp
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(x, w, leaves, out_dtype, cfg, key)
-    x_t, w_kn, x_block, w_block, grid, consts = plan
+    x_t, w_kn, x_block, w_block, grid, consts, bound = plan
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
     x_desc = TensorDescriptor.from_tensor(x.t() if x_t else x, x_block[0], x_block[1])
     w_desc = TensorDescriptor.from_tensor(w.t() if w_kn else w, w_block[0], w_block[1])
     launch(_contract_mm_ws_kernel, grid, x_desc, w_desc, out, m, n, out.stride(0), k // leaves // consts["BK"],
-           key=key, **consts["kw"])
+           bound=bound, **consts["kw"])
     return out
 
 
@@ -329,7 +329,7 @@ def _plan(x, w, leaves, out_dtype, cfg, key) -> tuple:
     if len(_PLANS) >= 4096:
         _PLANS.clear()
     return (x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), grid,
-            {"BK": bk, "kw": kw})
+            {"BK": bk, "kw": kw}, {})
 
 
 _LAYOUTS: dict = {}

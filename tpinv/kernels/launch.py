@@ -9,7 +9,8 @@ what Triton specializes on -- so a bound kernel is never launched with arguments
 have compiled differently.  Only the launch path changes (host time), never the arithmetic.
 
 :func:`launch` is the call sites' ``kernel[grid](*args, **kwargs)``; a call site that already
-knows its specialization (a per-shape plan) passes ``key=`` and skips building it per call.
+knows its specialization (a per-shape plan) passes ``key=``, or keeps the bound launcher with
+its plan (``bound=``), and skips building and looking up the key per call.
 Triton versions without the launcher API used here (and Triton's interpreter) launch through
 Triton every time: same kernel, more host time.
 """
@@ -46,14 +47,27 @@ def bound_launches() -> int:
     return _COUNT[0]
 
 
-def _arg_key(a: Any):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, (bool, int)) or a is None:
-        return a
-    if isinstance(a, float):
-        return float
-    raise TypeError(type(a))
+def _specialization(args: tuple) -> tuple:
+    """The key of ``args``: ints and None by value, bools tagged (Triton compiles bools apart
+    from ints), floats by type, tensors by dtype and 16-byte alignment.  Raises TypeError for
+    anything else (the launch then goes through Triton)."""
+    key = []
+    for a in args:
+        t = type(a)
+        if t is int or a is None:
+            key.append(a)
+        elif t is bool:
+            key.append((bool, a))
+        elif t is float:
+            key.append(float)
+        elif t in _TENSORS:
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        else:
+            raise TypeError(t)
+    return tuple(key)
+
+
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _parameters(fn) -> tuple:
@@ -68,23 +82,26 @@ def _interpreting(fn) -> bool:
     return not hasattr(fn, "device_caches") or type(fn).__name__ == "InterpretedFunction"
 
 
-def launch(fn, grid: tuple, *args, key: Optional[tuple] = None, **kwargs) -> None:
+def launch(fn, grid: tuple, *args, key: Optional[tuple] = None, bound: Optional[dict] = None,
+           **kwargs) -> None:
     """``fn[grid](*args, **kwargs)``, through a bound launcher when this specialization ran before.
 
     ``args`` are the kernel's leading (runtime) arguments, ``kwargs`` its constexprs and launch
     options; ``key`` (optional) names the specialization when the caller knows it (it must
-    determine every integer argument and constexpr, and every tensor's dtype and alignment)."""
+    determine every integer argument and constexpr, and every tensor's dtype and alignment);
+    ``bound`` (optional, instead of ``key``) is a dict the caller keeps with a plan that fixes all
+    of that, where the bound launcher is stored per device (no key, no table lookup)."""
     if not BIND[0] or _knobs is None or _interpreting(fn):
         fn[grid](*args, **kwargs)
         return
-    if key is None:
+    if key is None and bound is None:
         try:
-            key = (tuple(map(_arg_key, args)), tuple(kwargs.items()))
+            key = (_specialization(args), tuple(kwargs.items()))
         except TypeError:        # an argument kind this module does not key: Triton decides
             fn[grid](*args, **kwargs)
             return
     device = _driver.active.get_current_device()
-    entry = _BOUND.get((fn, device, key))
+    entry = _BOUND.get((fn, device, key)) if bound is None else bound.get(device)
     if entry is None:
         compiled = fn[grid](*args, **kwargs)
         params = _parameters(fn)
@@ -98,6 +115,9 @@ def launch(fn, grid: tuple, *args, key: Optional[tuple] = None, **kwargs) -> Non
                 tail.append(default)
             else:
                 return                   # a runtime argument passed by keyword: not bound
+        if bound is not None:
+            bound[device] = (compiled, tuple(tail))
+            return
         if len(_BOUND) >= MAX_BOUND:     # e.g. decode: one key per cache length
             _BOUND.clear()
         _BOUND[(fn, device, key)] = (compiled, tuple(tail))

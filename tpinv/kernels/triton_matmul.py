@@ -207,6 +207,8 @@ class _Plan(NamedTuple):
     split: int
     grid: tuple
     consts: dict
+    bound: dict           # device -> bound launcher of the contract kernel (tpinv.kernels.launch)
+    bound_combine: dict   # the same for the split combine kernel
 
 
 _PLANS: dict = {}
@@ -241,7 +243,7 @@ def _plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype
                   GROUP_M=config.group_m, EVEN_K=even_k, IS_FP32=(x2.dtype == torch.float32),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
-    plan = _Plan(key, use_tma, w_kn, [bm, bk], [bk, bn] if w_kn else [bn, bk], split, grid, consts)
+    plan = _Plan(key, use_tma, w_kn, [bm, bk], [bk, bn] if w_kn else [bn, bk], split, grid, consts, {}, {})
     if len(_PLANS) >= 4096:
         _PLANS.clear()
     _PLANS[key] = plan
@@ -274,11 +276,11 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
     launch(_contract_mm_kernel, plan.grid,
            x_ref, w_ref, dest, m, n, k // leaves,
            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
-           stride_g, dest.stride(-2), dest.stride(-1), key=plan.key, **plan.consts)
+           stride_g, dest.stride(-2), dest.stride(-1), bound=plan.bound, **plan.consts)
     if split > 1:
         block = 1024
         launch(_combine_groups_kernel, (triton.cdiv(m * n, block),),
-               dest, out, m * n, stride_g, key=("combine",) + plan.key, GROUPS=split, BLOCK=block,
+               dest, out, m * n, stride_g, bound=plan.bound_combine, GROUPS=split, BLOCK=block,
                num_warps=4)
     return out
 
