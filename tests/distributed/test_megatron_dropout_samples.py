@@ -40,39 +40,39 @@ def runs():
 
 
 def test_every_micro_batch_split_draws_the_same_masks_at_tp1_and_tp2(runs):
-    ref, _, _ = runs["tp1"][SPLITS[0]]
+    ref, _, _, _ = runs["tp1"][SPLITS[0]]
     assert ref.shape == (megatron_samples.STEPS * megatron_samples.GLOBAL_BATCH, megatron_samples.SEQ)
     for tp in ("tp1", "tp2"):
         for run in SPLITS:
-            losses, _, _ = runs[tp][run]
+            losses, _, _, _ = runs[tp][run]
             assert_same_bits(losses, ref, f"per-token losses, micro-batches of {run[0]} at {tp}")
 
 
 def test_control_rows_keyed_by_their_place_in_the_micro_batch_differ(runs):
-    ref, _, _ = runs["tp1"][SPLITS[0]]
-    losses, _, _ = runs["tp1"][CONTROL_SPLIT]
+    ref, _, _, _ = runs["tp1"][SPLITS[0]]
+    losses, _, _, _ = runs["tp1"][CONTROL_SPLIT]
     assert_same_bits(losses[:2], ref[:2], "the first micro-batch (rows 0, 1 are samples 0, 1)")
     assert_bits_differ(losses[2:4], ref[2:4], "samples 2, 3 keyed as rows 0, 1 (control)")
 
 
 def test_tp2_dp2_with_sample_ids_trains_like_tp1_dp1(runs):
-    ref_losses, ref_norms, ref_w = runs["tp1"][DP_IDS]
+    ref_losses, ref_norms, ref_w, _ = runs["tp1"][DP_IDS]
     for name, run in (("TP1 x DP1 counting", runs["tp1"][DP_COUNT]), ("TP2 x DP2 with ids", runs["tp2xdp2"][DP_IDS])):
-        losses, norms, w = run
+        losses, norms, w, _ = run
         assert_same_bits(losses, ref_losses, f"{name}: per-token losses")
         assert norms == ref_norms, f"{name}: grad norms {norms} vs {ref_norms}"
         assert w.keys() == ref_w.keys() and len(w) > 10
         for n in ref_w:
             assert_same_bits(w[n], ref_w[n], f"{name}: {n} after 4 steps")
     # the weights moved, so the comparison above compared trained weights
-    _, _, start = runs["tp1"][SPLITS[0]]
+    _, _, start, _ = runs["tp1"][SPLITS[0]]
     name = "decoder.layers.0.mlp.linear_fc1.weight"
     assert_bits_differ(ref_w[name], start[name], f"{name} after training vs held")
 
 
 def test_control_tp2_dp2_without_sample_ids_differs(runs):
-    ref_losses, _, ref_w = runs["tp1"][DP_IDS]
-    losses, _, w = runs["tp2xdp2"][DP_COUNT]
+    ref_losses, _, ref_w, _ = runs["tp1"][DP_IDS]
+    losses, _, w, _ = runs["tp2xdp2"][DP_COUNT]
     assert_same_bits(losses[:2], ref_losses[:2], "DP rank 0's first samples (counted from 0 either way)")
     assert_bits_differ(losses[2:4], ref_losses[2:4], "DP rank 1 counts samples 2, 3 as 0, 1 (control)")
     name = "decoder.layers.0.mlp.linear_fc1.weight"

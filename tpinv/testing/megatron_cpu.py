@@ -87,6 +87,27 @@ _CUDA_MODULES = ("megatron.core.utils", "megatron.core.optimizer.optimizer", "me
                  "megatron.core.pipeline_parallel.p2p_communication")
 
 
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _reading_cpu_types_as_cuda(init):
+    """``init`` with ``Tensor.type()`` naming a CPU float tensor by its CUDA type while it runs."""
+    def wrapped(*args, **kwargs):
+        real = torch.Tensor.type
+
+        def cuda_named(self, *a, **k):
+            name = real(self, *a, **k)
+            return _CUDA_TYPE_NAMES.get(name, name) if not a and not k else name
+        torch.Tensor.type = cuda_named
+        try:
+            return init(*args, **kwargs)
+        finally:
+            torch.Tensor.type = real
+    wrapped._tpinv_cpu = True
+    return wrapped
+
+
 def megatron_cpu_shims() -> None:
     """Apply the CPU replacements listed in the module docstring (idempotent)."""
     import megatron.core.tensor_parallel as tensor_parallel
@@ -122,3 +143,7 @@ def megatron_cpu_shims() -> None:
     except ImportError:  # pragma: no cover - depends on the version
         return
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = _clip_cpu
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        if not getattr(cls.__init__, "_tpinv_cpu", False):
+            cls.__init__ = _reading_cpu_types_as_cuda(cls.__init__)
