@@ -88,6 +88,18 @@ def trainer_norm(gpt, tp_group, leaves):
     return global_grad_norm(flat, layout, tp_group, leaves)
 
 
+@contextlib.contextmanager
+def _norm_of_own_shards():
+    """The control: the invariant norm taken without gathering the reduce-scattered shards."""
+    import tpinv.megatron.grad_norm as grad_norm
+
+    real, grad_norm.gather_reduced_grads = grad_norm.gather_reduced_grads, lambda chunks: None
+    try:
+        yield
+    finally:
+        grad_norm.gather_reduced_grads = real
+
+
 def train(micro_batch, keying, lr, precision="fp32", optimizer="plain", variant="tpinv", *, tp_group, dp_group):
     """``(token losses by sample id, grad norms, full weights, tpinv's trainer's norm of the first
     step's gradients)`` after STEPS steps (the last: plain optimizer only, else None)."""
@@ -118,24 +130,22 @@ def train(micro_batch, keying, lr, precision="fp32", optimizer="plain", variant=
                                                  params_dtype=dtype, use_distributed_optimizer=distributed), [model])
     if variant == "tpinv":
         tm.use_invariant_grad_norm(opt, [model], tp_group=tp_group)
-    if optimizer == "distributed/shards":
-        import tpinv.megatron.grad_norm as grad_norm
-        grad_norm.gather_reduced_grads = lambda chunks: None  # this spawned rank only
     fbf, it, losses, norms, first = get_forward_backward_func(), data(micro_batch, dp, dp_rank), {}, [], None
     micro = GLOBAL_BATCH // (micro_batch * dp)
-    for _ in range(STEPS):
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        out = fbf(forward_step_func=partial(forward_step, keying), data_iterator=it, model=model,
-                  num_microbatches=micro, seq_length=SEQ, micro_batch_size=micro_batch, decoder_seq_length=SEQ,
-                  forward_only=False)
-        if not norms and not distributed:
-            first = trainer_norm(gpt, tp_group, getattr(cfg, "tpinv_leaves", None) or DEFAULT_LEAVES)
-        ok, norm, _ = opt.step()
-        assert ok
-        norms.append(norm)
-        for o in out:
-            losses.update({int(i): row for i, row in zip(o["ids"], o["token losses"])})
+    with _norm_of_own_shards() if optimizer == "distributed/shards" else contextlib.nullcontext():
+        for _ in range(STEPS):
+            model.zero_grad_buffer()
+            opt.zero_grad()
+            out = fbf(forward_step_func=partial(forward_step, keying), data_iterator=it, model=model,
+                      num_microbatches=micro, seq_length=SEQ, micro_batch_size=micro_batch, decoder_seq_length=SEQ,
+                      forward_only=False)
+            if not norms and not distributed:
+                first = trainer_norm(gpt, tp_group, getattr(cfg, "tpinv_leaves", None) or DEFAULT_LEAVES)
+            ok, norm, _ = opt.step()
+            assert ok
+            norms.append(norm)
+            for o in out:
+                losses.update({int(i): row for i, row in zip(o["ids"], o["token losses"])})
     every = [None] * dp
     dist.all_gather_object(every, losses, group=dp_group)
     losses = {i: row for part in every for i, row in part.items()}
