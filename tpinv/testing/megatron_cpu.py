@@ -15,7 +15,14 @@ replaces, in this process only:
 * ``device="cuda"`` in the tensor factories (``torch.tensor/zeros/ones/empty/full``) of megatron's
   optimizer and DDP modules -> CPU, through a ``torch`` stand-in bound in those modules only;
 * the ``torch.cuda.FloatTensor`` type assertion of megatron's gradient clipping
-  (``clip_grad_by_total_norm_fp32``): the same elementwise scaling without the assertion.
+  (``clip_grad_by_total_norm_fp32``): the same elementwise scaling without the assertion;
+* the parameter-type checks in the constructors of megatron's bf16/fp16 optimizer
+  (``Float16OptimizerWithFloat16Params``: ``param.type() in ['torch.cuda.HalfTensor',
+  'torch.cuda.BFloat16Tensor']``, else ``== 'torch.cuda.FloatTensor'``, else ``TypeError``) and of
+  its distributed optimizer (``DistributedOptimizer.__init__`` and its
+  ``_build_model_and_main_param_groups``, the same checks): while those constructors run,
+  ``Tensor.type()`` names a CPU float tensor by its CUDA type (``torch.BFloat16Tensor`` ->
+  ``torch.cuda.BFloat16Tensor``); nothing else about the tensors changes.
 
 tpinv itself never patches megatron; only tests and CPU experiments call this.
 """
