@@ -180,3 +180,21 @@ def test_leaf_error_names_the_config_field():
     layer = MegatronRowParallelLinear(12, 12, config=cfg, init_method=torch.nn.init.zeros_, bias=True,
                                       input_is_parallel=True, skip_bias_add=False)
     assert layer.leaves == 4
+
+
+def test_invariant_norm_refuses_what_it_cannot_gather():
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from tpinv.megatron.grad_norm import use_invariant_grad_norm
+
+    opt = SimpleNamespace(config=SimpleNamespace(fp16=False, use_distributed_optimizer=True))
+    with pytest.raises(NotImplementedError, match="pass megatron's DistributedDataParallel modules"):
+        use_invariant_grad_norm(opt, [torch.nn.Linear(2, 2)], tp_group=None)
+    chunk = torch.nn.Linear(2, 2)
+    chunk.bucket_groups = [SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True,
+                                                                      num_distributed_optimizer_instances=2))]
+    with pytest.raises(NotImplementedError, match="num_distributed_optimizer_instances > 1"):
+        use_invariant_grad_norm(opt, [chunk], tp_group=None)
+    with pytest.raises(NotImplementedError, match="fp16 loss scaling"):
+        use_invariant_grad_norm(SimpleNamespace(config=SimpleNamespace(fp16=True)), [chunk], tp_group=None)
