@@ -22,7 +22,10 @@ replaces, in this process only:
   its distributed optimizer (``DistributedOptimizer.__init__`` and its
   ``_build_model_and_main_param_groups``, the same checks): while those constructors run,
   ``Tensor.type()`` names a CPU float tensor by its CUDA type (``torch.BFloat16Tensor`` ->
-  ``torch.cuda.BFloat16Tensor``); nothing else about the tensors changes.
+  ``torch.cuda.BFloat16Tensor``); nothing else about the tensors changes;
+* without Transformer Engine, the distributed optimizer's ``quantize_param_shard`` (fp8 parameters)
+  given no fp8 parameters returns, as megatron-core 0.16's own fallback does (0.12's raises "Invalid
+  Transformer Engine version" even then).
 
 tpinv itself never patches megatron; only tests and CPU experiments call this.
 """
@@ -115,6 +118,15 @@ def _reading_cpu_types_as_cuda(init):
     return wrapped
 
 
+def _skipping_no_fp8(quantize):
+    def wrapped(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return quantize(model_params, *args, **kwargs)
+    wrapped._tpinv_cpu = True
+    return wrapped
+
+
 def megatron_cpu_shims() -> None:
     """Apply the CPU replacements listed in the module docstring (idempotent)."""
     import megatron.core.tensor_parallel as tensor_parallel
@@ -154,3 +166,6 @@ def megatron_cpu_shims() -> None:
     for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
         if not getattr(cls.__init__, "_tpinv_cpu", False):
             cls.__init__ = _reading_cpu_types_as_cuda(cls.__init__)
+    quantize = getattr(distrib_optimizer, "quantize_param_shard", None)
+    if quantize is not None and not getattr(quantize, "_tpinv_cpu", False):
+        distrib_optimizer.quantize_param_shard = _skipping_no_fp8(quantize)
