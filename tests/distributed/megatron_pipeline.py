@@ -37,16 +37,33 @@ def _init_by_name(model, group):
 
 def _data():
     g = torch.Generator().manual_seed(11)
+    first = 0
     while True:
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-        yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+        first += BATCH
+        yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "sample_ids": torch.arange(first - BATCH, first),
                "position_ids": torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ),
                "attention_mask": torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None],
                "loss_mask": torch.ones(BATCH, SEQ)}
 
 
-def worker(rank, world, tp, pp, dropout_seed=7, recompute=None):
-    """``recompute``: megatron TransformerConfig recompute fields (e.g. ``recompute_granularity``)."""
+def _forward_step_with_ids(data_iterator, model):
+    """megatron_train's forward step, the model call inside ``tpinv.megatron.dropout_sample_ids``
+    (every stage reads the micro-batch's ids: the test gives each stage the same data stream)."""
+    import tpinv.megatron as tm
+    from tpinv.megatron.dropout import dropout_sites
+
+    b = next(data_iterator)
+    with tm.dropout_sample_ids(model, b["sample_ids"]):
+        out = _forward_step(iter([b]), model)
+    sites = dropout_sites(model)
+    assert sites and all(site.samples == 0 for site in sites), "the sites counted instead of taking the ids"
+    return out
+
+
+def worker(rank, world, tp, pp, dropout_seed=7, recompute=None, sample_ids=False):
+    """``recompute``: megatron TransformerConfig recompute fields (e.g. ``recompute_granularity``);
+    ``sample_ids``: name the rows with ``tpinv.megatron.dropout_sample_ids`` instead of counting them."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -80,7 +97,8 @@ def worker(rank, world, tp, pp, dropout_seed=7, recompute=None):
         for _ in range(STEPS):
             model.zero_grad_buffer()
             opt.zero_grad()
-            out = fbf(forward_step_func=_forward_step, data_iterator=data, model=model, num_microbatches=MICRO,
+            step_func = _forward_step_with_ids if sample_ids else _forward_step
+            out = fbf(forward_step_func=step_func, data_iterator=data, model=model, num_microbatches=MICRO,
                       seq_length=SEQ, micro_batch_size=BATCH, decoder_seq_length=SEQ, forward_only=False)
             ok, norm, _ = opt.step()
             assert ok

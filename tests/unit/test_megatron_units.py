@@ -24,19 +24,31 @@ def test_installed_version_is_supported():
     assert (0, 12) <= megatron_version()[:2] <= (0, 16)
 
 
-def test_dropout_mask_of_a_shard_is_the_slice_of_the_full_mask():
-    from tpinv.megatron.dropout import InvariantDropout, keep_mask
+def test_dropout_masks_of_shards_and_micro_batches_are_slices_of_the_whole():
+    from tpinv.layers.dropout import dropout_key, token_dropout
+    from tpinv.megatron.dropout import bnqk_keep_mask, sbh_keep_mask
 
-    full = keep_mask((2, 8, 5, 5), 0.1, 3, 9, 0)
+    key, ids = dropout_key(3, 9), torch.arange(10, 14)
+    heads = bnqk_keep_mask((4, 8, 5, 5), 0.1, key, ids)
+    hidden = sbh_keep_mask((8, 4, 6), 0.1, key, ids)
     for tp in (2, 4):
-        n = 8 // tp
-        parts = [keep_mask((2, n, 5, 5), 0.1, 3, 9, 0, dim=1, offset=r * n, full=8) for r in range(tp)]
-        assert_same_bits(torch.cat(parts, dim=1), full, f"mask at TP={tp}")
-    keep = full.float().mean().item()
-    assert 0.8 < keep < 0.97
-    # another call, site or seed draws another mask
-    assert_bits_differ(keep_mask((2, 8, 5, 5), 0.1, 3, 9, 1), full, "next call")
-    assert_bits_differ(keep_mask((2, 8, 5, 5), 0.1, 3, 10, 0), full, "next site")
+        n, s = 8 // tp, 8 // tp
+        parts = [bnqk_keep_mask((4, n, 5, 5), 0.1, key, ids, first_head=r * n) for r in range(tp)]
+        assert_same_bits(torch.cat(parts, dim=1), heads, f"attention mask, heads over TP={tp}")
+        chunks = [sbh_keep_mask((s, 4, 6), 0.1, key, ids, first_token=r * s) for r in range(tp)]
+        assert_same_bits(torch.cat(chunks, dim=0), hidden, f"hidden mask, sequence chunks over TP={tp}")
+    for mbs in (1, 2):  # micro-batches: the rows' ids name them, wherever they sit
+        rows = [sbh_keep_mask((8, mbs, 6), 0.1, key, ids[i:i + mbs]) for i in range(0, 4, mbs)]
+        assert_same_bits(torch.cat(rows, dim=1), hidden, f"hidden mask, micro-batches of {mbs}")
+        rows = [bnqk_keep_mask((mbs, 8, 5, 5), 0.1, key, ids[i:i + mbs]) for i in range(0, 4, mbs)]
+        assert_same_bits(torch.cat(rows, dim=0), heads, f"attention mask, micro-batches of {mbs}")
+    assert 0.8 < hidden.float().mean().item() < 0.97 and 0.8 < heads.float().mean().item() < 0.97
+    # the words of tpinv's own models: [s, b, h] gets the [b, s, h] mask of token_dropout, transposed
+    x = torch.ones(4, 8, 6)
+    assert_same_bits(token_dropout(x, 0.1, key, ids) != 0, hidden.transpose(0, 1), "tpinv models' token mask")
+    # other rows, site or seed draw other masks
+    assert_bits_differ(sbh_keep_mask((8, 4, 6), 0.1, key, ids + 4), hidden, "other sample ids")
+    assert_bits_differ(sbh_keep_mask((8, 4, 6), 0.1, dropout_key(3, 10), ids), hidden, "next site")
     # control: torch's RNG dropout on the shards (same seed per rank) is not the slice of the full mask
     x = torch.ones(2, 8, 5, 5)
     torch.manual_seed(0)
@@ -44,10 +56,52 @@ def test_dropout_mask_of_a_shard_is_the_slice_of_the_full_mask():
     torch.manual_seed(0)
     stock_half = torch.nn.functional.dropout(x[:, :4], 0.1)
     assert_bits_differ(stock_half, stock_full[:, :4], "torch dropout on a shard")
-    d = InvariantDropout(0.1, seed=3, site=9).train()
-    y = d(x)
-    assert_same_bits(y, torch.where(full, x / 0.9, torch.zeros(())), "module output")
-    assert d.calls == 1 and d.eval()(x) is x
+
+
+def test_dropout_counts_samples_or_takes_the_given_ids():
+    import tpinv.megatron.dropout as dropout
+    from tpinv.layers.dropout import dropout_key
+
+    x = torch.ones(8, 4, 6)
+    whole = dropout.InvariantDropout(0.1, seed=3, site=9).train()
+    y = whole(x)
+    want = torch.where(dropout.sbh_keep_mask(x.shape, 0.1, dropout_key(3, 9), torch.arange(4)), x / 0.9,
+                       torch.zeros(()))
+    assert_same_bits(y, want, "module output")
+    assert whole.samples == 4 and whole.eval()(x) is x and whole.samples == 4
+    split = dropout.InvariantDropout(0.1, seed=3, site=9).train()
+    assert_same_bits(torch.cat([split(x[:, :2]), split(x[:, 2:])], dim=1), y, "two micro-batches of 2 rows")
+    # control: keyed by the row's index in its micro-batch, the second micro-batch repeats the first's masks
+    by_row = dropout.InvariantDropout(0.1, seed=3, site=9).train()
+    by_row._counted_ids = lambda rows, device: torch.arange(rows)
+    assert_bits_differ(torch.cat([by_row(x[:, :2]), by_row(x[:, 2:])], dim=1), y, "row-in-micro-batch keying")
+    # the ids API: the same rows named explicitly, out of order, on another module instance
+    model = torch.nn.Sequential(dropout.InvariantDropout(0.1, seed=3, site=9)).train()
+    with dropout.dropout_sample_ids(model, torch.tensor([3, 2])):
+        got = model(x[:, [3, 2]])
+    assert_same_bits(got, y[:, [3, 2]], "rows 3, 2 named by their ids")
+    assert model[0].samples == 0 and model[0].sample_ids is None
+    with pytest.raises(ValueError, match="gave 2 ids for a micro-batch of 4 rows"):
+        with dropout.dropout_sample_ids([model], torch.tensor([0, 1])):
+            model(x)
+    with pytest.raises(ValueError, match="int64 tensor"):
+        with dropout.dropout_sample_ids(model, torch.tensor([0.0, 1.0])):
+            pass
+    with pytest.raises(ValueError, match="no tpinv dropout"):
+        with dropout.dropout_sample_ids(torch.nn.Linear(2, 2), torch.tensor([0])):
+            pass
+    with pytest.raises(ValueError, match=r"expected hidden states \[s, b, h\]"):
+        whole.train()(torch.ones(4, 6))
+    # attention probabilities: heads of TP rank 1 of 2 are heads 4..7 of the whole
+    probs = torch.ones(2, 8, 5, 5)
+    full = dropout.InvariantDropout(0.1, seed=3, site=10, layout="bnqk").train()(probs)
+    half = dropout.InvariantDropout(0.1, seed=3, site=10, layout="bnqk").train()
+    half.tp_rank, half.tp_size = 1, 2
+    assert_same_bits(half(probs[:, 4:]), full[:, 4:], "heads 4..7 at TP rank 1")
+    # sequence parallelism: rank 1's chunk of the hidden states is tokens 4..7
+    chunk = dropout.InvariantDropout(0.1, seed=3, site=9, sequence_parallel=True).train()
+    chunk.tp_rank, chunk.tp_size = 1, 2
+    assert_same_bits(chunk(x[4:]), y[4:], "sequence chunk of TP rank 1")
 
 
 def test_broadcast_bias_grad_is_width_independent():
@@ -126,3 +180,21 @@ def test_leaf_error_names_the_config_field():
     layer = MegatronRowParallelLinear(12, 12, config=cfg, init_method=torch.nn.init.zeros_, bias=True,
                                       input_is_parallel=True, skip_bias_add=False)
     assert layer.leaves == 4
+
+
+def test_invariant_norm_refuses_what_it_cannot_gather():
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from tpinv.megatron.grad_norm import use_invariant_grad_norm
+
+    opt = SimpleNamespace(config=SimpleNamespace(fp16=False, use_distributed_optimizer=True))
+    with pytest.raises(NotImplementedError, match="pass megatron's DistributedDataParallel modules"):
+        use_invariant_grad_norm(opt, [torch.nn.Linear(2, 2)], tp_group=None)
+    chunk = torch.nn.Linear(2, 2)
+    chunk.bucket_groups = [SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True,
+                                                                      num_distributed_optimizer_instances=2))]
+    with pytest.raises(NotImplementedError, match="num_distributed_optimizer_instances > 1"):
+        use_invariant_grad_norm(opt, [chunk], tp_group=None)
+    with pytest.raises(NotImplementedError, match="fp16 loss scaling"):
+        use_invariant_grad_norm(SimpleNamespace(config=SimpleNamespace(fp16=True)), [chunk], tp_group=None)

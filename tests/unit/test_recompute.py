@@ -8,7 +8,7 @@
   the recomputed dropout mask is a new draw and the gradients differ.
 * Memory: the bytes saved for backward fall from none to selective to full.
 * The settings follow megatron-core's rules; bad ones, a KV cache and the vanilla control are refused.
-* tpinv's megatron dropout replays, in a recompute, the call numbers of the checkpointed forwards
+* tpinv's megatron dropout replays, in a recompute, the sample ids of the checkpointed forwards
   it repeats, in order (megatron's recompute end to end: tests/distributed/test_megatron_recompute.py).
 """
 from __future__ import annotations
@@ -211,19 +211,24 @@ def test_megatron_dropout_replays_the_masks_of_checkpointed_forwards(monkeypatch
     import tpinv.megatron.dropout as dropout
 
     drop = dropout.InvariantDropout(0.5, seed=3, site=4).train()
-    x = torch.ones(64, 8)
+    x = torch.ones(8, 2, 8)
     phase = ["forward"]
     monkeypatch.setattr(dropout, "_megatron_checkpoint_phase", lambda: phase[0])
     first, second = drop(x), drop(x)  # two micro-batches' checkpointed forwards (1F1B order)
-    assert_bits_differ(first, second, "masks of two calls")
+    assert_bits_differ(first, second, "masks of two micro-batches")
     phase[0] = "recompute"
-    assert_same_bits(drop(x), first, "recomputed first call")
-    assert_same_bits(drop(x), second, "recomputed second call")
+    assert_same_bits(drop(x), first, "recomputed first micro-batch")
+    assert_same_bits(drop(x), second, "recomputed second micro-batch")
     with pytest.raises(RuntimeError, match="without a recorded checkpointed forward"):
         drop(x)
+    phase[0] = "forward"  # ids given by dropout_sample_ids are recorded and replayed too
+    with dropout.dropout_sample_ids(drop, torch.tensor([7, 9])):
+        given = drop(x)
+    phase[0] = "recompute"
+    assert_same_bits(drop(x), given, "recomputed call with given sample ids")
     phase[0] = None
-    third = drop(x)  # outside a checkpoint: the next call number
-    assert drop.calls == 3 and not any(same_bits(third, t) for t in (first, second))
+    third = drop(x)  # outside a checkpoint: the next samples
+    assert drop.samples == 6 and not any(same_bits(third, t) for t in (first, second, given))
 
 
 def test_megatron_dropout_under_recompute_needs_is_checkpointing(monkeypatch):

@@ -7,8 +7,9 @@ local tensors.  The models' hidden dropout names an element by (the row's global
 index, the token's column in its row, the hidden feature), so its mask is the same at every
 TP size, with sequence parallelism (a rank's sequence chunk starts at its global column),
 and at every data-parallel size or micro-batch split (rows carry their global sample ids);
-the megatron integration (:mod:`tpinv.megatron.dropout`) names it by its flat index in the
-unsharded tensor.  Both use :func:`keep_mask`, a counter-based integer hash computed with
+the megatron integration (:mod:`tpinv.megatron.dropout`) names elements the same way in
+megatron's ``[s, b, h]`` layout (and an attention probability by sample, global head, query
+and key position).  Both use :func:`keep_mask`, a counter-based integer hash computed with
 exact int64 tensor ops, and :func:`apply_keep`, an elementwise ``x / (1 - p)`` or zero.
 Being a pure function, the mask is recomputed bit for bit by activation recomputation.
 """
@@ -18,7 +19,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["dropout_key", "keep_mask", "apply_keep", "check_dropout_rate", "TokenDropout", "token_dropout"]
+__all__ = ["dropout_key", "keep_mask", "apply_keep", "check_dropout_rate", "check_sample_ids", "TokenDropout",
+           "token_dropout"]
 
 _M = 0xFFFFFFFF
 _C = 0x45D9F3B
@@ -72,6 +74,18 @@ def check_dropout_rate(name: str, p) -> float:
     return float(p)
 
 
+def check_sample_ids(sample_ids) -> torch.Tensor:
+    """``sample_ids`` if it is an int64 tensor ``[B]`` with values in ``[0, 2**32)``, else a ValueError."""
+    if not isinstance(sample_ids, torch.Tensor) or sample_ids.dtype != torch.int64 or sample_ids.dim() != 1:
+        raise ValueError(f"sample_ids must be an int64 tensor [B] (each row's global sample index), got "
+                         f"{getattr(sample_ids, 'dtype', type(sample_ids))} "
+                         f"{list(getattr(sample_ids, 'shape', []))}")
+    if sample_ids.numel() and (int(sample_ids.min()) < 0 or int(sample_ids.max()) > MAX_SAMPLE_ID):
+        raise ValueError(f"sample_ids must lie in [0, 2**32), got [{int(sample_ids.min())}, "
+                         f"{int(sample_ids.max())}]")
+    return sample_ids
+
+
 def token_dropout(x: torch.Tensor, p: float, key: int, sample_ids: torch.Tensor,
                   first_column: int = 0) -> torch.Tensor:
     """Dropout of ``x [B, S, H]`` keyed by (``sample_ids[b]``, ``first_column + s``, ``h``).
@@ -96,14 +110,7 @@ class TokenDropout:
 
     def __init__(self, p: float, seed: int, sample_ids: torch.Tensor, first_column: int = 0):
         self.p, self.seed, self.first_column = check_dropout_rate("hidden_dropout", p), int(seed), int(first_column)
-        if not isinstance(sample_ids, torch.Tensor) or sample_ids.dtype != torch.int64 or sample_ids.dim() != 1:
-            raise ValueError(f"sample_ids must be an int64 tensor [B] (each row's global sample index), got "
-                             f"{getattr(sample_ids, 'dtype', type(sample_ids))} "
-                             f"{list(getattr(sample_ids, 'shape', []))}")
-        if sample_ids.numel() and (int(sample_ids.min()) < 0 or int(sample_ids.max()) > MAX_SAMPLE_ID):
-            raise ValueError(f"sample_ids must lie in [0, 2**32), got [{int(sample_ids.min())}, "
-                             f"{int(sample_ids.max())}]")
-        self.sample_ids = sample_ids
+        self.sample_ids = check_sample_ids(sample_ids)
 
     def __call__(self, x: torch.Tensor, site: int) -> torch.Tensor:
         if x.dim() != 3 or x.shape[0] != self.sample_ids.shape[0]:

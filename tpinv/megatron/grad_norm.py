@@ -10,7 +10,9 @@ sums all of them.  Clipping multiplies each gradient by ``max_norm / (norm + 1e-
 that is below 1, as megatron does: elementwise, so sharding cannot change it.
 
 :func:`use_invariant_grad_norm` installs this on an optimizer returned by
-``get_megatron_optimizer`` (plain, distributed, chained).
+``get_megatron_optimizer`` (plain, distributed, chained; fp32 or bf16 parameters).  Under the
+distributed optimizer over several data-parallel ranks the reduced gradient shards are
+all-gathered first, so every rank takes the norm of the whole gradient.
 """
 from __future__ import annotations
 
@@ -93,6 +95,42 @@ def invariant_grad_norm(model_chunks: Sequence[torch.nn.Module], *, tp_group, pp
     return torch.sqrt(halving_sum(torch.stack([values[n] for n in sorted(values)])))
 
 
+def _distributed_optimizer_groups(model_chunks) -> list:
+    """megatron DDP bucket groups whose gradients the distributed optimizer reduce-scatters over
+    several data-parallel ranks (each rank then holds only its shard of the reduced gradient)."""
+    groups = []
+    for chunk in model_chunks:
+        for bucket_group in list(getattr(chunk, "bucket_groups", [])) + list(
+                getattr(chunk, "expert_parallel_bucket_groups", [])):
+            ddp_config = bucket_group.ddp_config
+            if not ddp_config.use_distributed_optimizer:
+                continue
+            if getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
+                raise NotImplementedError("use_invariant_grad_norm: num_distributed_optimizer_instances > 1 "
+                                          "is not supported")
+            group = getattr(bucket_group, "intra_distributed_optimizer_instance_group", None) or \
+                bucket_group.data_parallel_group
+            if dist.get_world_size(group) > 1:
+                groups.append((bucket_group, group))
+    return groups
+
+
+def gather_reduced_grads(model_chunks) -> None:
+    """Where megatron's distributed optimizer left each data-parallel rank only its shard of the
+    reduced gradient, all-gather the shards into every rank's ``main_grad`` buffers (megatron's
+    layout: each bucket's ``grad_data`` cut into equal contiguous shards in rank order), so the
+    norm reads the whole reduced gradient.  The optimizer reads only its own shard, unchanged."""
+    for bucket_group, group in _distributed_optimizer_groups(model_chunks):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        for bucket in bucket_group.buckets:
+            flat = bucket.grad_data.view(-1)
+            if flat.numel() % size:
+                raise RuntimeError(f"a megatron gradient bucket of {flat.numel()} elements is not padded to a "
+                                   f"multiple of the {size} data-parallel ranks")
+            shard = flat.numel() // size
+            dist.all_gather_into_tensor(flat, flat[rank * shard:(rank + 1) * shard].clone(), group=group)
+
+
 def _optimizer_grads(optimizer) -> list[torch.Tensor]:
     grads = []
     for p in optimizer.get_parameters():
@@ -108,8 +146,10 @@ def use_invariant_grad_norm(optimizer, model_chunks: Sequence[torch.nn.Module], 
     """Make ``optimizer`` (from ``get_megatron_optimizer``) compute its grad norm with
     :func:`invariant_grad_norm` and clip elementwise; returns ``optimizer``.
 
-    Refuses fp16 loss scaling (the norm is taken from the model's unscaled ``main_grad``) and a
-    distributed optimizer over several data-parallel ranks (each keeps only its shard of the grads).
+    With megatron's distributed optimizer over several data-parallel ranks (``model_chunks``: the
+    ``DistributedDataParallel`` modules), the reduced gradient shards are first all-gathered into
+    every rank's ``main_grad`` (:func:`gather_reduced_grads`: one all-gather of the gradients).
+    Refuses fp16 loss scaling (the norm is taken from the model's unscaled ``main_grad``).
     """
     from tpinv.megatron.version import megatron_version
 
@@ -121,13 +161,15 @@ def use_invariant_grad_norm(optimizer, model_chunks: Sequence[torch.nn.Module], 
     for opt in inner:
         if getattr(opt.config, "fp16", False):
             raise NotImplementedError("use_invariant_grad_norm: fp16 loss scaling is not supported (use bf16 or fp32)")
-        if getattr(opt.config, "use_distributed_optimizer", False):
-            dp = opt.data_parallel_group if hasattr(opt, "data_parallel_group") else None
-            if dp is not None and dist.get_world_size(dp) > 1:
-                raise NotImplementedError("use_invariant_grad_norm: the distributed optimizer over "
-                                          f"{dist.get_world_size(dp)} data-parallel ranks is not supported (DP=1 only)")
+        if getattr(opt.config, "use_distributed_optimizer", False) and \
+                not all(hasattr(chunk, "bucket_groups") for chunk in model_chunks):
+            raise NotImplementedError("use_invariant_grad_norm: with the distributed optimizer, pass megatron's "
+                                      "DistributedDataParallel modules as model_chunks (their gradient buffers "
+                                      "hold the reduced shards)")
+    _distributed_optimizer_groups(model_chunks)  # refuses what it cannot gather, now
 
     def grad_norm(self=None):
+        gather_reduced_grads(model_chunks)
         return invariant_grad_norm(model_chunks, tp_group=tp_group, pp_group=pp_group, leaves=leaves).item()
 
     def clip(self, clip_grad: float) -> float:

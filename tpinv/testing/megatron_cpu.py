@@ -15,7 +15,17 @@ replaces, in this process only:
 * ``device="cuda"`` in the tensor factories (``torch.tensor/zeros/ones/empty/full``) of megatron's
   optimizer and DDP modules -> CPU, through a ``torch`` stand-in bound in those modules only;
 * the ``torch.cuda.FloatTensor`` type assertion of megatron's gradient clipping
-  (``clip_grad_by_total_norm_fp32``): the same elementwise scaling without the assertion.
+  (``clip_grad_by_total_norm_fp32``): the same elementwise scaling without the assertion;
+* the parameter-type checks in the constructors of megatron's bf16/fp16 optimizer
+  (``Float16OptimizerWithFloat16Params``: ``param.type() in ['torch.cuda.HalfTensor',
+  'torch.cuda.BFloat16Tensor']``, else ``== 'torch.cuda.FloatTensor'``, else ``TypeError``) and of
+  its distributed optimizer (``DistributedOptimizer.__init__`` and its
+  ``_build_model_and_main_param_groups``, the same checks): while those constructors run,
+  ``Tensor.type()`` names a CPU float tensor by its CUDA type (``torch.BFloat16Tensor`` ->
+  ``torch.cuda.BFloat16Tensor``); nothing else about the tensors changes;
+* without Transformer Engine, the distributed optimizer's ``quantize_param_shard`` (fp8 parameters)
+  given no fp8 parameters returns, as megatron-core 0.16's own fallback does (0.12's raises "Invalid
+  Transformer Engine version" even then).
 
 tpinv itself never patches megatron; only tests and CPU experiments call this.
 """
@@ -87,6 +97,36 @@ _CUDA_MODULES = ("megatron.core.utils", "megatron.core.optimizer.optimizer", "me
                  "megatron.core.pipeline_parallel.p2p_communication")
 
 
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _reading_cpu_types_as_cuda(init):
+    """``init`` with ``Tensor.type()`` naming a CPU float tensor by its CUDA type while it runs."""
+    def wrapped(*args, **kwargs):
+        real = torch.Tensor.type
+
+        def cuda_named(self, *a, **k):
+            name = real(self, *a, **k)
+            return _CUDA_TYPE_NAMES.get(name, name) if not a and not k else name
+        torch.Tensor.type = cuda_named
+        try:
+            return init(*args, **kwargs)
+        finally:
+            torch.Tensor.type = real
+    wrapped._tpinv_cpu = True
+    return wrapped
+
+
+def _skipping_no_fp8(quantize):
+    def wrapped(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return quantize(model_params, *args, **kwargs)
+    wrapped._tpinv_cpu = True
+    return wrapped
+
+
 def megatron_cpu_shims() -> None:
     """Apply the CPU replacements listed in the module docstring (idempotent)."""
     import megatron.core.tensor_parallel as tensor_parallel
@@ -122,3 +162,10 @@ def megatron_cpu_shims() -> None:
     except ImportError:  # pragma: no cover - depends on the version
         return
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = _clip_cpu
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        if not getattr(cls.__init__, "_tpinv_cpu", False):
+            cls.__init__ = _reading_cpu_types_as_cuda(cls.__init__)
+    quantize = getattr(distrib_optimizer, "quantize_param_shard", None)
+    if quantize is not None and not getattr(quantize, "_tpinv_cpu", False):
+        distrib_optimizer.quantize_param_shard = _skipping_no_fp8(quantize)
