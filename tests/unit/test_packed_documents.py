@@ -42,6 +42,10 @@ def test_documents_of_packed_rows():
         assert_same_bits(p, pos[row, slot], "a token's position in its document")
         starts = torch.tensor([0, 5, 75, 0, 30])
         assert_same_bits(slot - p, starts[d], "a document's first slot")
+    assert docs.key_start.tolist() == docs.query_start.tolist() == [0, 5, 75, 0, 30]
+    assert docs.row.tolist() == [0, 0, 0, 1, 1]
+    mask[0, 7] = False  # query 7 (position 2 of the second document) sees nothing
+    assert find_documents(pos, pos, mask, True, None).query_start.tolist() == [0, -1, 75, 0, 30]
 
 
 def test_unpacked_row_is_one_document():
@@ -134,8 +138,11 @@ NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
 @needs_triton
-@pytest.mark.parametrize("causal,window", [(True, None), (True, 19), (False, None)])
-def test_padded_batch_gives_each_document_alone(cpu_documents, causal, window):
+@pytest.mark.parametrize("causal,window,solo", [(True, None, 1024), (True, 19, 1024), (False, None, 1024),
+                                               (True, None, 80), (False, None, 80)])
+def test_padded_batch_gives_each_document_alone(cpu_documents, monkeypatch, causal, window, solo):
+    """Documents shorter than ``solo`` share padded launches, longer ones run on views."""
+    monkeypatch.setattr(cpu_documents, "SOLO_LENGTH", solo)
     n, total = 83, 300  # the document spans a block boundary
     lengths = [(o, n, total - o - n) for o in OFFSETS]
     pos, mask = packed_rows(lengths)

@@ -18,9 +18,11 @@ adds nothing to a document:
   ``lse = 0``, so their terms are exact zeros, and the tiles after the document add exact zeros.
 
 Gathering back puts every value at the slot its token was packed at, so a document packed
-at any offset of any row gets the bits of itself alone.  Documents are grouped by the power
-of two above their length (padding at most doubles a document's work) and each group runs in
-launches of at most ``65535 // Hq`` documents (the kernels' grid limit).  Queries that see no
+at any offset of any row gets the bits of itself alone.  A document of ``SOLO_LENGTH`` tokens
+or more runs in a launch of its own, on views of the packed tensors when its queries are its
+tokens in order (no padding, no copy in); shorter ones are grouped by the power of two above
+their length (padding at most doubles a document's work), at most ``65535 // Hq`` documents a
+launch (the kernels' grid limit).  Queries that see no
 key get ``out = 0``, ``lse = -inf`` and ``dq = 0``; keys no query sees get ``dk = dv = 0``.
 Visibility that is not per-document has no kernel here (the caller decides).
 """
@@ -39,46 +41,61 @@ __all__ = ["documents_forward_cuda", "documents_backward_cuda", "document_groups
 
 #: The most documents (times query heads) one launch takes: the kernels' grid dimension limit.
 GRID_LIMIT = 65535
+#: Documents this long (keys or queries) run in a launch of their own (speed only).
+SOLO_LENGTH = 1024
 
 
 def document_groups(docs: PackedDocuments, heads: int) -> list[torch.Tensor]:
-    """Document ids per launch: by the power of two above ``max(length, q_len, KV_BLOCK)``,
-    in increasing order, at most ``GRID_LIMIT // heads`` per launch."""
+    """Document ids per launch: each document of ``SOLO_LENGTH`` or more alone; the others by the
+    power of two above ``max(length, q_len, KV_BLOCK)``, at most ``GRID_LIMIT // heads`` a launch."""
     extent = torch.maximum(torch.maximum(docs.length, docs.q_len), torch.tensor(KV_BLOCK))
+    solo = extent >= SOLO_LENGTH
+    groups = list(solo.nonzero().flatten().split(1))
     bucket = torch.ceil(torch.log2(extent.double())).long()
     per_launch = max(1, GRID_LIMIT // max(1, heads))
-    groups = []
-    for b in torch.unique(bucket).tolist():
-        ids = (bucket == b).nonzero().flatten()
-        groups += list(torch.split(ids, per_launch))
-    return groups
+    for b in torch.unique(bucket[~solo]).tolist():
+        groups += list(((bucket == b) & ~solo).nonzero().flatten().split(per_launch))
+    return [ids for ids in groups if ids.numel()]
 
 
 class _Launch:
-    """The padded batch of one group of documents: where its tokens come from and go to."""
+    """The padded batch of one group of documents: where its tokens come from and go to.
+
+    A lone document whose queries are positions ``0 .. q_len-1`` at consecutive slots is a
+    view of the packed tensors (no copy); other groups gather their tokens.
+    """
 
     def __init__(self, docs: PackedDocuments, ids: torch.Tensor, causal: bool):
         device = docs.key_row.device
         self.n = int(ids.numel())
-        local = torch.full((docs.n,), -1, dtype=torch.int64)
-        local[ids] = torch.arange(self.n)
-        local = local.to(device)
         length, q_len = docs.length[ids], docs.q_len[ids]
         self.T, self.S = int(length.max()), int(q_len.max())
-        key_doc, query_doc = local[docs.key_doc], local[docs.query_doc]
-        keys, queries = (key_doc >= 0).nonzero().flatten(), (query_doc >= 0).nonzero().flatten()
-        self.key_src = (docs.key_row[keys], docs.key_slot[keys])
-        self.key_dst = (key_doc[keys], docs.key_pos[keys])
-        self.query_src = (docs.query_row[queries], docs.query_slot[queries])
-        self.query_dst = (query_doc[queries], docs.query_pos[queries])
+        self.view = None
+        if self.n == 1 and int(docs.query_start[ids]) >= 0:
+            self.view = (int(docs.row[ids]), int(docs.key_start[ids]), int(docs.query_start[ids]))
+        else:
+            local = torch.full((docs.n,), -1, dtype=torch.int64)
+            local[ids] = torch.arange(self.n)
+            local = local.to(device)
+            key_doc, query_doc = local[docs.key_doc], local[docs.query_doc]
+            keys, queries = (key_doc >= 0).nonzero().flatten(), (query_doc >= 0).nonzero().flatten()
+            self.key_src = (docs.key_row[keys], docs.key_slot[keys])
+            self.key_dst = (key_doc[keys], docs.key_pos[keys])
+            self.query_src = (docs.query_row[queries], docs.query_slot[queries])
+            self.query_dst = (query_doc[queries], docs.query_pos[queries])
         self.q_pos = torch.arange(self.S, device=device).expand(self.n, self.S).contiguous()
         self.mask = None
-        if not causal or bool((q_len > length).any()):  # padded keys a query could see: hide them
+        padded = length < self.T  # padded keys a query could see: hide them
+        if bool((padded & ((q_len > length) | (not causal))).any()):
             key_ok = torch.arange(self.T)[None, :] < length[:, None]
             self.mask = key_ok.to(device)[:, None, :].expand(self.n, self.S, self.T)
 
     def pad(self, x: torch.Tensor, keys: bool, fill: float = 0.0) -> torch.Tensor:
         """``x [B, H, N(, D)]`` -> ``[n, H, T or S(, D)]``: the group's tokens at their positions."""
+        if self.view is not None:
+            row, k0, q0 = self.view
+            start, size = (k0, self.T) if keys else (q0, self.S)
+            return x[row:row + 1, :, start:start + size]
         src, dst = (self.key_src, self.key_dst) if keys else (self.query_src, self.query_dst)
         x_t = x.transpose(1, 2)  # [B, N, H(, D)]
         out = x_t.new_full((self.n, self.T if keys else self.S) + tuple(x_t.shape[2:]), fill)
@@ -87,6 +104,9 @@ class _Launch:
 
     def unpad(self, into: torch.Tensor, x: torch.Tensor, keys: bool) -> None:
         """Write the group's tokens of ``x [n, H, T or S(, D)]`` back into ``into [B, H, N(, D)]``."""
+        if self.view is not None:
+            self.pad(into, keys).copy_(x)
+            return
         src, dst = (self.key_src, self.key_dst) if keys else (self.query_src, self.query_dst)
         into.transpose(1, 2)[src] = x.transpose(1, 2)[dst]
 
