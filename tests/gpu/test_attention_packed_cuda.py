@@ -5,7 +5,8 @@ the causal/window part of one run of keys at positions ``0 .. L-1``) and runs ea
 padded batch of the Triton kernels (:mod:`tpinv.kernels.triton_attention_packed`).  Compared
 byte for byte with the plain ``tpinv::attention`` of the document alone: out, lse, dq, dk, dv
 (through autograd, with a gradient on lse too), bf16 and fp32, GQA, one call over four rows
-that hold the document at offsets 1, 37, 64 and 200 between two others.  Control: the same
+that hold the document at offsets 1, 37, 64 and 200 between two others; documents gathered
+into padded launches, and (a lower ``SOLO_LENGTH``) run on views of the packed tensors.  Control: the same
 rows on the slot grid (no ``k_pos``), whose key-block and row-tile boundaries fall inside the
 document at offset 37.  A general 2D mask (two contexts sharing a prefix) still runs the
 forward, one query per batch row, with each context's bits alone, and its backward raises.
@@ -59,9 +60,14 @@ def _alone(tensors, row, span, **kw):
     return _run(part, torch.arange(part[0].shape[2], device="cuda")[None], **kw)
 
 
-@pytest.mark.parametrize("window", [None, 19], ids=["causal", "window"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_packed_documents_equal_alone_on_cuda(dtype, window):
+@pytest.mark.parametrize("dtype,window,solo", [
+    (torch.float32, None, 1024), (torch.float32, 19, 1024), (torch.bfloat16, None, 1024),
+    (torch.bfloat16, 19, 1024), (torch.float32, None, 100), (torch.bfloat16, None, 100)],
+    ids=["fp32", "fp32-window", "bf16", "bf16-window", "fp32-views", "bf16-views"])
+def test_packed_documents_equal_alone_on_cuda(monkeypatch, dtype, window, solo):
+    """``solo``: documents this long run alone on views of the packed tensors, shorter ones padded."""
+    import tpinv.kernels.triton_attention_packed as by_documents
+    monkeypatch.setattr(by_documents, "SOLO_LENGTH", solo)
     n, total, Hkv, g, D = 150, 400, 2, 4, 64
     pos, mask = packed_rows([(o, n, total - o - n) for o in OFFSETS])
     tensors = _inputs(len(OFFSETS), Hkv, g, total, D, dtype, seed=0)
