@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from tpinv.kernels.packed_documents import find_documents
+from tpinv.kernels.packed_documents import documents_of, find_documents
 from tpinv.kernels.reference_attention import KV_BLOCK, attention_forward
 from tpinv.kernels.reference_attention_bwd import attention_backward
 from tpinv.ops.attention_packed import packed_backward_cuda
@@ -77,6 +77,19 @@ def test_general_visibility_has_no_documents():
     first_doc[:, :, :8] = True  # every query sees the first document: two queries per position
     assert find_documents(pos, pos, first_doc, True, None) is None
     assert find_documents(pos, pos, mask, True, None) is not None  # the control
+
+
+def test_documents_of_the_same_tensors_are_kept_until_they_change():
+    pos, mask = packed_rows([(8, 8)])
+    first = documents_of(pos, pos, mask, True, None)
+    assert first is not None and documents_of(pos, pos, mask, True, None) is first
+    assert documents_of(pos, pos, mask, True, 3) is not first  # another window
+    assert documents_of(pos, pos, mask, True, None) is not None
+    mask[0, 12, 9] = False  # in place: the version counter moves, the answer is found again
+    assert documents_of(pos, pos, mask, True, None) is None
+    fresh = mask.clone()
+    fresh[0, 12, 9] = True  # another tensor: never the kept answer
+    assert documents_of(pos, pos, fresh, True, None) is not None
 
 
 def test_cuda_backward_of_general_visibility_raises():

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from tpinv.kernels.packed_documents import find_documents
+from tpinv.kernels.packed_documents import documents_of
 from tpinv.kernels.reference_attention import check_attention_inputs
 from tpinv.kernels.reference_attention_packed import (check_key_positions, packed_attention_backward,
                                                       packed_attention_forward, virtual_slots, visible)
@@ -70,7 +70,7 @@ def packed_forward_by_rows(q, k, v, q_pos, k_pos, mask, causal, window, scale, *
 def packed_forward_cuda(q, k, v, q_pos, k_pos, mask, causal, window, scale):
     """The CUDA forward: per-document rows by documents, any other visibility by rows."""
     _check_packed(q, k, v, q_pos, k_pos, mask, causal, window, scale)
-    docs = find_documents(q_pos, k_pos, mask, causal, window)
+    docs = documents_of(q_pos, k_pos, mask, causal, window)
     if docs is None:
         return packed_forward_by_rows(q, k, v, q_pos, k_pos, mask, causal, window, scale)
     from tpinv.kernels.triton_attention_packed import documents_forward_cuda
@@ -80,7 +80,7 @@ def packed_forward_cuda(q, k, v, q_pos, k_pos, mask, causal, window, scale):
 def packed_backward_cuda(grad_out, grad_lse, q, k, v, out, lse, q_pos, k_pos, mask, causal, window, scale):
     """The CUDA backward: per-document rows only (see the module docstring)."""
     _check_packed_backward(grad_out, grad_lse, q, k, v, out, lse, q_pos, k_pos, mask, causal, window, scale)
-    docs = find_documents(q_pos, k_pos, mask, causal, window)
+    docs = documents_of(q_pos, k_pos, mask, causal, window)
     if docs is None:
         raise NotImplementedError(
             "tpinv::attention_packed_backward on CUDA needs per-document visibility: every query "
