@@ -20,7 +20,7 @@ objects (held by weak reference, so a dead tensor never matches) at the same ver
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -56,6 +56,8 @@ class PackedDocuments:
     query_slot: torch.Tensor
     query_doc: torch.Tensor
     query_pos: torch.Tensor
+    #: what the kernels derive from the documents, kept with them (filled by the kernels' module)
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def n(self) -> int:

@@ -37,7 +37,7 @@ from tpinv.kernels.reference_attention import KV_BLOCK
 from tpinv.kernels.triton_attention import attention_forward_cuda
 from tpinv.kernels.triton_attention_bwd import attention_backward_cuda
 
-__all__ = ["documents_forward_cuda", "documents_backward_cuda", "document_groups"]
+__all__ = ["documents_forward_cuda", "documents_backward_cuda", "document_groups", "launches"]
 
 #: The most documents (times query heads) one launch takes: the kernels' grid dimension limit.
 GRID_LIMIT = 65535
@@ -111,6 +111,16 @@ class _Launch:
         into.transpose(1, 2)[src] = x.transpose(1, 2)[dst]
 
 
+def launches(docs: PackedDocuments, heads: int, causal: bool) -> list[_Launch]:
+    """The launches of ``docs``, built once and kept with them (the documents of a step are
+    shared by every layer, forward and backward: their index tensors are built, and the host
+    waits for the device, once)."""
+    key = ("launches", heads, bool(causal), SOLO_LENGTH, GRID_LIMIT)
+    if key not in docs.plans:
+        docs.plans[key] = [_Launch(docs, ids, causal) for ids in document_groups(docs, heads)]
+    return docs.plans[key]
+
+
 def documents_forward_cuda(docs: PackedDocuments, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            causal: bool, window: Optional[int], scale: float
                            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,8 +128,7 @@ def documents_forward_cuda(docs: PackedDocuments, q: torch.Tensor, k: torch.Tens
     B, Hq, S, _ = q.shape
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((B, Hq, S), float("-inf"), dtype=torch.float32, device=q.device)
-    for ids in document_groups(docs, Hq):
-        run = _Launch(docs, ids, causal)
+    for run in launches(docs, Hq, causal):
         o, l = attention_forward_cuda(run.pad(q, False), run.pad(k, True), run.pad(v, True), run.q_pos,
                                       run.mask, causal, window, scale)
         run.unpad(out, o, False)
@@ -135,8 +144,7 @@ def documents_backward_cuda(docs: PackedDocuments, grad_out: torch.Tensor, grad_
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
-    for ids in document_groups(docs, q.shape[1]):
-        run = _Launch(docs, ids, causal)
+    for run in launches(docs, q.shape[1], causal):
         dlse = None if grad_lse is None else run.pad(grad_lse, False)
         g = attention_backward_cuda(run.pad(grad_out, False), dlse, run.pad(q, False), run.pad(k, True),
                                     run.pad(v, True), run.pad(out, False), run.pad(lse, False), run.q_pos,
