@@ -1,5 +1,5 @@
-"""The packed forward as one query per batch row of ``tpinv::attention`` (the CUDA slot's method)
-gives the bits of the packed CPU kernel -- run here on CPU, where ``tpinv::attention`` is the
+"""The packed forward as one query per batch row of ``tpinv::attention`` (the CUDA slot's method
+for visibility that is not per-document) gives the bits of the packed CPU kernel -- run here on CPU, where ``tpinv::attention`` is the
 reference kernel; tests/gpu/test_attention_packed_cuda.py runs it on the Triton kernel."""
 from __future__ import annotations
 

@@ -3,11 +3,16 @@
 The CPU kernels (:mod:`tpinv.kernels.reference_attention_packed`) place each key a query
 sees at the slot of its own position, so a document packed at any offset of a row, or a
 turn of a conversation packed with a 2D visibility mask, gets the bits of the same tokens
-alone, forward and backward.  On CUDA the forward gathers each query's keys into its virtual
-row and runs ``tpinv::attention`` (the Triton kernel, batch- and call-invariant) with one
-query per batch row, so a packed query gets the Triton bits of the same query alone; the
-CUDA backward has no kernel yet and raises (never a silent fallback).  Reached through
-:func:`tpinv.ops.attention` with ``k_pos``.
+alone, forward and backward.  On CUDA, rows whose visibility is per-document (every query
+sees the causal/window part of one run of keys at positions ``0 .. L-1``:
+:mod:`tpinv.kernels.packed_documents`) run each document alone in a padded batch of the
+Triton kernels (:mod:`tpinv.kernels.triton_attention_packed`), forward and backward, so a
+packed document gets the Triton bits of the same document through ``tpinv::attention``
+alone.  Any other visibility (a general 2D mask, e.g. multi-turn with dropped reasoning)
+runs the forward with each query alone against its virtual row through ``tpinv::attention``
+(one query per batch row: the same Triton bits of the query alone, slower), and its CUDA
+backward raises ``NotImplementedError`` naming the case (never a silent fallback or a
+gradient of another order).  Reached through :func:`tpinv.ops.attention` with ``k_pos``.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from tpinv.kernels.packed_documents import documents_of
 from tpinv.kernels.reference_attention import check_attention_inputs
 from tpinv.kernels.reference_attention_packed import (check_key_positions, packed_attention_backward,
                                                       packed_attention_forward, virtual_slots, visible)
@@ -24,7 +30,8 @@ from tpinv.ops.registry import define_op, register_fake
 #: vanilla control) that builds its own mask.
 packed_visible = visible
 
-__all__ = ["attention_packed_op", "attention_packed_backward_op", "packed_visible"]
+__all__ = ["attention_packed_op", "attention_packed_backward_op", "packed_visible", "packed_forward_by_rows",
+           "packed_forward_cuda", "packed_backward_cuda"]
 
 
 def _check_packed(q, k, v, q_pos, k_pos, mask, causal, window, scale) -> None:
@@ -60,7 +67,31 @@ def packed_forward_by_rows(q, k, v, q_pos, k_pos, mask, causal, window, scale, *
     return out, lse
 
 
-@define_op("attention_packed", cuda=packed_forward_by_rows, check=_check_packed)
+def packed_forward_cuda(q, k, v, q_pos, k_pos, mask, causal, window, scale):
+    """The CUDA forward: per-document rows by documents, any other visibility by rows."""
+    _check_packed(q, k, v, q_pos, k_pos, mask, causal, window, scale)
+    docs = documents_of(q_pos, k_pos, mask, causal, window)
+    if docs is None:
+        return packed_forward_by_rows(q, k, v, q_pos, k_pos, mask, causal, window, scale)
+    from tpinv.kernels.triton_attention_packed import documents_forward_cuda
+    return documents_forward_cuda(docs, q, k, v, causal, window, scale)
+
+
+def packed_backward_cuda(grad_out, grad_lse, q, k, v, out, lse, q_pos, k_pos, mask, causal, window, scale):
+    """The CUDA backward: per-document rows only (see the module docstring)."""
+    _check_packed_backward(grad_out, grad_lse, q, k, v, out, lse, q_pos, k_pos, mask, causal, window, scale)
+    docs = documents_of(q_pos, k_pos, mask, causal, window)
+    if docs is None:
+        raise NotImplementedError(
+            "tpinv::attention_packed_backward on CUDA needs per-document visibility: every query "
+            "seeing the causal/window part of one run of keys at positions 0..L-1 (a document); "
+            "here some query sees keys of several runs or part of one (a general 2D mask such as "
+            "multi-turn with dropped reasoning), whose backward runs on CPU only")
+    from tpinv.kernels.triton_attention_packed import documents_backward_cuda
+    return documents_backward_cuda(docs, grad_out, grad_lse, q, k, v, out, lse, causal, window, scale)
+
+
+@define_op("attention_packed", cuda=packed_forward_cuda, check=_check_packed)
 def attention_packed_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                         k_pos: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,
                         window: Optional[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +99,7 @@ def attention_packed_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
     return packed_attention_forward(q, k, v, q_pos, k_pos, mask, causal, window, scale)
 
 
-@define_op("attention_packed_backward", cuda=None, check=_check_packed_backward)
+@define_op("attention_packed_backward", cuda=packed_backward_cuda, check=_check_packed_backward)
 def attention_packed_backward_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
                                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                                  lse: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
