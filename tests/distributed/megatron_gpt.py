@@ -3,7 +3,7 @@
 In bf16 every model is cast to bf16 as megatron's ``Float16Module`` casts it (``module.bfloat16()``):
 the local spec's ``torch.nn.RMSNorm`` ignores ``params_dtype`` and is built with fp32 weights, and
 torch 2.6's RMSNorm returns fp32 for a bf16 input with fp32 weights, which megatron's bf16 linears
-refuse (newer torch returns the input's dtype).
+refuse (torch 2.7 and newer return the input's dtype).
 
 megatron-core assumes CUDA in places; ``tpinv.testing.megatron_cpu`` replaces those for the test
 process only (tpinv itself never patches megatron).  Besides logits and loss, the loss's
@@ -82,6 +82,7 @@ def _worker_dtype(rank, world, dtype):
     torch.manual_seed(0)
     stock = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                      vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope").to(dtype)
+    assert {p.dtype for p in stock.parameters()} == {dtype}
     out["stock"] = _run(stock, group)
     tm.swap_to_tpinv(stock, tp_group=group)  # in place, keeping the weights
     with record_ops() as seen:
