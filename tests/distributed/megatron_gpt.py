@@ -1,5 +1,10 @@
 """A tiny megatron-core GPTModel on CPU/gloo, stock or with tpinv layers (run in spawned ranks).
 
+In bf16 every model is cast to bf16 as megatron's ``Float16Module`` casts it (``module.bfloat16()``):
+the local spec's ``torch.nn.RMSNorm`` ignores ``params_dtype`` and is built with fp32 weights, and
+torch 2.6's RMSNorm returns fp32 for a bf16 input with fp32 weights, which megatron's bf16 linears
+refuse (torch 2.7 and newer return the input's dtype).
+
 megatron-core assumes CUDA in places; ``tpinv.testing.megatron_cpu`` replaces those for the test
 process only (tpinv itself never patches megatron).  Besides logits and loss, the loss's
 gradients (every parameter, gathered to full shape) are returned.
@@ -76,7 +81,8 @@ def _worker_dtype(rank, world, dtype):
     out = {}
     torch.manual_seed(0)
     stock = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                     vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+                     vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope").to(dtype)
+    assert {p.dtype for p in stock.parameters()} == {dtype}
     out["stock"] = _run(stock, group)
     tm.swap_to_tpinv(stock, tp_group=group)  # in place, keeping the weights
     with record_ops() as seen:
@@ -84,7 +90,7 @@ def _worker_dtype(rank, world, dtype):
     assert "tpinv::matmul" in seen or "tpinv::matmul_partial" in seen   # the contract's matmul, either form
     torch.manual_seed(0)
     built = tm.build_gpt_model(cfg, tp_group=group, vocab_size=VOCAB, max_sequence_length=SEQ,
-                               spec_kwargs=dict(normalization="RMSNorm"), position_embedding_type="rope")
+                               spec_kwargs=dict(normalization="RMSNorm"), position_embedding_type="rope").to(dtype)
     kinds = {type(m) for m in built.modules()}
     assert any(issubclass(k, ColumnParallelLinear) for k in kinds)
     assert any(issubclass(k, RowParallelLinear) for k in kinds)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 transformers = pytest.importorskip("transformers")
@@ -21,7 +22,14 @@ import dtensor_kv_cases as kv_cases  # noqa: E402
 import dtensor_cases as cases  # noqa: E402
 from tpinv.core.contract import InvarianceError  # noqa: E402
 from tpinv.dtensor import validate  # noqa: E402
+from tpinv.dtensor.styles import replica_mesh  # noqa: E402
 from tpinv.testing import assert_bits_differ, assert_same_bits, run_ranks  # noqa: E402
+
+#: The plan's replica mesh is ``DeviceMesh._unflatten``'s (absent from torch 2.6-2.8, where the plan
+#: refuses TP above the KV-head count: test_replica_mesh_refused_without_unflatten).
+needs_unflatten = pytest.mark.skipif(
+    not hasattr(DeviceMesh, "_unflatten"),
+    reason=f"replicating KV heads in the DTensor plan needs DeviceMesh._unflatten, which torch {torch.__version__} lacks")
 
 KV_WEIGHTS = ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj.weight")
 
@@ -48,6 +56,7 @@ def _tpinv_reference(family, inputs):
 
 
 @pytest.mark.slow
+@needs_unflatten
 @pytest.mark.parametrize("family", kv_cases.FAMILIES)
 def test_replicated_kv_heads_same_bits_as_tp1(runs, family):
     out, inputs = runs
@@ -61,6 +70,7 @@ def test_replicated_kv_heads_same_bits_as_tp1(runs, family):
 
 
 @pytest.mark.slow
+@needs_unflatten
 def test_replicated_layout_and_bf16_and_decode(runs):
     out, _ = runs
     heads, kv_heads, local_shape, placements, mesh_shape = out[4][0]["k_proj"]
@@ -77,6 +87,7 @@ def test_replicated_layout_and_bf16_and_decode(runs):
 
 
 @pytest.mark.slow
+@needs_unflatten
 def test_tpinv_transformer_under_plan_replicates(runs):
     out, inputs = runs
     ours = _tpinv_reference("qwen3", inputs)
@@ -87,6 +98,7 @@ def test_tpinv_transformer_under_plan_replicates(runs):
 
 
 @pytest.mark.slow
+@needs_unflatten
 def test_controls_differ_by_construction(runs):
     out, _ = runs
     ref = out[1][0][("llama", "fp32")]
@@ -104,6 +116,7 @@ def test_controls_differ_by_construction(runs):
 
 
 @pytest.mark.slow
+@needs_unflatten
 def test_tp8_replicated_kv_heads_same_bits_as_tp1():
     """TP=8 with 2 KV heads (4 replicas each) against TP=1 in the parent, qwen3 fp32."""
     inputs = kv_cases.make_inputs(names=("qwen3",))
@@ -125,3 +138,23 @@ def test_validate_replicated_kv_heads():
                                                     hidden_size=96))
     with pytest.raises(InvarianceError, match="num_kv_heads=3"):
         validate(three, 4, "invariant")                          # 4 is not a multiple of 3 KV heads
+
+
+class _NamedMesh:
+    """A stand-in for a 4-rank TP mesh named ``tp`` (``replica_mesh`` reads only these)."""
+    mesh_dim_names = ("tp",)
+
+    def size(self):
+        return 4
+
+
+class _UnflattenableMesh(_NamedMesh):
+    def _unflatten(self, dim, sizes, names):
+        return ("unflattened", dim, sizes, names)
+
+
+def test_replica_mesh_refused_without_unflatten():
+    with pytest.raises(InvarianceError, match=r"needs DeviceMesh._unflatten, which torch .* lacks; use TP <= 2"):
+        replica_mesh(_NamedMesh(), 2)
+    # control: a mesh that has it is unflattened to (kv, replica)
+    assert replica_mesh(_UnflattenableMesh(), 2) == ("unflattened", 0, (2, 2), ("tp_kv", "tp_kv_replica"))

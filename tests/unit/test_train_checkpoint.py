@@ -126,3 +126,18 @@ def test_an_async_save_is_published_at_close(tmp_path):
     assert not (ck / step_dir_name(1)).exists() and not (ck / "latest").exists()  # in flight: a temp dir only
     trainer.close()
     assert (ck / "latest").read_text().strip() == step_dir_name(1) and (ck / step_dir_name(1) / STATE_FILE).is_file()
+
+
+def test_one_process_keyword_only_where_the_dcp_call_has_it():
+    """torch 2.7's ``dcp.save`` takes ``no_dist`` and its ``dcp.async_save`` does not: each call gets
+    the keyword only if its own signature has it (torch 2.6 has it nowhere)."""
+    from tpinv.training.dcp_shards import one_process
+
+    def with_it(state_dict, *, storage_writer=None, no_dist=False):
+        pass
+
+    def without_it(state_dict, *, storage_writer=None, process_group=None):
+        pass
+
+    assert one_process(with_it) == {"no_dist": True}
+    assert one_process(without_it) == {}

@@ -195,6 +195,13 @@ def _cpu_flags() -> set:
         return set()
 
 
+def cpu_capability() -> str:
+    """The kernel set this torch dispatches to (``torch.backends.cpu.get_cpu_capability()``), with
+    torch 2.6's name for the generic set, ``"NO AVX"``, read as newer torch names it: ``"DEFAULT"``."""
+    name = torch.backends.cpu.get_cpu_capability()
+    return "DEFAULT" if name == "NO AVX" else name
+
+
 def kernel_sets() -> list[str]:
     """The ``ATEN_CPU_CAPABILITY`` values below this CPU's best that can be forced here
     (native runs without the variable): ``avx2`` on an AVX-512 x86 CPU, and ``default``."""
@@ -202,15 +209,15 @@ def kernel_sets() -> list[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ["default"]
     flags = _cpu_flags()
-    native = torch.backends.cpu.get_cpu_capability()
+    native = cpu_capability()
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags or native == "AVX512"
     return (["avx2"] if avx512 and "avx2" in flags else []) + ["default"]
 
 
 _CHILD = """
 import json, torch
-from tpinv.testing.kernel_sets import bits_digest, position_dependent
-print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
+from tpinv.testing.kernel_sets import bits_digest, cpu_capability, position_dependent
+print(json.dumps({"capability": cpu_capability(),
                   "position_dependent": position_dependent(), "digest": bits_digest()}))
 """
 

@@ -33,11 +33,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["MOMENTS", "ONE_PROCESS", "ShardMeshes", "sharded_state_dict", "full_state_dict"]
+__all__ = ["MOMENTS", "ShardMeshes", "one_process", "sharded_state_dict", "full_state_dict"]
 
-#: DCP's keyword for a save or load in one process without torch.distributed: ``no_dist=True``
-#: (torch >= 2.7); torch 2.6 has no such keyword and runs so by itself when no group exists.
-ONE_PROCESS = {"no_dist": True} if "no_dist" in inspect.signature(dcp.load).parameters else {}
+
+def one_process(dcp_call) -> dict:
+    """The keywords telling ``dcp_call`` (``dcp.save``, ``dcp.async_save``, ``dcp.load``) that it runs in
+    one process without torch.distributed: ``no_dist=True`` where the call has that keyword (``save`` and
+    ``load`` from torch 2.7, ``async_save`` later); without it DCP runs so by itself when no process
+    group exists (torch 2.6, and ``async_save`` at torch 2.7)."""
+    return {"no_dist": True} if "no_dist" in inspect.signature(dcp_call).parameters else {}
+
 
 #: The optimizer tensors saved per parameter, beside the model weight (key ``model/NAME``).
 MOMENTS = ("master", "exp_avg", "exp_avg_sq")

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from tpinv.io.checkpoint import save_checkpoint
 from tpinv.io.hf_keys import args_from_dict
 from tpinv.training.ckpt_files import CheckpointError, read_train_state, resolve_checkpoint, verify_files
-from tpinv.training.dcp_shards import ONE_PROCESS
+from tpinv.training.dcp_shards import one_process
 
 __all__ = ["export_model", "read_full_tensors"]
 
@@ -31,7 +31,7 @@ def read_full_tensors(step_dir: str, prefix: str = "model/") -> dict[str, torch.
             if k.startswith(prefix) and hasattr(m, "chunks")}
     if not full:
         raise CheckpointError(f"{step_dir}: no {prefix}* tensors in its .metadata")
-    dcp.load(full, storage_reader=reader, **ONE_PROCESS)
+    dcp.load(full, storage_reader=reader, **one_process(dcp.load))
     return {k[len(prefix):]: v for k, v in full.items()}
 
 

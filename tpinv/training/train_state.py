@@ -47,7 +47,7 @@ from tpinv.io.run_dir import clean_stale_temps
 from tpinv.training.ckpt_files import (FORMAT_NAME, FORMAT_VERSION, STATE_FILE, CheckpointError, file_sha256,
                                        latest_name, prune_steps, read_train_state, resolve_checkpoint, step_dir_name,
                                        verify_files, write_latest)
-from tpinv.training.dcp_shards import ONE_PROCESS, ShardMeshes, sharded_state_dict
+from tpinv.training.dcp_shards import ShardMeshes, one_process, sharded_state_dict
 
 __all__ = ["Checkpointer", "write_shards"]
 
@@ -107,8 +107,8 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def _dcp_kwargs(self) -> dict:
-        return {"process_group": self.group} if self.meshes is not None else dict(ONE_PROCESS)
+    def _dcp_kwargs(self, dcp_call) -> dict:
+        return {"process_group": self.group} if self.meshes is not None else one_process(dcp_call)
 
     def _bcast(self, obj):
         if self.meshes is None:
@@ -142,10 +142,10 @@ class Checkpointer:
             shards = sharded_state_dict(layout, optimizer, self.meshes, stage=self.async_save)
             writer = dcp.FileSystemWriter(tmp, thread_count=1)
             if self.async_save:
-                self.pending = _Pending(write_shards(shards, writer, self._dcp_kwargs(), asynchronous=True),
-                                        tmp, step, state)
+                future = write_shards(shards, writer, self._dcp_kwargs(dcp.async_save), asynchronous=True)
+                self.pending = _Pending(future, tmp, step, state)
                 return os.path.join(self.root, step_dir_name(step))
-            write_shards(shards, writer, self._dcp_kwargs())
+            write_shards(shards, writer, self._dcp_kwargs(dcp.save))
         except Exception as e:  # noqa: BLE001 - reported on every rank by _publish
             error = self._failed(step, e)
         except BaseException:  # interrupted: what was written goes, latest stays
@@ -235,7 +235,7 @@ class Checkpointer:
         shards = sharded_state_dict(layout, optimizer, self.meshes)
         try:
             with torch.no_grad():
-                dcp.load(shards, storage_reader=dcp.FileSystemReader(step_dir), **self._dcp_kwargs())
+                dcp.load(shards, storage_reader=dcp.FileSystemReader(step_dir), **self._dcp_kwargs(dcp.load))
         except Exception as e:  # noqa: BLE001 - DCP raises on every rank alike
             raise CheckpointError(f"{step_dir}: reading the sharded tensors failed: "
                                   f"{' '.join(str(e).split())[:600]}") from None
