@@ -118,7 +118,8 @@ class InvariantOp(CustomOpDef):
         kernel = fast.kernels.get(device)
         if kernel is None:
             return self._opoverload(*args)
-        if fast.autograd is not None and torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        if (fast.autograd is not None and torch.is_grad_enabled()
+                and any(args[i] is not None and args[i].requires_grad for i in fast.tensor_args)):
             if fast.mutates:
                 return self._opoverload(*args)
             return fast.autograd.apply(kernel, *args)
