@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tpinv.kernels.launch import launch
+from tpinv.kernels.launch import launch, operands_key, remember
 from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
 #: Leaf counts the kernel unrolls (saved tree levels: registers for 1-2, smem for the 3rd).
@@ -280,22 +280,22 @@ def gluon_matmul_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int,
 
 
 def launch_checked(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-                   config: GluonConfig | None = None) -> torch.Tensor:
+                   config: GluonConfig | None = None, *, operands: tuple | None = None) -> torch.Tensor:
     """:func:`gluon_matmul_cuda` for inputs :func:`unsupported_reason` has already passed
-    (the dispatch in :mod:`tpinv.kernels.triton_matmul` checks once per call)."""
-    return _launch(x, w, leaves, out_dtype, config or gluon_launch_config(x.shape[0], leaves))
-
-
-def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-            cfg: GluonConfig) -> torch.Tensor:
-    """Descriptors, persistent grid and launch for checked inputs (planned once per shape)."""
-    m, k = x.shape
-    n = w.shape[0]
-    key = (tuple(x.shape), x.stride(), tuple(w.shape), w.stride(), x.dtype, out_dtype, leaves, cfg,
-           x.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0, x.device)
+    (the dispatch in :mod:`tpinv.kernels.triton_matmul` checks once per call and passes its
+    :func:`~tpinv.kernels.launch.operands_key` as ``operands``)."""
+    cfg = config or gluon_launch_config(x.shape[0], leaves)
+    key = (operands or operands_key(x, w), leaves, out_dtype, cfg)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _plan(x, w, leaves, out_dtype, cfg, key)
+        plan = remember(_PLANS, key, _plan(x, w, leaves, cfg))
+    return _launch(x, w, leaves, out_dtype, plan)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, plan: tuple) -> torch.Tensor:
+    """Descriptors and launch for checked inputs and their plan (:func:`_plan`)."""
+    m, k = x.shape
+    n = w.shape[0]
     x_t, w_kn, x_block, w_block, grid, consts, bound = plan
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
     x_desc = TensorDescriptor.from_tensor(x.t() if x_t else x, x_block[0], x_block[1])
@@ -308,7 +308,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtyp
 _PLANS: dict = {}
 
 
-def _plan(x, w, leaves, out_dtype, cfg, key) -> tuple:
+def _plan(x, w, leaves: int, cfg: GluonConfig) -> tuple:
+    """Tile layouts, persistent grid and constexprs of a launch: one per shape, strides, dtype,
+    alignment, leaves and config (none of it changes an addition)."""
     m, k = x.shape
     n = w.shape[0]
     leaf_len = k // leaves
@@ -326,8 +328,6 @@ def _plan(x, w, leaves, out_dtype, cfg, key) -> tuple:
     kw = dict(LEAVES=leaves, STAGES=cfg.num_stages, GROUP_M=cfg.group_m,
               PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
               num_warps=cfg.num_warps)
-    if len(_PLANS) >= 4096:
-        _PLANS.clear()
     return (x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), grid,
             {"BK": bk, "kw": kw}, {})
 

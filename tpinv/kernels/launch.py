@@ -8,38 +8,51 @@ tensor's dtype and 16-byte alignment, and every constexpr and launch option -- a
 what Triton specializes on -- so a bound kernel is never launched with arguments Triton would
 have compiled differently.  Only the launch path changes (host time), never the arithmetic.
 
-:func:`launch` is the call sites' ``kernel[grid](*args, **kwargs)``; a call site that already
-knows its specialization (a per-shape plan) passes ``key=``, or keeps the bound launcher with
-its plan (``bound=``), and skips building and looking up the key per call.
+:func:`launch` is the call sites' ``kernel[grid](*args, **kwargs)``; a call site that plans its
+launches per shape (:func:`operands_key`, :func:`remember`) keeps the bound launcher with its plan
+(``bound=``) and skips building and looking up a key per call.
 Triton versions without the launcher API used here (and Triton's interpreter) launch through
 Triton every time: same kernel, more host time.
 """
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 try:
-    import triton
     from triton import knobs as _knobs
     from triton.runtime.driver import driver as _driver
 except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
-    triton = None
     _knobs = None
 
-__all__ = ["launch", "bound_launches", "BIND"]
+__all__ = ["launch", "bound_launches", "operands_key", "remember", "BIND"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
 BIND = [True]
 
-#: Bound specializations kept before the table is cleared and refilled.
+#: Entries a table of bound launchers or launch plans keeps before it is cleared and refilled
+#: (shapes that keep changing, e.g. a decode's cache length, would otherwise grow it forever).
 MAX_BOUND = 4096
 
 _BOUND: dict = {}        # (kernel, device, key) -> (compiled kernel, tail of constexpr values)
 _NAMES: dict = {}        # kernel -> its parameter names and defaults
 _COUNT = [0]
+
+
+def operands_key(*tensors: torch.Tensor) -> tuple:
+    """Shape, strides, dtype, 16-byte alignment and device of each tensor: what a launch plan made
+    for them depends on (with the caller's own settings)."""
+    return tuple((tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % 16 == 0, t.device) for t in tensors)
+
+
+def remember(table: dict, key, value):
+    """``table[key] = value`` (the table cleared first when it holds :data:`MAX_BOUND` entries); returns value."""
+    if len(table) >= MAX_BOUND:
+        table.clear()
+    table[key] = value
+    return value
 
 
 def bound_launches() -> int:
@@ -82,19 +95,18 @@ def _interpreting(fn) -> bool:
     return not hasattr(fn, "device_caches") or type(fn).__name__ == "InterpretedFunction"
 
 
-def launch(fn, grid: tuple, *args, key: Optional[tuple] = None, bound: Optional[dict] = None,
-           **kwargs) -> None:
+def launch(fn, grid: tuple, *args, bound: Optional[dict] = None, **kwargs) -> None:
     """``fn[grid](*args, **kwargs)``, through a bound launcher when this specialization ran before.
 
     ``args`` are the kernel's leading (runtime) arguments, ``kwargs`` its constexprs and launch
-    options; ``key`` (optional) names the specialization when the caller knows it (it must
-    determine every integer argument and constexpr, and every tensor's dtype and alignment);
-    ``bound`` (optional, instead of ``key``) is a dict the caller keeps with a plan that fixes all
-    of that, where the bound launcher is stored per device (no key, no table lookup)."""
+    options.  ``bound`` (optional) is a dict the caller keeps with a launch plan that fixes every
+    integer argument and constexpr and every tensor's dtype and alignment; the bound launcher is
+    stored there per device (no key is built, no table looked up)."""
     if not BIND[0] or _knobs is None or _interpreting(fn):
         fn[grid](*args, **kwargs)
         return
-    if key is None and bound is None:
+    key = None
+    if bound is None:
         try:
             key = (_specialization(args), tuple(kwargs.items()))
         except TypeError:        # an argument kind this module does not key: Triton decides
@@ -118,9 +130,7 @@ def launch(fn, grid: tuple, *args, key: Optional[tuple] = None, bound: Optional[
         if bound is not None:
             bound[device] = (compiled, tuple(tail))
             return
-        if len(_BOUND) >= MAX_BOUND:     # e.g. decode: one key per cache length
-            _BOUND.clear()
-        _BOUND[(fn, device, key)] = (compiled, tuple(tail))
+        remember(_BOUND, (fn, device, key), (compiled, tuple(tail)))
         return
     compiled, tail = entry
     stream = _driver.active.get_current_stream(device)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, check_divisible, check_dtype,
                             check_leaves)
-from tpinv.kernels.launch import launch
+from tpinv.kernels.launch import launch, operands_key, remember
 from tpinv.kernels.tiles import (GLUON_MIN_ROWS, MAX_LEAVES_PER_CTA, MatmulConfig, block_k,
                                  check_config, launch_config)
 
@@ -199,7 +199,6 @@ def _tma_ok(t: torch.Tensor, inner: int) -> bool:
 
 class _Plan(NamedTuple):
     """Everything about a launch that follows from shapes, strides, dtypes and alignment."""
-    key: tuple
     use_tma: bool
     w_kn: bool
     x_block: list
@@ -215,9 +214,8 @@ _PLANS: dict = {}
 
 
 def _plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-          config: MatmulConfig, allow_tma: bool) -> _Plan:
-    key = (tuple(x2.shape), x2.stride(), tuple(w.shape), w.stride(), x2.dtype, out_dtype, leaves,
-           config, allow_tma, x2.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0)
+          config: MatmulConfig, allow_tma: bool, operands: tuple | None) -> _Plan:
+    key = (operands or operands_key(x2, w), leaves, out_dtype, config, allow_tma)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -243,16 +241,14 @@ def _plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype
                   GROUP_M=config.group_m, EVEN_K=even_k, IS_FP32=(x2.dtype == torch.float32),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
-    plan = _Plan(key, use_tma, w_kn, [bm, bk], [bk, bn] if w_kn else [bn, bk], split, grid, consts, {}, {})
-    if len(_PLANS) >= 4096:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+    return remember(_PLANS, key, _Plan(use_tma, w_kn, [bm, bk], [bk, bn] if w_kn else [bn, bk], split,
+                                        grid, consts, {}, {}))
 
 
 def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-            config: MatmulConfig, allow_tma: bool = True) -> torch.Tensor:
-    """Run the kernel on x2 [M, K], w [N, K]; ``allow_tma=False`` forces pointer loads."""
+            config: MatmulConfig, allow_tma: bool = True, operands: tuple | None = None) -> torch.Tensor:
+    """Run the kernel on x2 [M, K], w [N, K]; ``allow_tma=False`` forces pointer loads
+    (``operands``: their :func:`~tpinv.kernels.launch.operands_key`, when the caller has it)."""
     m, k = x2.shape
     n = w.shape[0]
     out = torch.empty((m, n), device=x2.device, dtype=out_dtype)
@@ -260,7 +256,7 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
         return out
     if k == 0:
         return out.zero_()
-    plan = _plan(x2, w, leaves, out_dtype, config, allow_tma)
+    plan = _plan(x2, w, leaves, out_dtype, config, allow_tma, operands)
     if plan.use_tma:
         x_ref = TensorDescriptor(x2, [m, k], [x2.stride(0), 1], plan.x_block)
         w_ref = (TensorDescriptor(w.T, [k, n], [w.stride(1), 1], plan.w_block) if plan.w_kn
@@ -303,7 +299,7 @@ def gluon_kernel_for(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: 
 
 
 _GLUON: list = []   # [the gluon_matmul module, or None without Gluon], once resolved
-_GLUON_CHOICE: dict = {}   # shape, strides, dtypes, leaves, alignment, device -> gluon module or None
+_GLUON_CHOICE: dict = {}   # (operands_key, leaves, out_dtype) -> the gluon module or None
 _UNSEEN = object()
 
 
@@ -311,20 +307,18 @@ def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
          config: MatmulConfig | None) -> torch.Tensor:
     _check_inputs(x, w, leaves)
     x2 = x.reshape(-1, x.shape[-1])
+    operands = operands_key(x2, w)   # one key per call: the gluon choice and both launch plans
     gluon = None
     if config is None:
-        key = (tuple(x2.shape), x2.stride(), tuple(w.shape), w.stride(), x2.dtype, out_dtype, leaves,
-               x2.data_ptr() % 16 == 0, w.data_ptr() % 16 == 0, x2.device)
-        gluon = _GLUON_CHOICE.get(key, _UNSEEN)
+        choice = (operands, leaves, out_dtype)
+        gluon = _GLUON_CHOICE.get(choice, _UNSEEN)
         if gluon is _UNSEEN:
-            if len(_GLUON_CHOICE) >= 4096:
-                _GLUON_CHOICE.clear()
-            gluon = _GLUON_CHOICE[key] = gluon_kernel_for(x2, w, leaves, out_dtype)
+            gluon = remember(_GLUON_CHOICE, choice, gluon_kernel_for(x2, w, leaves, out_dtype))
     if gluon is not None:
-        out = gluon.launch_checked(x2, w, leaves, out_dtype)
+        out = gluon.launch_checked(x2, w, leaves, out_dtype, operands=operands)
     else:
         cfg = launch_config(x2.shape[0], leaves) if config is None else check_config(config)
-        out = _launch(x2, w, leaves, out_dtype, cfg)
+        out = _launch(x2, w, leaves, out_dtype, cfg, operands=operands)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 

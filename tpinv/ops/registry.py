@@ -226,8 +226,9 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
             raise ValueError(f"{qualname} is defined twice")
         mutated = tuple(mutates_args)
         schema = torch.library.infer_schema(reference, mutates_args=mutated)  # from the reference's own hints
+        reference_slot = with_contiguous_outputs(reference)
         op = torch.library.custom_op(qualname, mutates_args=mutated, device_types="cpu",
-                                     schema=schema)(with_contiguous_outputs(reference))
+                                     schema=schema)(reference_slot)
         if cuda is None:
             kernel = missing_cuda_kernel(qualname)
         elif cuda == REFERENCE:
@@ -239,8 +240,8 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
         cuda_slot = with_contiguous_outputs(kernel)
         op.register_kernel("cuda", cuda_slot)
         op.__class__ = InvariantOp
-        op._tpinv_eager = _EagerPath(op._opoverload._schema, {"cpu": with_contiguous_outputs(reference),
-                                                              "cuda": cuda_slot}, bool(mutated))
+        op._tpinv_eager = _EagerPath(op._opoverload._schema, {"cpu": reference_slot, "cuda": cuda_slot},
+                                   bool(mutated))
         OPS[qualname] = OpDef(op, reference, cuda, check, kernel)
         return op
 
