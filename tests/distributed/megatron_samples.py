@@ -22,8 +22,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_train import SEQ, VOCAB, config, gathered_weights
+from tpinv.testing import assert_same_bits
 
 GLOBAL_BATCH, STEPS = 4, 4
+
+
+def assert_same_run(got, ref, what: str) -> None:
+    """Two workers' results (per-token losses, grad norms, final weights) are the same bits."""
+    losses, norms, w, _ = got
+    ref_losses, ref_norms, ref_w, _ = ref
+    assert_same_bits(losses, ref_losses, f"{what}: per-token losses")
+    assert norms == ref_norms, f"{what}: grad norms {norms} vs {ref_norms}"
+    assert w.keys() == ref_w.keys() and len(w) > 10
+    for name in ref_w:
+        assert_same_bits(w[name], ref_w[name], f"{what}: {name} after 4 steps")
 
 
 def sample(i: int) -> torch.Tensor:

@@ -43,20 +43,10 @@ def runs():
             "tp2xdp2": run_ranks(megatron_samples.worker, 4, 2, DISTRIBUTED, timeout=600)[0]}
 
 
-def _assert_same_run(got, ref, what):
-    losses, norms, w, _ = got
-    ref_losses, ref_norms, ref_w, _ = ref
-    assert_same_bits(losses, ref_losses, f"{what}: per-token losses")
-    assert norms == ref_norms, f"{what}: grad norms {norms} vs {ref_norms}"
-    assert w.keys() == ref_w.keys() and len(w) > 10
-    for name in ref_w:
-        assert_same_bits(w[name], ref_w[name], f"{what}: {name} after 4 steps")
-
-
 def test_bf16_params_train_to_the_same_bits_at_tp1_and_tp2(runs):
     ref = runs["tp1"][run("bf16")]
     assert ref[2]["decoder.layers.0.mlp.linear_fc1.weight"].dtype == torch.bfloat16
-    _assert_same_run(runs["tp2"][run("bf16")], ref, "bf16 at TP=2")
+    megatron_samples.assert_same_run(runs["tp2"][run("bf16")], ref, "bf16 at TP=2")
     # bf16 is its own contract: it does not give fp32's weights
     name = "decoder.layers.0.mlp.linear_fc1.weight"
     assert_bits_differ(ref[2][name].float(), runs["tp1"][run("fp32")][2][name], f"{name}, bf16 vs fp32")
@@ -72,7 +62,7 @@ def test_control_stock_bf16_differs_across_tp(runs):
 def test_distributed_optimizer_dp2_trains_like_the_plain_optimizer(runs, precision):
     ref = runs["tp1"][run(precision)]
     for layout in ("tp1xdp2", "tp2xdp2"):
-        _assert_same_run(runs[layout][run(precision, "distributed")], ref,
+        megatron_samples.assert_same_run(runs[layout][run(precision, "distributed")], ref,
                          f"{precision} distributed optimizer at {layout}")
 
 

@@ -22,21 +22,11 @@ import torch
 
 from tpinv.kernels.packed_documents import find_documents
 from tpinv.ops.attention import attention
-from tpinv.testing import assert_bits_differ, assert_same_bits, record_ops
+from tpinv.testing import assert_bits_differ, assert_same_bits, packed_document_rows, record_ops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 OFFSETS = (1, 37, 64, 200)
 NAMES = ("out", "lse", "dq", "dk", "dv")
-
-
-def packed_rows(lengths_per_row):
-    """``(pos [B, T], mask [B, T, T])`` on CUDA: row ``b`` holds documents of ``lengths_per_row[b]``."""
-    pos, mask = [], []
-    for lengths in lengths_per_row:
-        pos.append(torch.cat([torch.arange(n) for n in lengths]))
-        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-        mask.append(doc[:, None] == doc[None, :])
-    return torch.stack(pos).cuda(), torch.stack(mask).cuda()
 
 
 def _inputs(B, Hkv, g, T, D, dtype, seed):
@@ -69,7 +59,7 @@ def test_packed_documents_equal_alone_on_cuda(monkeypatch, dtype, window, solo):
     import tpinv.kernels.triton_attention_packed as by_documents
     monkeypatch.setattr(by_documents, "SOLO_LENGTH", solo)
     n, total, Hkv, g, D = 150, 400, 2, 4, 64
-    pos, mask = packed_rows([(o, n, total - o - n) for o in OFFSETS])
+    pos, mask = packed_document_rows([(o, n, total - o - n) for o in OFFSETS], device="cuda")
     tensors = _inputs(len(OFFSETS), Hkv, g, total, D, dtype, seed=0)
     assert find_documents(pos, pos, mask, True, window) is not None, "the per-document path must run"
     with record_ops() as log:
@@ -128,7 +118,7 @@ def test_packed_timing_against_alone(lengths):
     time reuses the documents found by the first call; finding them is timed on its own."""
     Hkv, g, D = 8, 4, 128
     total = sum(lengths)
-    pos, mask = packed_rows([lengths])
+    pos, mask = packed_document_rows([lengths], device="cuda")
     tensors = _inputs(1, Hkv, g, total, D, torch.bfloat16, seed=5)
     packed_ms = _timed(lambda: _run(tensors, pos, mask=mask, k_pos=pos))
     find_ms = _timed(lambda: find_documents(pos, pos, mask, True, None))

@@ -17,23 +17,13 @@ from tpinv.kernels.packed_documents import documents_of, find_documents
 from tpinv.kernels.reference_attention import KV_BLOCK, attention_forward
 from tpinv.kernels.reference_attention_bwd import attention_backward
 from tpinv.ops.attention_packed import packed_backward_cuda
-from tpinv.testing import assert_bits_differ, assert_same_bits
+from tpinv.testing import assert_bits_differ, assert_same_bits, packed_document_rows
 
 OFFSETS = (1, 37, 64, 200)
 
 
-def packed_rows(lengths_per_row):
-    """``(pos [B, T], mask [B, T, T])``: row ``b`` holds documents of ``lengths_per_row[b]``."""
-    pos, mask = [], []
-    for lengths in lengths_per_row:
-        pos.append(torch.cat([torch.arange(n) for n in lengths]))
-        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-        mask.append(doc[:, None] == doc[None, :])
-    return torch.stack(pos), torch.stack(mask)
-
-
 def test_documents_of_packed_rows():
-    pos, mask = packed_rows([(5, 70, 3), (30, 48, 0)])
+    pos, mask = packed_document_rows([(5, 70, 3), (30, 48, 0)])
     docs = find_documents(pos, pos, mask, True, None)
     assert docs is not None
     assert docs.length.tolist() == [5, 70, 3, 30, 48] and docs.q_len.tolist() == docs.length.tolist()
@@ -55,7 +45,7 @@ def test_unpacked_row_is_one_document():
 
 
 def test_queries_seeing_nothing_belong_to_no_document():
-    pos, mask = packed_rows([(6, 10)])
+    pos, mask = packed_document_rows([(6, 10)])
     mask[0, 2] = False  # query 2 sees no key
     docs = find_documents(pos, pos, mask, True, None)
     assert docs is not None and 2 not in docs.query_slot.tolist() and docs.query_slot.numel() == 15
@@ -67,7 +57,7 @@ def test_general_visibility_has_no_documents():
     ctx = torch.cat([torch.zeros(p), torch.ones(r), 2 * torch.ones(a)])
     two_contexts = ((ctx[:, None] == ctx[None, :]) | (ctx[None, :] == 0))[None]
     assert find_documents(pos, pos, two_contexts, True, None) is None
-    pos, mask = packed_rows([(8, 8)])
+    pos, mask = packed_document_rows([(8, 8)])
     holed = mask.clone()
     holed[0, 12, 9] = False  # a query sees part of its document
     assert find_documents(pos, pos, holed, True, None) is None
@@ -80,7 +70,7 @@ def test_general_visibility_has_no_documents():
 
 
 def test_documents_of_the_same_tensors_are_kept_until_they_change():
-    pos, mask = packed_rows([(8, 8)])
+    pos, mask = packed_document_rows([(8, 8)])
     first = documents_of(pos, pos, mask, True, None)
     assert first is not None and documents_of(pos, pos, mask, True, None) is first
     assert documents_of(pos, pos, mask, True, 3) is not first  # another window
@@ -158,7 +148,7 @@ def test_padded_batch_gives_each_document_alone(cpu_documents, monkeypatch, caus
     monkeypatch.setattr(cpu_documents, "SOLO_LENGTH", solo)
     n, total = 83, 300  # the document spans a block boundary
     lengths = [(o, n, total - o - n) for o in OFFSETS]
-    pos, mask = packed_rows(lengths)
+    pos, mask = packed_document_rows(lengths)
     tensors = _inputs(len(OFFSETS), 2, 2, total, 8, seed=1)
     packed = _documents(cpu_documents, pos, mask, tensors, causal, window)
     for row, o in enumerate(OFFSETS):

@@ -23,7 +23,7 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from triton_interp import checks_of, interpreted_test, main  # noqa: E402
+from triton_interp import interpreted_test, main, seeded_checks  # noqa: E402
 from tpinv.testing import assert_same_bits
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
@@ -149,15 +149,7 @@ def check_edge_cases():
         raise AssertionError("D=300 must be refused")
 
 
-def _seeded(check):
-    def run():
-        torch.manual_seed(0)
-        _setup()
-        check()
-    return run
-
-
-CHECKS = {name: _seeded(fn) for name, fn in checks_of(dict(globals())).items()}
+CHECKS = seeded_checks(dict(globals()), _setup)
 test_interpreter = interpreted_test(__file__, CHECKS, process_per_check=True)
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from test_packed_documents import OFFSETS, packed_rows  # noqa: E402
-from triton_interp import checks_of, interpreted_test, main  # noqa: E402
-from tpinv.testing import assert_bits_differ, assert_same_bits  # noqa: E402
+from test_packed_documents import OFFSETS  # noqa: E402
+from triton_interp import interpreted_test, main, seeded_checks  # noqa: E402
+from tpinv.testing import assert_bits_differ, assert_same_bits, packed_document_rows  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -70,7 +70,7 @@ def _assert_documents_alone(packed, tensors, row, spans, causal, window, what):
 
 def _documents_at_offsets(dtype):
     n, total = 83, 300  # the document spans a key block and a row tile boundary
-    pos, mask = packed_rows([(o, n, total - o - n) for o in OFFSETS])
+    pos, mask = packed_document_rows([(o, n, total - o - n) for o in OFFSETS])
     tensors = _inputs(len(OFFSETS), 1, 2, total, 16, dtype, seed=0)
     packed = _documents(pos, mask, tensors, True, None)
     for row, o in enumerate(OFFSETS):
@@ -88,7 +88,7 @@ def check_documents_at_offsets_equal_alone_fp16():
 
 def check_window_and_full_visibility():
     o, n, total = 37, 83, 140
-    pos, mask = packed_rows([(o, n, total - o - n)])
+    pos, mask = packed_document_rows([(o, n, total - o - n)])
     tensors = _inputs(1, 1, 2, total, 16, torch.float32, seed=1)
     for causal, window in ((True, 19), (False, None)):
         packed = _documents(pos, mask, tensors, causal, window)
@@ -99,7 +99,7 @@ def check_window_and_full_visibility():
 def check_slot_grid_differs():
     """Control: the slot grid moves the block (64 keys) and tile (32 fp32 rows) boundaries."""
     o, n, total = 37, 83, 140
-    pos, mask = packed_rows([(o, n, total - o - n)])
+    pos, mask = packed_document_rows([(o, n, total - o - n)])
     tensors = _inputs(1, 1, 2, total, 16, torch.float32, seed=2)
     span = slice(o, o + n)
     slot = _plain(tensors, torch.arange(total)[None], mask, True, None)
@@ -110,14 +110,7 @@ def check_slot_grid_differs():
     assert_same_bits(packed[3][:, :, span], alone[3], "document dk vs alone")
 
 
-def _seeded(check):
-    def run():
-        torch.manual_seed(0)
-        check()
-    return run
-
-
-CHECKS = {name: _seeded(fn) for name, fn in checks_of(dict(globals())).items()}
+CHECKS = seeded_checks(dict(globals()))
 test_interpreter = interpreted_test(__file__, CHECKS, process_per_check=True)
 
 if __name__ == "__main__":

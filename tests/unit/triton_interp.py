@@ -54,6 +54,20 @@ def checks_of(namespace: dict) -> dict[str, Callable[[], None]]:
     return {name: fn for name, fn in namespace.items() if name.startswith("check_") and callable(fn)}
 
 
+def seeded_checks(namespace: dict, setup: Callable[[], None] | None = None) -> dict[str, Callable[[], None]]:
+    """The ``check_*`` functions of a module namespace, each run after ``torch.manual_seed(0)``
+    (and ``setup()``, if given)."""
+    def seeded(check):
+        def run():
+            import torch
+            torch.manual_seed(0)
+            if setup is not None:
+                setup()
+            check()
+        return run
+    return {name: seeded(fn) for name, fn in checks_of(namespace).items()}
+
+
 def run_checks(checks: dict[str, Callable[[], None]]) -> dict[str, str]:
     """Child side: ``{name: "ok" or the traceback}``."""
     if os.environ.get("TRITON_INTERPRET") != "1":

@@ -2,7 +2,7 @@
 dispatched-op recording (:mod:`~tpinv.testing.ops`), byte-level equality
 (:mod:`~tpinv.testing.bits`) and small fixtures (:mod:`~tpinv.testing.fixtures`)."""
 from tpinv.testing.bits import assert_bits_differ, assert_same_bits, bits, same_bits
-from tpinv.testing.fixtures import num_threads, sharpened_model
+from tpinv.testing.fixtures import num_threads, packed_document_rows, sharpened_model
 from tpinv.testing.ops import OpLog, record_ops
 from tpinv.testing.ranks import RankFailedError, RankTimeoutError, free_port, run_ranks
 

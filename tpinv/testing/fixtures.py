@@ -1,4 +1,4 @@
-"""Small test fixtures: a thread-count block and a tiny model with decisive logits."""
+"""Small test fixtures: a thread-count block, a tiny model with decisive logits, packed document rows."""
 from __future__ import annotations
 
 import contextlib
@@ -6,7 +6,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["num_threads", "sharpened_model"]
+__all__ = ["num_threads", "sharpened_model", "packed_document_rows"]
 
 
 @contextlib.contextmanager
@@ -38,3 +38,15 @@ def sharpened_model(name: str, dtype: torch.dtype = torch.float32, tp_group=None
             elif pname.endswith("proj.weight") or pname.endswith("embed_tokens.weight"):
                 p.mul_(5.0)
     return model.eval()
+
+
+def packed_document_rows(lengths_per_row, device=None):
+    """``(positions [B, T], mask [B, T, T])`` of rows packed with documents: row ``b`` holds documents
+    of the lengths ``lengths_per_row[b]`` (equal totals per row), each at positions ``0..n-1`` and
+    seeing only itself (block-diagonal visibility)."""
+    pos, mask = [], []
+    for lengths in lengths_per_row:
+        pos.append(torch.cat([torch.arange(n) for n in lengths]))
+        doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+        mask.append(doc[:, None] == doc[None, :])
+    return torch.stack(pos).to(device), torch.stack(mask).to(device)
