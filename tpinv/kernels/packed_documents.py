@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from tpinv.kernels.reference_attention_packed import visible
+
 __all__ = ["PackedDocuments", "find_documents", "documents_of"]
 
 #: Elements of ``[rows, S, T]`` visibility built at once when a mask must be checked.
@@ -64,16 +66,6 @@ class PackedDocuments:
         return int(self.length.shape[0])
 
 
-def _rule(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[int]) -> torch.Tensor:
-    """``[rows, S, T]``: causality and window on positions (the mask aside)."""
-    rule = torch.ones((q_pos.shape[0], q_pos.shape[1], k_pos.shape[1]), dtype=torch.bool, device=q_pos.device)
-    if causal:
-        rule &= k_pos[:, None, :] <= q_pos[:, :, None]
-    if window is not None:
-        rule &= k_pos[:, None, :] > q_pos[:, :, None] - window
-    return rule
-
-
 def _runs_of_queries(q_pos, k_pos, mask, causal, window, run, first_pos):
     """``(run of each query [B, S] (-1: sees nothing), bad)``: ``bad`` (device bool) when some
     query sees other keys than its run's, or a run not starting at position 0."""
@@ -90,7 +82,7 @@ def _runs_of_queries(q_pos, k_pos, mask, causal, window, run, first_pos):
     step = max(1, VISIBILITY_CHUNK // max(1, S * T))
     for b0 in range(0, B, step):
         rows = slice(b0, b0 + step)
-        rule = _rule(q_pos[rows], k_pos[rows], causal, window)
+        rule = visible(q_pos[rows], k_pos[rows], None, causal, window)   # causality and window
         vis = rule if mask is None else rule & mask[rows]
         seen = vis.any(2)
         first = vis.to(torch.uint8).argmax(2)  # the first key slot each query sees

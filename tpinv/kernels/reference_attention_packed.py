@@ -46,12 +46,13 @@ def check_key_positions(k_pos: torch.Tensor, k: torch.Tensor) -> None:
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,
             window: Optional[int]) -> torch.Tensor:
-    """``[S, T]`` bool for one row: may the query at ``q_pos[i]`` see the key at ``k_pos[j]``."""
-    vis = torch.ones((q_pos.shape[0], k_pos.shape[0]), dtype=torch.bool, device=q_pos.device)
+    """``[..., S, T]`` bool: may the query at ``q_pos[..., i]`` see the key at ``k_pos[..., j]``
+    (one row: ``q_pos [S]``, ``k_pos [T]``; or rows: ``[B, S]``, ``[B, T]``)."""
+    vis = torch.ones((*q_pos.shape, k_pos.shape[-1]), dtype=torch.bool, device=q_pos.device)
     if causal:
-        vis &= k_pos[None, :] <= q_pos[:, None]
+        vis &= k_pos[..., None, :] <= q_pos[..., :, None]
     if window is not None:
-        vis &= k_pos[None, :] > q_pos[:, None] - window
+        vis &= k_pos[..., None, :] > q_pos[..., :, None] - window
     if mask is not None:
         vis &= mask
     return vis
