@@ -19,8 +19,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["dropout_key", "keep_mask", "apply_keep", "check_dropout_rate", "check_sample_ids", "TokenDropout",
-           "token_dropout"]
+__all__ = ["dropout_key", "keep_mask", "token_keep_mask", "apply_keep", "check_dropout_rate", "check_sample_ids",
+           "TokenDropout", "token_dropout"]
 
 _M = 0xFFFFFFFF
 _C = 0x45D9F3B
@@ -86,6 +86,16 @@ def check_sample_ids(sample_ids) -> torch.Tensor:
     return sample_ids
 
 
+def token_keep_mask(shape, p: float, key: int, sample_ids: torch.Tensor, first_column: int = 0) -> torch.Tensor:
+    """Keep mask ``[B, S, H]`` keyed by (``sample_ids[b]``, ``first_column + s``, ``h``)."""
+    B, S, H = shape
+    dev = sample_ids.device
+    words = (sample_ids.to(torch.int64).view(B, 1, 1),
+             (torch.arange(S, dtype=torch.int64, device=dev) + first_column).view(1, S, 1),
+             torch.arange(H, dtype=torch.int64, device=dev).view(1, 1, H))
+    return keep_mask(key, words, p)
+
+
 def token_dropout(x: torch.Tensor, p: float, key: int, sample_ids: torch.Tensor,
                   first_column: int = 0) -> torch.Tensor:
     """Dropout of ``x [B, S, H]`` keyed by (``sample_ids[b]``, ``first_column + s``, ``h``).
@@ -95,12 +105,7 @@ def token_dropout(x: torch.Tensor, p: float, key: int, sample_ids: torch.Tensor,
     """
     if p == 0.0:
         return x
-    B, S, H = x.shape
-    dev = x.device
-    words = (sample_ids.to(device=dev, dtype=torch.int64).view(B, 1, 1),
-             (torch.arange(S, dtype=torch.int64, device=dev) + first_column).view(1, S, 1),
-             torch.arange(H, dtype=torch.int64, device=dev).view(1, 1, H))
-    return apply_keep(x, keep_mask(key, words, p), p)
+    return apply_keep(x, token_keep_mask(x.shape, p, key, sample_ids.to(x.device), first_column), p)
 
 
 class TokenDropout:

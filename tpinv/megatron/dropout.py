@@ -39,20 +39,17 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from tpinv.layers.dropout import apply_keep, check_sample_ids, dropout_key, keep_mask
+from tpinv.layers.dropout import apply_keep, check_sample_ids, dropout_key, keep_mask, token_keep_mask
 
 #: Layouts of the tensors a site drops: megatron's hidden states and its attention probabilities.
 LAYOUTS = ("sbh", "bnqk")
 
 
 def sbh_keep_mask(shape, p: float, key: int, sample_ids: torch.Tensor, first_token: int = 0) -> torch.Tensor:
-    """Keep mask of hidden states ``[s, b, h]`` keyed by (``sample_ids[b]``, ``first_token + s``, ``h``)."""
+    """Keep mask of hidden states ``[s, b, h]`` keyed by (``sample_ids[b]``, ``first_token + s``, ``h``):
+    tpinv's own token mask, sequence first."""
     s, b, h = shape
-    dev = sample_ids.device
-    words = (sample_ids.to(torch.int64).view(1, b, 1),
-             (torch.arange(s, dtype=torch.int64, device=dev) + first_token).view(s, 1, 1),
-             torch.arange(h, dtype=torch.int64, device=dev).view(1, 1, h))
-    return keep_mask(key, words, p)
+    return token_keep_mask((b, s, h), p, key, sample_ids, first_token).transpose(0, 1).contiguous()
 
 
 def bnqk_keep_mask(shape, p: float, key: int, sample_ids: torch.Tensor, first_head: int = 0) -> torch.Tensor:
