@@ -18,6 +18,7 @@ import io
 import logging
 import os
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -74,12 +75,12 @@ def test_tensorboard_events_hold_the_step_records(tmp_path):
     _not_fp32(history)
 
 
-def _wandb_history(run_file: str) -> list[dict]:
-    """The history rows of a ``.wandb`` log (W&B's record log: 32 KiB blocks of CRC/length/type-framed protobufs)."""
+def _wandb_records(data: bytes):
+    """The records of a ``.wandb`` log (W&B's record log: 32 KiB blocks of CRC/length/type-framed protobufs), or
+    None while its writer has not yet put down every byte of the last record."""
     from wandb.proto import wandb_internal_pb2 as pb
-    data = open(run_file, "rb").read()
     assert data[:4] == b":W&B", "not a W&B log"
-    pos, pending, rows = 7, b"", []
+    pos, pending, records = 7, b"", []
     while pos + 7 <= len(data):
         room = 32768 - pos % 32768
         if room < 7:  # a block's tail too short for a header is padding
@@ -88,15 +89,36 @@ def _wandb_history(run_file: str) -> list[dict]:
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
         if kind == 0 and length == 0:
             break
+        if pos + 7 + length > len(data):
+            return None
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last piece of one
             rec = pb.Record()
             rec.ParseFromString(pending)
             pending = b""
-            if rec.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): item.value_json for item in rec.history.item})
-    return rows
+            records.append(rec)
+    return records
+
+
+def _wandb_history(run_file: str, wait_s: float = 60.0) -> list[dict]:
+    """The history rows of a finished run's log. W&B's service process writes the log; ``finish()`` can return
+    before its last bytes reach the file, so this reads again until the run's closing ``exit`` record is there."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        data = open(run_file, "rb").read()
+        try:
+            records = _wandb_records(data)
+        except Exception:  # a record whose bytes are not all written yet
+            records = None
+            if time.monotonic() > deadline:
+                raise
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            break
+        assert time.monotonic() < deadline, f"the W&B log {run_file} never got its exit record"
+        time.sleep(0.2)
+    return [{item.key or "/".join(item.nested_key): item.value_json for item in rec.history.item}
+            for rec in records if rec.WhichOneof("record_type") == "history"]
 
 
 def test_wandb_offline_run_holds_the_step_records(tmp_path, monkeypatch):
