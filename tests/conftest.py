@@ -1,6 +1,15 @@
-"""Shared pytest configuration: GPU tests skip without CUDA."""
+"""Shared pytest configuration: GPU tests skip without CUDA; under a forced CPU kernel set the
+plain ``torch.compile`` calls of the tests get the vector length ``tpinv.compile`` names."""
 import pytest
 import torch
+
+from tpinv.core.compile import forced_simdlen
+
+
+def pytest_configure(config):
+    if forced_simdlen() is not None:
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp.simdlen = forced_simdlen()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,7 @@ import torch
 
 from tpinv.core.versions import torch_at_least
 
-from tpinv.core.compile import COMPILE_TORCH_FLOOR
+from tpinv.core.compile import COMPILE_TORCH_FLOOR, forced_simdlen
 
 from tpinv.testing import assert_bits_differ, assert_same_bits, run_ranks
 
@@ -47,7 +47,11 @@ def _compile_tp(rank, world_size, tokens, targets):
     eager = _step_outputs(model, step, tokens, targets)
     compiled = _step_outputs(model, tpinv.compile(step), tokens, targets)
     torch._dynamo.reset()
-    plain = _step_outputs(model, torch.compile(step, fullgraph=True), tokens, targets)
+    # plain: without emulate_precision_casts (the vector length pinned under a forced CPU kernel set,
+    # as tests/conftest.py does in process)
+    simdlen = forced_simdlen()
+    plain = _step_outputs(model, torch.compile(step, fullgraph=True, options=None if simdlen is None else
+                                               {"cpp.simdlen": simdlen}), tokens, targets)
     return eager, compiled, plain
 
 

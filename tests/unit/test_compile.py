@@ -218,3 +218,12 @@ def test_engine_compiled_decode_equals_eager():
     assert_same_bits(compiled[0].top_logprobs, eager[0].top_logprobs, "top log-probs")
     with pytest.raises(ValueError, match="compile=True cannot be combined with vanilla=True"):
         Engine(model, max_batch=2, max_context=16, compile=True, vanilla=True)
+
+
+def test_forced_cpu_kernel_set_names_the_vector_length(monkeypatch):
+    from tpinv.core.compile import forced_simdlen
+    for cap, simdlen in (("avx2", 256), ("AVX512", 512), ("default", 1), ("", None)):
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", cap)
+        assert forced_simdlen() == simdlen, cap
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert forced_simdlen() is None

@@ -15,16 +15,29 @@ bits with plain ``torch.compile`` too.  See ``docs/compile.md``.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 import torch
 
 from tpinv.core.versions import torch_at_least
 
-__all__ = ["BACKENDS", "INDUCTOR_OPTIONS", "compile"]
+__all__ = ["BACKENDS", "INDUCTOR_OPTIONS", "FORCED_SIMDLEN", "compile", "forced_simdlen"]
 
 #: Inductor options a compiled tpinv model needs for the eager bits.
 INDUCTOR_OPTIONS: dict[str, Any] = {"emulate_precision_casts": True}
+
+#: Inductor's vector length (``cpp.simdlen``) for each forced ATen CPU kernel set.  With
+#: ``ATEN_CPU_CAPABILITY=avx2`` on an AVX-512 machine and ``cpp.simdlen`` unset, inductor (torch 2.13)
+#: generated 16-lane loops over 8-lane AVX2 vectors -- stores past the vectors, garbage in the
+#: tensors saved for backward; naming the length gives loops and vectors one width.
+FORCED_SIMDLEN = {"avx2": 256, "avx512": 512, "default": 1}
+
+
+def forced_simdlen() -> Optional[int]:
+    """:data:`FORCED_SIMDLEN` of the kernel set ``ATEN_CPU_CAPABILITY`` forces, or None when none is forced."""
+    return FORCED_SIMDLEN.get(os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower())
+
 
 #: The backends with a same-bits claim: ``inductor`` (with :data:`INDUCTOR_OPTIONS`), and the
 #: tracing-only ``aot_eager``/``eager``, which run the traced graph's ATen ops as eager does.
@@ -52,6 +65,7 @@ def compile(model: Callable, *, backend: str = "inductor", fullgraph: bool = Tru
 
     ``fullgraph=True`` by default: a graph break is an error, not a silent split.  ``options``
     are passed to inductor on top of :data:`INDUCTOR_OPTIONS`; one that changes those raises.
+    Under a forced CPU kernel set the vector length is named too (:func:`forced_simdlen`).
     """
     check_compile_torch()
     if backend not in BACKENDS:
@@ -63,6 +77,8 @@ def compile(model: Callable, *, backend: str = "inductor", fullgraph: bool = Tru
             raise ValueError(f"options[{key!r}]={merged[key]!r}: tpinv.compile needs {key}={value!r} for the "
                              f"eager bits (see docs/compile.md)")
         merged[key] = value
+    if forced_simdlen() is not None:
+        merged.setdefault("cpp.simdlen", forced_simdlen())
     if backend != "inductor":
         if options:
             raise ValueError(f"options are inductor options; backend={backend!r} takes none")
