@@ -173,7 +173,7 @@ def _queries_alone(dtype, window):
             assert_same_bits(r[:, :, torch.tensor(members) + 37], a[:, :, at], f"{dtype} window={window}: {name}")
         checked |= set(members)
     assert checked == set(range(n)), "every query checked against its context alone"
-    assert len(turns) == 3
+    assert len(turns) == 2, "turn 1, and turn 3 (turn 2 keeps its reasoning: its context is a prefix of turn 3's)"
 
 
 def check_queries_equal_their_context_alone_fp32():
@@ -229,7 +229,7 @@ def check_key_sums_halve_the_virtual_query_axis_at_any_chunk_size():
         tree, _ = _key_sums(contrib, slots, qs, pos.shape[1])
         assert_same_bits(got[0], tree, f"{name}: halving over the virtual query axis")
     per_slot = 2 * (slots.shape[1] + pos.shape[1]) * 16 * 4
-    for width in (1, 4, 32):   # chunks of 1, 4 and 32 slots of the axis
+    for width in (4, 64):   # chunks of 4 and 64 slots of the axis (256 slots)
         chunked = _rows(tensors, pos, mask, chunk_bytes=width * per_slot)
         assert next_pow2(width) == width
         for name, a, b in zip(NAMES, whole, chunked):
@@ -257,8 +257,7 @@ def check_key_sum_is_the_halving_not_the_chain():
 
 CHECKS = seeded_checks(dict(globals()))
 #: Checks that take more than ~20 s under the interpreter (one process each).
-SLOW = ("check_offsets_fp32", "check_offsets_fp16_window", "check_batch", "check_heads",
-        "check_queries_equal_their_context_alone_fp32", "check_queries_equal_their_context_alone_fp16_window")
+SLOW = ("check_offsets_fp32", "check_batch", "check_heads", "check_key_sums_halve_the_virtual_query_axis_at_any_chunk_size")
 test_interpreter = interpreted_test(__file__, {n: c for n, c in CHECKS.items() if n not in SLOW},
                                     process_per_check=True)
 test_interpreter_slow = pytest.mark.slow(interpreted_test(__file__, {n: CHECKS[n] for n in SLOW},

@@ -129,6 +129,9 @@ def rows_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     if S == 0 or T == 0:
         return dq, dk, dv
+    if bool((q_pos < 0).any()):
+        raise ValueError("the by-rows backward of packed attention needs q_pos >= 0 (a query's slot on the "
+                         f"virtual query axis is its position), got min {int(q_pos.min())}")
     for b in range(B):
         slots = _row_slots(b, q_pos, k_pos, mask, causal, window)
         Tv = slots.shape[1]
