@@ -69,19 +69,21 @@ def test_offset_batch_and_heads(dtype, window):
     n, total, Hkv, g, D = conv_pos.shape[0], 600, 2, 4, 64
     conv = _tensors(1, Hkv, g, n, D, dtype, seed=0)
     runs = {}
-    for name, parts, start in (("slot 0", [(conv_pos, conv_mask)], 0), ("slot 37", [_doc(37), (conv_pos, conv_mask)], 37)):
+    layouts = (("slot 0", [(conv_pos, conv_mask)], 0), ("slot 37", [_doc(37), (conv_pos, conv_mask)], 37))
+    for name, parts, start in layouts:
         pos, mask, _ = pack_row(parts, total, device="cuda")
         tensors = _place(_tensors(1, Hkv, g, total, D, dtype, seed=1), conv, 0, start)
         runs[name] = (_packed(tensors, pos[None], mask[None], window), start)
     alone = _packed(conv, conv_pos[None].cuda(), conv_mask[None].cuda(), window)
-    rows = [pack_row([_doc(300)], total), pack_row([packed_conversation((40, 9, 9), (50, 9, 9), (9, 9, 9), (False, True, False))], total),
+    other = packed_conversation((40, 9, 9), (50, 9, 9), (9, 9, 9), (False, True, False))
+    rows = [pack_row([_doc(300)], total), pack_row([other], total),
             pack_row([_doc(11), (conv_pos, conv_mask)], total), pack_row([], total)]
     pos = torch.stack([r[0] for r in rows]).cuda()
     mask = torch.stack([r[1] for r in rows]).cuda()
     tensors = _place(_tensors(4, Hkv, g, total, D, dtype, seed=2), conv, 2, 11)
     batch = _packed(tensors, pos, mask, window)
-    half = _packed(tuple(t[:, :h] for t, h in zip(tensors, (Hkv * g // 2, Hkv // 2, Hkv // 2, Hkv * g // 2, Hkv * g // 2))),
-                   pos, mask, window)
+    heads = (Hkv * g // 2, Hkv // 2, Hkv // 2, Hkv * g // 2, Hkv * g // 2)  # q, k, v, dO, dlse
+    half = _packed(tuple(t[:, :h] for t, h in zip(tensors, heads)), pos, mask, window)
     for i, name in enumerate(NAMES):
         a = alone[i]
         for what, (got, start) in runs.items():
@@ -108,7 +110,8 @@ def test_queries_equal_their_context_alone(dtype, window):
     checked = set()
     for turn in turns:
         slots = torch.tensor(turn, device="cuda") + 37
-        alone = _run(tuple(t[:, :, slots] for t in tensors), torch.arange(len(turn), device="cuda")[None], window=window)
+        alone = _run(tuple(t[:, :, slots] for t in tensors), torch.arange(len(turn), device="cuda")[None],
+                     window=window)
         members = [i for i in turn if ctx[i] <= set(turn)]
         at = torch.tensor([turn.index(i) for i in members], device="cuda")
         for name, p, a in zip(NAMES[:3], packed, alone):

@@ -30,7 +30,8 @@ def cpu_rows(monkeypatch):
     import tpinv.kernels.triton_attention_packed_rows as run
     calls = []
     monkeypatch.setattr(run, "attention_forward_cuda", attention_forward)
-    monkeypatch.setattr(run, "attention_backward_cuda", lambda *a, **kw: calls.append(1) or _reference_backward(*a, **kw))
+    monkeypatch.setattr(run, "attention_backward_cuda",
+                        lambda *a, **kw: calls.append(1) or _reference_backward(*a, **kw))
     run.calls = calls
     return run
 

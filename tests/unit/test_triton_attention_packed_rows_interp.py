@@ -257,7 +257,8 @@ def check_key_sum_is_the_halving_not_the_chain():
 
 CHECKS = seeded_checks(dict(globals()))
 #: Checks that take more than ~20 s under the interpreter (one process each).
-SLOW = ("check_offsets_fp32", "check_batch", "check_heads", "check_key_sums_halve_the_virtual_query_axis_at_any_chunk_size")
+SLOW = ("check_offsets_fp32", "check_batch", "check_heads",
+        "check_key_sums_halve_the_virtual_query_axis_at_any_chunk_size")
 test_interpreter = interpreted_test(__file__, {n: c for n, c in CHECKS.items() if n not in SLOW},
                                     process_per_check=True)
 test_interpreter_slow = pytest.mark.slow(interpreted_test(__file__, {n: CHECKS[n] for n in SLOW},

@@ -40,7 +40,7 @@ from tpinv.kernels.triton_attention_bwd import attention_backward_cuda
 __all__ = ["rows_forward_cuda", "rows_backward_cuda", "VirtualRows", "ROWS_BYTES", "GRID_LIMIT"]
 
 #: Bytes of the per-chunk buffers of the by-rows forward and backward (memory and speed only, never bits).
-ROWS_BYTES = 256 << 20
+ROWS_BYTES = 1 << 30
 #: The most batch rows times query heads of one launch (the kernels' grid dimension limit).
 GRID_LIMIT = 65535
 
@@ -139,10 +139,13 @@ def rows_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
         # per slot of a chunk: the kernel's fp32 dK, dV [Hkv, Tv, D] and the chunk's [T, Hkv, D] sums
         width = min(length, _rows_per_launch(2 * Hkv * (Tv + T) * D * 4, Hq, chunk_bytes))
         C = length // width
+        chunk = qs % C                                    # query i is slot qs // C of chunk qs % C
+        present, counts = torch.unique(chunk, return_counts=True)
+        members = dict(zip(present.tolist(), torch.argsort(chunk, stable=True).split(counts.tolist())))
         stack: list = []
         for r in _bit_reversed(C.bit_length() - 1):
-            idx = ((qs % C) == r).nonzero().flatten()
-            if idx.numel() == 0:
+            idx = members.get(r)
+            if idx is None:
                 _push(stack, None)
                 continue
             rows = VirtualRows(b, idx, slots, q_pos)
