@@ -69,10 +69,11 @@ def test_offset_batch_and_heads(dtype, window):
     n, total, Hkv, g, D = conv_pos.shape[0], 600, 2, 4, 64
     conv = _tensors(1, Hkv, g, n, D, dtype, seed=0)
     runs = {}
-    layouts = (("slot 0", [(conv_pos, conv_mask)], 0), ("slot 37", [_doc(37), (conv_pos, conv_mask)], 37))
-    for name, parts, start in layouts:
-        pos, mask, _ = pack_row(parts, total, device="cuda")
-        tensors = _place(_tensors(1, Hkv, g, total, D, dtype, seed=1), conv, 0, start)
+    # at slot 37 in a longer row whose last document reaches position 442 (> the conversation's 329)
+    layouts = (("slot 0", [(conv_pos, conv_mask)], 0, total), ("slot 37", [_doc(37), (conv_pos, conv_mask)], 37, 900))
+    for name, parts, start, length in layouts:
+        pos, mask, _ = pack_row(parts, length, device="cuda")
+        tensors = _place(_tensors(1, Hkv, g, length, D, dtype, seed=1), conv, 0, start)
         runs[name] = (_packed(tensors, pos[None], mask[None], window), start)
     alone = _packed(conv, conv_pos[None].cuda(), conv_mask[None].cuda(), window)
     other = packed_conversation((40, 9, 9), (50, 9, 9), (9, 9, 9), (False, True, False))

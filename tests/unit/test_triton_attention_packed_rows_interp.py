@@ -94,26 +94,27 @@ def _same_span(a, b, span_a, span_b, what, heads=slice(None)):
 
 def _offsets(dtype, window):
     conv_pos, conv_mask = _conversation()
-    n, total = conv_pos.shape[0], 125
+    n = conv_pos.shape[0]
     conv = _tensors(1, 1, 2, n, 16, dtype, seed=0)
-    at0 = pack_row([(conv_pos, conv_mask)], total)
-    at37 = pack_row([(torch.arange(37), torch.ones(37, 37, dtype=torch.bool)), (conv_pos, conv_mask)], total)
-    assert at37[2] == [0, 37]
+    at0 = pack_row([(conv_pos, conv_mask)], 125)
+    # a longer row whose last document reaches position 80 (> the conversation's 68): another virtual row length
+    at37 = pack_row([(torch.arange(37), torch.ones(37, 37, dtype=torch.bool)), (conv_pos, conv_mask)], 200)
+    assert at37[2] == [0, 37] and int(at37[0].max()) == 80
     runs = []
     for pos, mask, starts in (at0, at37):
-        tensors = _place(_tensors(1, 1, 2, total, 16, dtype, seed=5), conv, 0, starts[-1])
+        tensors = _place(_tensors(1, 1, 2, pos.shape[0], 16, dtype, seed=5), conv, 0, starts[-1])
         runs.append(_rows(tensors, pos[None], mask[None], window))
     _same_span(runs[0], runs[1], (0, slice(0, n)), (0, slice(37, 37 + n)), f"{dtype} window={window}, slot 0 vs 37")
-    return at37, conv
+    return at37, conv, runs[1]
 
 
 def check_offsets_fp32():
-    (pos, mask, _), conv = _offsets(torch.float32, None)
+    (pos, mask, _), conv, rows = _offsets(torch.float32, None)
     # Control: the slot grid (no virtual positions) moves the conversation's key-block boundaries.
     tensors = _place(_tensors(1, 1, 2, pos.shape[0], 16, torch.float32, seed=5), conv, 0, 37)
     slot = _plain(tensors, torch.arange(pos.shape[0])[None], mask[None] & (pos[None, :] <= pos[:, None])[None], None)
-    rows = _rows(tensors, pos[None], mask[None])
-    assert_bits_differ(slot[1][:, :, 37:], rows[1][:, :, 37:], "slot-grid lse vs by rows")
+    n = conv[0].shape[2]
+    assert_bits_differ(slot[1][:, :, 37:37 + n], rows[1][:, :, 37:37 + n], "slot-grid lse vs by rows")
 
 
 def check_offsets_fp16_window():
@@ -257,7 +258,7 @@ def check_key_sum_is_the_halving_not_the_chain():
 
 CHECKS = seeded_checks(dict(globals()))
 #: Checks that take more than ~20 s under the interpreter (one process each).
-SLOW = ("check_offsets_fp32", "check_batch", "check_heads",
+SLOW = ("check_offsets_fp32", "check_offsets_fp16_window", "check_batch", "check_heads",
         "check_key_sums_halve_the_virtual_query_axis_at_any_chunk_size")
 test_interpreter = interpreted_test(__file__, {n: c for n, c in CHECKS.items() if n not in SLOW},
                                     process_per_check=True)
