@@ -15,8 +15,12 @@ a key-validity mask hiding the rest.  A batch row's bits never depend on the oth
   contiguous halving over the *virtual query axis* of
   :func:`~tpinv.kernels.reference_attention_packed.query_slots` (query ``i`` at
   ``q_pos[i] + r * Pq``; zeros where no query sees ``j``), the axis the CPU backward halves
-  over: an order set by the queries' positions, not by their slots, the batch or TP.  It is
-  one fp32 sum, rounded once to k's dtype; zeros are returned as ``+0``.
+  over: an order set by the queries' positions, not by their slots, the batch or TP.  (A
+  document packed before a conversation moves the conversation's queries at its positions up by
+  whole layers: the halving over a contiguous run of layers, recursively split by the lowest
+  bit, is the same at any shift up to the order of the two operands of an add, which fp32
+  addition ignores; zero padding to a longer axis adds exact zeros.)  It is one fp32 sum,
+  rounded once to k's dtype; zeros are returned as ``+0``.
 
 The axis (length ``L = 2^n``) is processed in chunks of ``2^c`` queries within ``chunk_bytes``:
 chunk ``r`` holds the slots ``r, r + C, r + 2C, ...`` (``C = L / 2^c``), whose contiguous
