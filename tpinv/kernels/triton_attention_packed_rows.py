@@ -26,9 +26,9 @@ The axis (length ``L = 2^n``) is processed in chunks of ``2^c`` queries within `
 chunk ``r`` holds the slots ``r, r + C, r + 2C, ...`` (``C = L / 2^c``), whose contiguous
 halving is the first ``c`` levels of the halving over ``L``; the ``C`` chunk sums are then
 combined by the remaining levels, which equal an adjacent-pair tree over the chunks in
-bit-reversed order (held as a binary counter: ``log2 C + 1`` partial sums).  The result is the
-halving over the whole axis for every chunk size (adding an exact zero is skipped, which can
-only change the sign of a zero, and zeros come out ``+0``).
+bit-reversed order (:class:`~tpinv.core.contract.TreeAccumulator`: ``log2 C + 1`` partial sums).  The result is the
+halving over the whole axis for every chunk size (a chunk no query sits on adds exact zeros;
+zeros come out ``+0``).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from tpinv.core.contract import TreeAccumulator
 from tpinv.kernels.reference_attention import halve
 from tpinv.kernels.reference_attention_packed import query_slots, virtual_slots, visible
 from tpinv.kernels.triton_attention import attention_forward_cuda
@@ -110,16 +111,6 @@ def _bit_reversed(m: int) -> list[int]:
     return [int(format(i, f"0{m}b")[::-1], 2) if m else 0 for i in range(1 << m)]
 
 
-def _push(stack: list, part: Optional[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Adjacent-pair tree in push order as a binary counter; ``None`` is an exact zero (skipped)."""
-    level = 0
-    while stack and stack[-1][0] == level:
-        left = stack.pop()[1]
-        part = left if part is None else part if left is None else (left[0] + part[0], left[1] + part[1])
-        level += 1
-    stack.append((level, part))
-
-
 def rows_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                        q_pos: torch.Tensor, k_pos: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,
@@ -146,11 +137,13 @@ def rows_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
         chunk = qs % C                                    # query i is slot qs // C of chunk qs % C
         present, counts = torch.unique(chunk, return_counts=True)
         members = dict(zip(present.tolist(), torch.argsort(chunk, stable=True).split(counts.tolist())))
-        stack: list = []
+        dk_sum, dv_sum, zero = TreeAccumulator(), TreeAccumulator(), None
         for r in _bit_reversed(C.bit_length() - 1):
             idx = members.get(r)
-            if idx is None:
-                _push(stack, None)
+            if idx is None:  # no query on this chunk: its sums are zeros
+                zero = dk.new_zeros((T, Hkv, D), dtype=torch.float32) if zero is None else zero
+                dk_sum.push(zero)
+                dv_sum.push(zero)
                 continue
             rows = VirtualRows(b, idx, slots, q_pos)
             dlse = None if grad_lse is None else rows.queries(grad_lse)
@@ -161,14 +154,10 @@ def rows_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
             rows.put(dq, dq_r)
             i, p = (rows.slots >= 0).nonzero(as_tuple=True)
             at = (qs[idx][i] // C, rows.slots[i, p])       # (slot on the chunk, key)
-            sums = []
-            for contrib in (dk_r, dv_r):                   # [n, Hkv, Tv, D] fp32
+            for acc, contrib in ((dk_sum, dk_r), (dv_sum, dv_r)):   # [n, Hkv, Tv, D] fp32
                 dense = contrib.new_zeros((width, T, Hkv, D))
                 dense[at] = contrib[i, :, p]
-                sums.append(halve(dense, 0))
-            _push(stack, tuple(sums))
-        (_, total), = stack
-        if total is not None:
-            dk[b] = (total[0] + 0.0).to(k.dtype).transpose(0, 1)
-            dv[b] = (total[1] + 0.0).to(v.dtype).transpose(0, 1)
+                acc.push(halve(dense, 0))
+        dk[b] = (dk_sum.result() + 0.0).to(k.dtype).transpose(0, 1)
+        dv[b] = (dv_sum.result() + 0.0).to(v.dtype).transpose(0, 1)
     return dq, dk, dv
