@@ -8,8 +8,8 @@ byte for byte with the plain ``tpinv::attention`` of the document alone: out, ls
 that hold the document at offsets 1, 37, 64 and 200 between two others; documents gathered
 into padded launches, and (a lower ``SOLO_LENGTH``) run on views of the packed tensors.  Control: the same
 rows on the slot grid (no ``k_pos``), whose key-block and row-tile boundaries fall inside the
-document at offset 37.  A general 2D mask (two contexts sharing a prefix) still runs the
-forward, one query per batch row, with each context's bits alone, and its backward raises.
+document at offset 37.  A general 2D mask (two contexts sharing a prefix) runs one query per
+batch row, each context's out, lse and dq the bits of the context alone.
 The last test prints (asserts nothing) the time of packed forward+backward against the
 documents run alone.
 """
@@ -78,24 +78,22 @@ def test_packed_documents_equal_alone_on_cuda(monkeypatch, dtype, window, solo):
     assert_bits_differ(slot[3][:, :, o:o + n], alone[3], "slot-grid dk vs alone")
 
 
-def test_general_mask_forward_by_rows_and_backward_raises():
-    """Two contexts sharing a prefix (multi-turn with dropped reasoning): not per-document."""
+def test_general_mask_by_rows():
+    """Two contexts sharing a prefix (multi-turn with dropped reasoning): not per-document, so each
+    query runs alone as a batch row (tests/gpu/test_attention_packed_rows_cuda.py has the rest)."""
     Hkv, g, D, p, r, a = 1, 2, 64, 70, 9, 5
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, h, p + r + a, D, generator=gen).cuda() for h in (Hkv * g, Hkv, Hkv))
+    q, k, v, do = (torch.randn(1, h, p + r + a, D, generator=gen).cuda() for h in (Hkv * g, Hkv, Hkv, Hkv * g))
     pos = torch.cat([torch.arange(p + r), torch.arange(p, p + a)])[None].cuda()
     ctx = torch.cat([torch.zeros(p), torch.ones(r), 2 * torch.ones(a)]).cuda()
     mask = ((ctx[:, None] == ctx[None, :]) | (ctx[None, :] == 0))[None]
     assert find_documents(pos, pos, mask, True, None) is None
-    qg = q.clone().requires_grad_()
-    out, lse = attention(qg, k, v, pos, mask=mask, k_pos=pos, return_lse=True)
+    packed = _run((q, k, v, do, torch.zeros(1, Hkv * g, p + r + a, device="cuda")), pos, mask=mask, k_pos=pos)
     keep = torch.cat([torch.arange(p), torch.arange(p + r, p + r + a)]).cuda()  # context 2 alone
-    alone, alone_lse = attention(q[:, :, keep], k[:, :, keep], v[:, :, keep],
-                                 torch.arange(p + a, device="cuda")[None], return_lse=True)
-    assert_same_bits(out[:, :, p + r:], alone[:, :, p:], "context 2 out")
-    assert_same_bits(lse[:, :, p + r:], alone_lse[:, :, p:], "context 2 lse")
-    with pytest.raises(NotImplementedError, match="needs per-document visibility"):
-        out.sum().backward()
+    part = (q[:, :, keep], k[:, :, keep], v[:, :, keep], do[:, :, keep], torch.zeros(1, Hkv * g, p + a, device="cuda"))
+    alone = _run(part, torch.arange(p + a, device="cuda")[None])
+    for name, x, y in zip(NAMES[:3], packed, alone):
+        assert_same_bits(x[:, :, p + r:], y[:, :, p:], f"context 2 {name}")
 
 
 def _timed(fn, reps=20):

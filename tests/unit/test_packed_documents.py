@@ -16,7 +16,6 @@ import torch
 from tpinv.kernels.packed_documents import documents_of, find_documents
 from tpinv.kernels.reference_attention import KV_BLOCK, attention_forward
 from tpinv.kernels.reference_attention_bwd import attention_backward
-from tpinv.ops.attention_packed import packed_backward_cuda
 from tpinv.testing import assert_bits_differ, assert_same_bits, packed_document_rows
 
 OFFSETS = (1, 37, 64, 200)
@@ -80,17 +79,6 @@ def test_documents_of_the_same_tensors_are_kept_until_they_change():
     fresh = mask.clone()
     fresh[0, 12, 9] = True  # another tensor: never the kept answer
     assert documents_of(pos, pos, fresh, True, None) is not None
-
-
-def test_cuda_backward_of_general_visibility_raises():
-    p, a = 5, 2
-    pos = torch.cat([torch.arange(p), torch.arange(p - a, p)])[None]
-    ctx = torch.cat([torch.zeros(p - a), torch.ones(a), 2 * torch.ones(a)])
-    mask = ((ctx[:, None] == ctx[None, :]) | (ctx[None, :] == 0))[None]
-    q, k, v = (torch.randn(1, 1, p + a, 8) for _ in range(3))
-    out, lse = torch.zeros_like(q), torch.zeros(1, 1, p + a)
-    with pytest.raises(NotImplementedError, match="needs per-document visibility"):
-        packed_backward_cuda(out, None, q, k, v, out, lse, pos, pos, mask, True, None, 0.3)
 
 
 # ------------------------------------------------------------ the padded batch, CPU kernels

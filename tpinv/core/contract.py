@@ -112,3 +112,30 @@ def tree_combine_list(parts: list[torch.Tensor]) -> torch.Tensor:
     while len(level) > 1:
         level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
     return level[0]
+
+
+class TreeAccumulator:
+    """Adds pushed fp32 tensors with the adjacent-pair tree in push order (zero-padded to a power of two):
+    :func:`tree_combine_list` of the pushed tensors, without holding them all.
+
+    A binary counter: equal-sized subtrees merge as soon as both exist, so at most
+    ``log2(n) + 1`` partial sums are held.  The result is ``((t0+t1)+(t2+t3))+...``.
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[tuple[int, torch.Tensor]] = []
+
+    def push(self, t: torch.Tensor) -> None:
+        level = 0
+        while self._stack and self._stack[-1][0] == level:
+            left = self._stack.pop()[1]
+            t, level = left + t, level + 1
+        self._stack.append((level, t))
+
+    def result(self) -> torch.Tensor:
+        if not self._stack:
+            raise ValueError("TreeAccumulator.result() before any push")
+        acc = self._stack[-1][1]
+        for _, left in reversed(self._stack[:-1]):  # missing right subtrees are zeros: x + 0 == x
+            acc = left + acc
+        return acc

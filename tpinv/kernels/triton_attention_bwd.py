@@ -235,10 +235,12 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
                             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                             lse: torch.Tensor, q_pos: torch.Tensor,
                             mask: Optional[torch.Tensor] = None, causal: bool = True,
-                            window: Optional[int] = None, scale: Optional[float] = None
+                            window: Optional[int] = None, scale: Optional[float] = None, *,
+                            grad_kv_dtype: Optional[torch.dtype] = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``tpinv::attention`` (dtypes of ``q, k, v``); ``grad_lse`` may be
-    None (zeros)."""
+    None (zeros).  ``grad_kv_dtype`` stores dK and dV in that dtype instead (the same fp32
+    sums, rounded once to it: fp32 keeps them unrounded for a caller that adds them up)."""
     g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     _check_backward_inputs(grad_out, grad_lse, q, out, lse)
     B, Hq, S, D = q.shape
@@ -246,8 +248,8 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
     DP = padded_head_dim(D)
     scale = resolve_scale(scale, D)
     dq = torch.zeros((B, Hq, S, D), dtype=q.dtype, device=q.device)
-    dk = torch.zeros((B, Hkv, T, D), dtype=k.dtype, device=q.device)
-    dv = torch.zeros((B, Hkv, T, D), dtype=v.dtype, device=q.device)
+    dk = torch.zeros((B, Hkv, T, D), dtype=grad_kv_dtype or k.dtype, device=q.device)
+    dv = torch.zeros((B, Hkv, T, D), dtype=grad_kv_dtype or v.dtype, device=q.device)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq, dk, dv
     if B * Hq > 65535:

@@ -1,4 +1,5 @@
-"""Small test fixtures: a thread-count block, a tiny model with decisive logits, packed document rows."""
+"""Small test fixtures: a thread-count block, a tiny model with decisive logits, packed document rows,
+a packed multi-turn conversation."""
 from __future__ import annotations
 
 import contextlib
@@ -6,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["num_threads", "sharpened_model", "packed_document_rows"]
+__all__ = ["num_threads", "sharpened_model", "packed_document_rows", "packed_conversation", "pack_row"]
 
 
 @contextlib.contextmanager
@@ -50,3 +51,35 @@ def packed_document_rows(lengths_per_row, device=None):
         doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
         mask.append(doc[:, None] == doc[None, :])
     return torch.stack(pos).to(device), torch.stack(mask).to(device)
+
+
+def packed_conversation(user, reasoning, answer, drop):
+    """``(positions [n], mask [n, n])`` of one multi-turn conversation packed in one row by
+    :func:`tpinv.rl.multiturn.pack_conversations`: turn ``t`` has ``user[t]``, ``reasoning[t]`` and
+    ``answer[t]`` tokens (distinct ids) and ``drop[t]`` drops its reasoning from the later turns'
+    contexts, whose restated tokens get new slots at the positions their context gives them."""
+    from tpinv.rl.multiturn import Turn, pack_conversations  # the RL layer: imported only when used
+    ids = iter(range(1, 1 << 30))
+    turns = [Turn([next(ids) for _ in range(u)], [next(ids) for _ in range(r)], [next(ids) for _ in range(a)], d)
+             for u, r, a, d in zip(user, reasoning, answer, drop)]
+    packed = pack_conversations([turns])
+    return packed.positions[0], packed.mask[0]
+
+
+def pack_row(parts, total, device=None):
+    """``(positions [total], mask [total, total], starts)``: the parts ``(positions [n], mask [n, n])``
+    laid one after another from slot 0 (``starts``: their first slots), each seeing only itself, and
+    the slots after them one causal document at positions ``0, 1, ...``."""
+    used = sum(p.shape[0] for p, _ in parts)
+    if used > total:
+        raise ValueError(f"the parts take {used} slots, more than the row's {total}")
+    rest = total - used
+    parts = list(parts) + ([(torch.arange(rest), torch.ones(rest, rest, dtype=torch.bool))] if rest else [])
+    pos, mask, starts = torch.zeros(total, dtype=torch.int64), torch.zeros(total, total, dtype=torch.bool), []
+    s = 0
+    for p, m in parts:
+        n = p.shape[0]
+        pos[s:s + n], mask[s:s + n, s:s + n] = p, m
+        starts.append(s)
+        s += n
+    return pos.to(device), mask.to(device), starts[:len(starts) - (1 if rest else 0)]

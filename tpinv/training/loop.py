@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpinv.core.contract import InvarianceError
+from tpinv.core.contract import InvarianceError, TreeAccumulator
 from tpinv.io.checkpoint import param_meta_from_module
 from tpinv.io.run_dir import new_run_id
 from tpinv.ops import tree_sum
@@ -61,32 +61,6 @@ def fp32_hex(x: float) -> str:
         return x.hex()  # "nan", "inf", "-inf"
     mantissa, exponent = x.hex().split("p")
     return (mantissa.rstrip("0").rstrip(".") if "." in mantissa else mantissa) + "p" + exponent
-
-
-class TreeAccumulator:
-    """Adds pushed fp32 tensors with the adjacent-pair tree in push order (zero-padded to a power of two).
-
-    A binary counter: equal-sized subtrees merge as soon as both exist, so at most
-    ``log2(n) + 1`` partial sums are held.  The result is ``((t0+t1)+(t2+t3))+...``.
-    """
-
-    def __init__(self) -> None:
-        self._stack: list[tuple[int, torch.Tensor]] = []
-
-    def push(self, t: torch.Tensor) -> None:
-        level = 0
-        while self._stack and self._stack[-1][0] == level:
-            left = self._stack.pop()[1]
-            t, level = left + t, level + 1
-        self._stack.append((level, t))
-
-    def result(self) -> torch.Tensor:
-        if not self._stack:
-            raise ValueError("TreeAccumulator.result() before any push")
-        acc = self._stack[-1][1]
-        for _, left in reversed(self._stack[:-1]):  # missing right subtrees are zeros: x + 0 == x
-            acc = left + acc
-        return acc
 
 
 class Trainer:
