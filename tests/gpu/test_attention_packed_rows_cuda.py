@@ -17,29 +17,15 @@ import pytest
 import torch
 
 from tpinv.kernels.packed_documents import find_documents
-from tpinv.ops.attention import attention
-from tpinv.testing import assert_bits_differ, assert_same_bits, pack_row, packed_conversation, record_ops
+from tpinv.testing import (assert_bits_differ, assert_same_bits, pack_row, packed_conversation, place_row,
+                           record_ops)
+
+from test_attention_packed_cuda import NAMES, _run, _inputs as _tensors  # the same inputs and autograd run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-NAMES = ("out", "lse", "dq", "dk", "dv")
 TURNS = dict(user=(150, 20, 30), reasoning=(60, 40, 25), answer=(30, 20, 15), drop=(True, False, True))
 CASES = [(torch.float32, None), (torch.float32, 37), (torch.bfloat16, None), (torch.bfloat16, 37)]
 IDS = ["fp32", "fp32-window", "bf16", "bf16-window"]
-
-
-def _tensors(B, Hkv, g, T, D, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q, do = (torch.randn(B, Hkv * g, T, D, generator=gen).to(dtype).cuda() for _ in range(2))
-    k, v = (torch.randn(B, Hkv, T, D, generator=gen).to(dtype).cuda() for _ in range(2))
-    return q, k, v, do, torch.randn(B, Hkv * g, T, generator=gen).cuda()
-
-
-def _run(tensors, q_pos, **kw):
-    q, k, v, do, dlse = tensors
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = attention(q, k, v, q_pos, return_lse=True, **kw)
-    torch.autograd.backward((out, lse), (do, dlse))
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
 def _packed(tensors, pos, mask, window):
@@ -48,15 +34,6 @@ def _packed(tensors, pos, mask, window):
         got = _run(tensors, pos, mask=mask, k_pos=pos, window=window)
     assert "tpinv::attention_packed_backward" in log.names
     return got
-
-
-def _place(background, part, row, start):
-    out = []
-    for bg, p in zip(background, part):
-        bg = bg.clone()
-        bg[row, :, start:start + p.shape[2]] = p[0]
-        out.append(bg)
-    return tuple(out)
 
 
 def _doc(n):
@@ -73,7 +50,7 @@ def test_offset_batch_and_heads(dtype, window):
     layouts = (("slot 0", [(conv_pos, conv_mask)], 0, total), ("slot 37", [_doc(37), (conv_pos, conv_mask)], 37, 900))
     for name, parts, start, length in layouts:
         pos, mask, _ = pack_row(parts, length, device="cuda")
-        tensors = _place(_tensors(1, Hkv, g, length, D, dtype, seed=1), conv, 0, start)
+        tensors = place_row(_tensors(1, Hkv, g, length, D, dtype, seed=1), conv, 0, start)
         runs[name] = (_packed(tensors, pos[None], mask[None], window), start)
     alone = _packed(conv, conv_pos[None].cuda(), conv_mask[None].cuda(), window)
     other = packed_conversation((40, 9, 9), (50, 9, 9), (9, 9, 9), (False, True, False))
@@ -81,7 +58,7 @@ def test_offset_batch_and_heads(dtype, window):
             pack_row([_doc(11), (conv_pos, conv_mask)], total), pack_row([], total)]
     pos = torch.stack([r[0] for r in rows]).cuda()
     mask = torch.stack([r[1] for r in rows]).cuda()
-    tensors = _place(_tensors(4, Hkv, g, total, D, dtype, seed=2), conv, 2, 11)
+    tensors = place_row(_tensors(4, Hkv, g, total, D, dtype, seed=2), conv, 2, 11)
     batch = _packed(tensors, pos, mask, window)
     heads = (Hkv * g // 2, Hkv // 2, Hkv // 2, Hkv * g // 2, Hkv * g // 2)  # q, k, v, dO, dlse
     half = _packed(tuple(t[:, :h] for t, h in zip(tensors, heads)), pos, mask, window)
@@ -93,7 +70,7 @@ def test_offset_batch_and_heads(dtype, window):
         assert_same_bits(half[i], batch[i][:, :half[i].shape[1]], f"{name}: half the heads vs all")
     # Control: the slot grid moves the conversation's key-block boundaries.
     pos, mask, _ = pack_row([_doc(37), (conv_pos, conv_mask)], total, device="cuda")
-    tensors = _place(_tensors(1, Hkv, g, total, D, dtype, seed=1), conv, 0, 37)
+    tensors = place_row(_tensors(1, Hkv, g, total, D, dtype, seed=1), conv, 0, 37)
     slot = _run(tensors, torch.arange(total, device="cuda")[None],
                 mask=(mask & (pos[None, :] <= pos[:, None]))[None], window=window)
     assert_bits_differ(slot[1][:, :, 37:37 + n], alone[1], "slot-grid lse vs alone")

@@ -33,7 +33,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from triton_interp import interpreted_test, main, seeded_checks  # noqa: E402
-from tpinv.testing import assert_bits_differ, assert_same_bits, pack_row, packed_conversation  # noqa: E402
+from tpinv.testing import (assert_bits_differ, assert_same_bits, pack_row, packed_conversation,  # noqa: E402
+                           place_row)
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -54,16 +55,6 @@ def _tensors(B, Hkv, g, T, D, dtype, seed):
     return (_random((B, Hkv * g, T, D), dtype, seed), _random((B, Hkv, T, D), dtype, seed + 1),
             _random((B, Hkv, T, D), dtype, seed + 2), _random((B, Hkv * g, T, D), dtype, seed + 3),
             _random((B, Hkv * g, T), torch.float32, seed + 4))
-
-
-def _place(background, part, row, start):
-    """``background`` with ``part``'s row 0 written at slots ``start ..`` of row ``row``."""
-    out = []
-    for bg, p in zip(background, part):
-        bg = bg.clone()
-        bg[row, :, start:start + p.shape[2]] = p[0]
-        out.append(bg)
-    return tuple(out)
 
 
 def _rows(tensors, pos, mask, window=None, chunk_bytes=None):
@@ -102,7 +93,7 @@ def _offsets(dtype, window):
     assert at37[2] == [0, 37] and int(at37[0].max()) == 80
     runs = []
     for pos, mask, starts in (at0, at37):
-        tensors = _place(_tensors(1, 1, 2, pos.shape[0], 16, dtype, seed=5), conv, 0, starts[-1])
+        tensors = place_row(_tensors(1, 1, 2, pos.shape[0], 16, dtype, seed=5), conv, 0, starts[-1])
         runs.append(_rows(tensors, pos[None], mask[None], window))
     _same_span(runs[0], runs[1], (0, slice(0, n)), (0, slice(37, 37 + n)), f"{dtype} window={window}, slot 0 vs 37")
     return at37, conv, runs[1]
@@ -111,7 +102,7 @@ def _offsets(dtype, window):
 def check_offsets_fp32():
     (pos, mask, _), conv, rows = _offsets(torch.float32, None)
     # Control: the slot grid (no virtual positions) moves the conversation's key-block boundaries.
-    tensors = _place(_tensors(1, 1, 2, pos.shape[0], 16, torch.float32, seed=5), conv, 0, 37)
+    tensors = place_row(_tensors(1, 1, 2, pos.shape[0], 16, torch.float32, seed=5), conv, 0, 37)
     slot = _plain(tensors, torch.arange(pos.shape[0])[None], mask[None] & (pos[None, :] <= pos[:, None])[None], None)
     n = conv[0].shape[2]
     assert_bits_differ(slot[1][:, :, 37:37 + n], rows[1][:, :, 37:37 + n], "slot-grid lse vs by rows")
@@ -132,7 +123,7 @@ def check_batch():
             pack_row([], total)]
     pos = torch.stack([r[0] for r in rows])
     mask = torch.stack([r[1] for r in rows])
-    tensors = _place(_tensors(4, 1, 2, total, 16, torch.float32, seed=9), conv, 2, 11)
+    tensors = place_row(_tensors(4, 1, 2, total, 16, torch.float32, seed=9), conv, 2, 11)
     batch = _rows(tensors, pos, mask)
     _same_span(alone, batch, (0, slice(0, n)), (2, slice(11, 11 + n)), "alone vs row 2 of 4")
 

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["num_threads", "sharpened_model", "packed_document_rows", "packed_conversation", "pack_row"]
+__all__ = ["num_threads", "sharpened_model", "packed_document_rows", "packed_conversation", "pack_row", "place_row"]
 
 
 @contextlib.contextmanager
@@ -83,3 +83,14 @@ def pack_row(parts, total, device=None):
         starts.append(s)
         s += n
     return pos.to(device), mask.to(device), starts[:len(starts) - (1 if rest else 0)]
+
+
+def place_row(background, part, row, start):
+    """The tensors ``background`` (each ``[B, H, T, ...]``) with row 0 of the matching ``part`` tensor
+    written at slots ``start ..`` of batch row ``row`` (copies; the inputs are not changed)."""
+    out = []
+    for bg, p in zip(background, part):
+        bg = bg.clone()
+        bg[row, :, start:start + p.shape[2]] = p[0]
+        out.append(bg)
+    return tuple(out)
