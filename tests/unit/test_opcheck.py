@@ -134,8 +134,8 @@ def test_opcheck(qualname):
 
 
 @pytest.mark.skipif(not torch_at_least((2, 13)),
-                    reason="torch.library.opcheck compares the fake's strides with the kernel's from the torch "
-                           "tpinv.compile needs (2.13); torch 2.6's does not, so this control cannot fail there")
+                    reason="torch.library.opcheck compares the fake's strides with the kernel's from torch 2.13 "
+                           "on (2.6, 2.11 and 2.12 checked: theirs does not), so this control cannot fail here")
 def test_opcheck_control_fake_with_input_strides():
     """Control: a fake that copies its input's layout (``empty_like``) where the kernel returns a
     contiguous tensor -- the defect of ``tpinv::attention``'s fake before the registry made every
