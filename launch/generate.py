@@ -106,10 +106,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_paths(args)
-        return _run(args)
+        code = _run(args)
+        _leave_group(ok=True)
+        return code
     except (ValueError, OSError) as e:
         sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
         return 1
+    finally:
+        _leave_group(ok=False)
+
+
+def _leave_group(ok: bool) -> None:
+    """Every rank waits for the others (rank 0 writes the results) and then tears the process group
+    down, so no rank exits while gloo's threads of another still run (an abort at exit otherwise);
+    after an error, the group is only torn down."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        if ok:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def _run(args) -> int:
