@@ -230,6 +230,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(os.path.join(args.out_dir, "report.json"), "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), **report}, f, indent=1)
         print(f"wrote {args.out_dir}/report.json and {args.out_dir}/mismatch_hist.png")
+    if torch.distributed.is_initialized():  # no rank exits while another's gloo threads still run
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 
