@@ -22,18 +22,12 @@ import torch
 
 from tpinv.kernels.packed_documents import find_documents
 from tpinv.ops.attention import attention
-from tpinv.testing import assert_bits_differ, assert_same_bits, packed_document_rows, record_ops
+from tpinv.testing import (assert_bits_differ, assert_same_bits, attention_inputs, packed_document_rows,
+                           record_ops)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 OFFSETS = (1, 37, 64, 200)
 NAMES = ("out", "lse", "dq", "dk", "dv")
-
-
-def _inputs(B, Hkv, g, T, D, dtype, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q, do = (torch.randn(B, Hkv * g, T, D, generator=gen).to(dtype).cuda() for _ in range(2))
-    k, v = (torch.randn(B, Hkv, T, D, generator=gen).to(dtype).cuda() for _ in range(2))
-    return q, k, v, do, torch.randn(B, Hkv * g, T, generator=gen).cuda()
 
 
 def _run(tensors, q_pos, **kw):
@@ -60,7 +54,7 @@ def test_packed_documents_equal_alone_on_cuda(monkeypatch, dtype, window, solo):
     monkeypatch.setattr(by_documents, "SOLO_LENGTH", solo)
     n, total, Hkv, g, D = 150, 400, 2, 4, 64
     pos, mask = packed_document_rows([(o, n, total - o - n) for o in OFFSETS], device="cuda")
-    tensors = _inputs(len(OFFSETS), Hkv, g, total, D, dtype, seed=0)
+    tensors = attention_inputs(len(OFFSETS), Hkv, g, total, D, 0, dtype, "cuda")
     assert find_documents(pos, pos, mask, True, window) is not None, "the per-document path must run"
     with record_ops() as log:
         packed = _run(tensors, pos, mask=mask, k_pos=pos, window=window)
@@ -117,7 +111,7 @@ def test_packed_timing_against_alone(lengths):
     Hkv, g, D = 8, 4, 128
     total = sum(lengths)
     pos, mask = packed_document_rows([lengths], device="cuda")
-    tensors = _inputs(1, Hkv, g, total, D, torch.bfloat16, seed=5)
+    tensors = attention_inputs(1, Hkv, g, total, D, 5, torch.bfloat16, "cuda")
     packed_ms = _timed(lambda: _run(tensors, pos, mask=mask, k_pos=pos))
     find_ms = _timed(lambda: find_documents(pos, pos, mask, True, None))
     starts = [sum(lengths[:i]) for i in range(len(lengths))]

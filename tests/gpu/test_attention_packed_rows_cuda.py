@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tpinv.kernels.packed_documents import find_documents
-from tpinv.testing import (assert_bits_differ, assert_same_bits, pack_row, packed_conversation, place_row,
-                           record_ops)
+from tpinv.testing import (assert_bits_differ, assert_same_bits, attention_inputs, pack_row, packed_conversation,
+                           place_row, record_ops)
 
-from test_attention_packed_cuda import NAMES, _run, _inputs as _tensors  # the same inputs and autograd run
+from test_attention_packed_cuda import NAMES, _run  # the same autograd run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TURNS = dict(user=(150, 20, 30), reasoning=(60, 40, 25), answer=(30, 20, 15), drop=(True, False, True))
@@ -44,13 +44,13 @@ def _doc(n):
 def test_offset_batch_and_heads(dtype, window):
     conv_pos, conv_mask = packed_conversation(**TURNS)
     n, total, Hkv, g, D = conv_pos.shape[0], 600, 2, 4, 64
-    conv = _tensors(1, Hkv, g, n, D, dtype, seed=0)
+    conv = attention_inputs(1, Hkv, g, n, D, 0, dtype, "cuda")
     runs = {}
     # at slot 37 in a longer row whose last document reaches position 442 (> the conversation's 329)
     layouts = (("slot 0", [(conv_pos, conv_mask)], 0, total), ("slot 37", [_doc(37), (conv_pos, conv_mask)], 37, 900))
     for name, parts, start, length in layouts:
         pos, mask, _ = pack_row(parts, length, device="cuda")
-        tensors = place_row(_tensors(1, Hkv, g, length, D, dtype, seed=1), conv, 0, start)
+        tensors = place_row(attention_inputs(1, Hkv, g, length, D, 1, dtype, "cuda"), conv, 0, start)
         runs[name] = (_packed(tensors, pos[None], mask[None], window), start)
     alone = _packed(conv, conv_pos[None].cuda(), conv_mask[None].cuda(), window)
     other = packed_conversation((40, 9, 9), (50, 9, 9), (9, 9, 9), (False, True, False))
@@ -58,7 +58,7 @@ def test_offset_batch_and_heads(dtype, window):
             pack_row([_doc(11), (conv_pos, conv_mask)], total), pack_row([], total)]
     pos = torch.stack([r[0] for r in rows]).cuda()
     mask = torch.stack([r[1] for r in rows]).cuda()
-    tensors = place_row(_tensors(4, Hkv, g, total, D, dtype, seed=2), conv, 2, 11)
+    tensors = place_row(attention_inputs(4, Hkv, g, total, D, 2, dtype, "cuda"), conv, 2, 11)
     batch = _packed(tensors, pos, mask, window)
     heads = (Hkv * g // 2, Hkv // 2, Hkv // 2, Hkv * g // 2, Hkv * g // 2)  # q, k, v, dO, dlse
     half = _packed(tuple(t[:, :h] for t, h in zip(tensors, heads)), pos, mask, window)
@@ -70,7 +70,7 @@ def test_offset_batch_and_heads(dtype, window):
         assert_same_bits(half[i], batch[i][:, :half[i].shape[1]], f"{name}: half the heads vs all")
     # Control: the slot grid moves the conversation's key-block boundaries.
     pos, mask, _ = pack_row([_doc(37), (conv_pos, conv_mask)], total, device="cuda")
-    tensors = place_row(_tensors(1, Hkv, g, total, D, dtype, seed=1), conv, 0, 37)
+    tensors = place_row(attention_inputs(1, Hkv, g, total, D, 1, dtype, "cuda"), conv, 0, 37)
     slot = _run(tensors, torch.arange(total, device="cuda")[None],
                 mask=(mask & (pos[None, :] <= pos[:, None]))[None], window=window)
     assert_bits_differ(slot[1][:, :, 37:37 + n], alone[1], "slot-grid lse vs alone")
@@ -81,7 +81,7 @@ def test_queries_equal_their_context_alone(dtype, window):
     conv_pos, conv_mask = packed_conversation(**TURNS)
     n, Hkv, g, D = conv_pos.shape[0], 2, 2, 128
     pos, mask, _ = pack_row([_doc(37), (conv_pos, conv_mask)], 37 + n, device="cuda")
-    tensors = _tensors(1, Hkv, g, 37 + n, D, dtype, seed=4)
+    tensors = attention_inputs(1, Hkv, g, 37 + n, D, 4, dtype, "cuda")
     packed = _packed(tensors, pos[None], mask[None], window)
     ctx = [set(conv_mask[i].nonzero().flatten().tolist()) for i in range(n)]
     turns = [sorted(c) for c in {frozenset(c): None for c in ctx if not any(c < o for o in ctx)}]
@@ -104,7 +104,7 @@ def test_key_sum_is_the_halving_not_the_chain():
     pos = torch.arange(T, device="cuda")[None]
     mask = torch.zeros(1, T, T, dtype=torch.bool, device="cuda")
     mask[0, :, 0] = True
-    q, k, v, _, _ = _tensors(1, 1, 1, T, D, torch.float32, seed=5)
+    q, k, v, _, _ = attention_inputs(1, 1, 1, T, D, 5, torch.float32, "cuda")
     do = torch.tensor([1.0, 2.0 ** -24, 0.0, 2.0 ** -24], device="cuda")[None, None, :, None].expand(1, 1, T, D)
     got = _packed((q, k, v, do.contiguous(), torch.zeros(1, 1, T, device="cuda")), pos, mask, None)
     assert_same_bits(got[4][0, 0, 0], torch.full((D,), 1.0 + 2.0 ** -23, device="cuda"), "(1 + 0) + (2^-24 + 2^-24)")

@@ -14,7 +14,7 @@ import torch
 from tpinv.kernels.reference_attention import attention_forward
 from tpinv.kernels.reference_attention_bwd import attention_backward
 from tpinv.ops.attention_packed import attention_packed_op, packed_backward_cuda
-from tpinv.testing import assert_bits_differ, assert_same_bits, pack_row, packed_conversation
+from tpinv.testing import assert_bits_differ, assert_same_bits, attention_inputs, pack_row, packed_conversation
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 NAMES = ("out", "lse", "dq", "dk", "dv")
@@ -36,13 +36,6 @@ def cpu_rows(monkeypatch):
     return run
 
 
-def _tensors(B, Hkv, g, T, D, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q, do = (torch.randn(B, Hkv * g, T, D, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, T, D, generator=gen) for _ in range(2))
-    return q, k, v, do, torch.randn(B, Hkv * g, T, generator=gen)
-
-
 def _rows(run, tensors, pos, mask, window=None, **kw):
     q, k, v, do, dlse = tensors
     out, lse = run.rows_forward_cuda(q, k, v, pos, pos, mask, True, window, 0.3, **kw)
@@ -58,7 +51,7 @@ def _conversation_row(before, total):
 
 def test_rows_forward_equals_packed_kernel(cpu_rows):
     pos, mask, _, _ = _conversation_row(21, 90)
-    q, k, v, _, _ = _tensors(1, 2, 2, 90, 8, seed=0)
+    q, k, v, _, _ = attention_inputs(1, 2, 2, 90, 8, seed=0)
     ref = attention_packed_op(q, k, v, pos, pos, mask, True, None, 0.3)
     rows = cpu_rows.rows_forward_cuda(q, k, v, pos, pos, mask, True, None, 0.3, chunk_bytes=1 << 12)
     assert_same_bits(rows[0], ref[0], "out")
@@ -72,8 +65,8 @@ def test_rows_backward_at_any_offset_and_chunk_size(cpu_rows, window):
     runs = []
     for before in (0, 37):
         pos, mask, start, n = _conversation_row(before, 120)
-        tensors = _tensors(1, 1, 2, 120, 8, seed=1)
-        conv = _tensors(1, 1, 2, n, 8, seed=2)
+        tensors = attention_inputs(1, 1, 2, 120, 8, seed=1)
+        conv = attention_inputs(1, 1, 2, n, 8, seed=2)
         for t, c in zip(tensors, conv):
             t[:, :, start:start + n] = c
         for chunk in (1, 1 << 30):
@@ -83,8 +76,8 @@ def test_rows_backward_at_any_offset_and_chunk_size(cpu_rows, window):
         for name, a, b in zip(NAMES, base, got):
             assert_same_bits(b[:, :, start:start + n], a[:, :, s0:s0 + n], f"window={window}: {name}")
     pos, mask, _, _ = _conversation_row(0, 120)
-    tensors = list(_tensors(1, 1, 2, 120, 8, seed=1))
-    for t, c in zip(tensors, _tensors(1, 1, 2, n, 8, seed=2)):
+    tensors = list(attention_inputs(1, 1, 2, 120, 8, seed=1))
+    for t, c in zip(tensors, attention_inputs(1, 1, 2, n, 8, seed=2)):
         t[:, :, :n] = c
     tensors[3] = tensors[3].clone()
     tensors[3][:, :, n - 1] *= 2  # the last query's dO: it sees the shared prefix
@@ -99,7 +92,7 @@ def test_cuda_backward_of_general_visibility_runs_by_rows(cpu_rows):
     pos = torch.cat([torch.arange(p), torch.arange(p - a, p)])[None]
     ctx = torch.cat([torch.zeros(p - a), torch.ones(a), 2 * torch.ones(a)])
     mask = ((ctx[:, None] == ctx[None, :]) | (ctx[None, :] == 0))[None]
-    tensors = _tensors(1, 1, 1, p + a, 8, seed=3)
+    tensors = attention_inputs(1, 1, 1, p + a, 8, seed=3)
     rows = _rows(cpu_rows, tensors, pos, mask)
     q, k, v, do, dlse = tensors
     cpu_rows.calls.clear()
@@ -113,6 +106,6 @@ def test_by_rows_refuses_ambiguous_virtual_rows(cpu_rows):
     """Still unsupported, with a clear error: a query seeing two keys at one position."""
     pos = torch.tensor([[0, 0, 1]])
     mask = torch.ones(1, 3, 3, dtype=torch.bool)
-    q, k, v, do, dlse = _tensors(1, 1, 1, 3, 8, seed=4)
+    q, k, v, do, dlse = attention_inputs(1, 1, 1, 3, 8, seed=4)
     with pytest.raises(ValueError, match="sees several keys at position 0"):
         packed_backward_cuda(do, dlse, q, k, v, q, dlse, pos, pos, mask, True, None, 0.3)

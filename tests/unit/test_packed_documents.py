@@ -16,7 +16,7 @@ import torch
 from tpinv.kernels.packed_documents import documents_of, find_documents
 from tpinv.kernels.reference_attention import KV_BLOCK, attention_forward
 from tpinv.kernels.reference_attention_bwd import attention_backward
-from tpinv.testing import assert_bits_differ, assert_same_bits, packed_document_rows
+from tpinv.testing import assert_bits_differ, assert_same_bits, attention_inputs, packed_document_rows
 
 OFFSETS = (1, 37, 64, 200)
 
@@ -102,13 +102,6 @@ def cpu_documents(monkeypatch):
     return run
 
 
-def _inputs(B, Hkv, g, T, D, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q, do = (torch.randn(B, Hkv * g, T, D, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, T, D, generator=gen) for _ in range(2))
-    return q, k, v, do, torch.randn(B, Hkv * g, T, generator=gen)
-
-
 def _documents(run, pos, mask, tensors, causal, window, scale=0.3):
     q, k, v, do, dlse = tensors
     docs = find_documents(pos, pos, mask, causal, window)
@@ -137,7 +130,7 @@ def test_padded_batch_gives_each_document_alone(cpu_documents, monkeypatch, caus
     n, total = 83, 300  # the document spans a block boundary
     lengths = [(o, n, total - o - n) for o in OFFSETS]
     pos, mask = packed_document_rows(lengths)
-    tensors = _inputs(len(OFFSETS), 2, 2, total, 8, seed=1)
+    tensors = attention_inputs(len(OFFSETS), 2, 2, total, 8, seed=1)
     packed = _documents(cpu_documents, pos, mask, tensors, causal, window)
     for row, o in enumerate(OFFSETS):
         for span in (slice(0, o), slice(o, o + n), slice(o + n, total)):

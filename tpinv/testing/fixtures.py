@@ -7,7 +7,8 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["num_threads", "sharpened_model", "packed_document_rows", "packed_conversation", "pack_row", "place_row"]
+__all__ = ["num_threads", "sharpened_model", "packed_document_rows", "packed_conversation", "pack_row", "place_row",
+           "attention_inputs"]
 
 
 @contextlib.contextmanager
@@ -94,3 +95,12 @@ def place_row(background, part, row, start):
         bg[row, :, start:start + p.shape[2]] = p[0]
         out.append(bg)
     return tuple(out)
+
+
+def attention_inputs(B, Hkv, g, T, D, seed, dtype=torch.float32, device=None):
+    """``(q, k, v, dO, dlse)`` of ``B`` rows of ``T`` slots from one seeded generator: ``q``, ``dO``
+    ``[B, Hkv*g, T, D]`` and ``k``, ``v`` ``[B, Hkv, T, D]`` in ``dtype``, ``dlse [B, Hkv*g, T]`` fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(B, Hkv * g, T, D, generator=gen).to(dtype).to(device) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, T, D, generator=gen).to(dtype).to(device) for _ in range(2))
+    return q, k, v, do, torch.randn(B, Hkv * g, T, generator=gen).to(device)
