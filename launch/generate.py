@@ -106,25 +106,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_paths(args)
-        code = _run(args)
-        _leave_group(ok=True)
-        return code
+        return _run(args)
     except (ValueError, OSError) as e:
         sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
         return 1
-    finally:
-        _leave_group(ok=False)
-
-
-def _leave_group(ok: bool) -> None:
-    """Every rank waits for the others (rank 0 writes the results) and then tears the process group
-    down, so no rank exits while gloo's threads of another still run (an abort at exit otherwise);
-    after an error, the group is only torn down."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        if ok:
-            dist.barrier()
-        dist.destroy_process_group()
+    finally:  # no rank exits with its process group up (gloo's threads abort at exit otherwise)
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _run(args) -> int:
@@ -146,6 +135,9 @@ def _run(args) -> int:
                 res = error_result(i, errors[i]) if r is None else next(results)
                 f.write(result_line(res, i, error_result) + "\n")
         print(f"wrote {len(requests)} results to {args.output} ({len(errors)} unreadable lines)", file=sys.stderr)
+    if group is not None:  # every rank waits for rank 0's results before the group is torn down
+        import torch.distributed as dist
+        dist.barrier()
     return 0
 
 
