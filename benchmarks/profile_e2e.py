@@ -3,9 +3,12 @@
 Builds the model of :mod:`tools.bench_e2e` (random weights), warms up, then profiles a
 training step (``loss.backward``) and a greedy decode step against a KV cache, for the
 invariant path or the vanilla path.  Prints the top device kernels by self device time and
-the top operators by host time; ``--trace DIR`` also writes Chrome traces.
+the top operators by host time; ``--trace DIR`` also writes Chrome traces.  ``--host N``
+instead runs N training steps under cProfile and prints the Python functions by own time (where
+an eager step's host time goes).
 
     python -m benchmarks.profile_e2e --model qwen3-0.6b --path invariant
+    python -m benchmarks.profile_e2e --model qwen3-0.6b --host 3
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--trace", default=None)
+    p.add_argument("--host", type=int, default=0, help="cProfile this many training steps instead")
     opts = p.parse_args()
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -50,6 +54,9 @@ def main() -> None:
     def forward(t, cache):
         return model(t, cache=cache) if invariant else vanilla_forward(model, t, cache=cache)
 
+    if opts.host:
+        _host_profile(train_step, opts.host, opts.rows, device)
+        return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort_device = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     for label in ("train", "decode"):
@@ -74,6 +81,29 @@ def main() -> None:
         if opts.trace:
             os.makedirs(opts.trace, exist_ok=True)
             prof.export_chrome_trace(os.path.join(opts.trace, f"{opts.path}-{label}.json"))
+
+
+def _host_profile(step, steps: int, rows: int, device: torch.device) -> None:
+    """cProfile ``steps`` calls of ``step`` after two warm-ups: functions by own time, then by total."""
+    import cProfile
+    import pstats
+    import time
+    for _ in range(2):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    prof.disable()
+    print(f"==== {steps} training steps: {(time.perf_counter() - start) / steps * 1e3:.1f} ms a step under cProfile")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
 
 
 if __name__ == "__main__":

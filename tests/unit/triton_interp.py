@@ -6,6 +6,14 @@ a module hands its checks to :func:`interpreted_test`, which runs the module fil
 with the interpreter on (the script prints :func:`run_checks`' outcomes as one JSON line) and
 returns a pytest test over the check names.  A check passes when it returns; its traceback is
 the failure message otherwise.
+
+The interpreter stands in for the GPU, and the kernels rely on one property of the GPU's dot: an
+output row's bits do not depend on the row's place in the tile (a tensor-core MMA computes every
+element the same way; ``tests/gpu`` checks it on the device).  The interpreter's own ``tl.dot`` is
+numpy's matmul, whose BLAS need not have it: OpenBLAS's Haswell sgemm (``OPENBLAS_CORETYPE=Haswell``)
+gives a row different bits at different tile rows.  So the child process replaces the interpreter's
+dot with a fixed-order one (:func:`fixed_order_dot`): each output element is the contiguous
+halving sum of its ``K`` fp32 products, the same on every machine and at every row and column.
 """
 from __future__ import annotations
 
@@ -68,10 +76,52 @@ def seeded_checks(namespace: dict, setup: Callable[[], None] | None = None) -> d
     return {name: seeded(fn) for name, fn in checks_of(namespace).items()}
 
 
+def halving_sum(x, axis: int):
+    """numpy: the contiguous halving sum of ``x`` over ``axis`` (zero-padded to a power of two;
+    element ``i`` meets ``i + h``), the order of :func:`tpinv.kernels.reference_attention.halve`."""
+    import numpy as np
+    x = np.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width != n:
+        x = np.concatenate([x, np.zeros(x.shape[:-1] + (width - n,), dtype=x.dtype)], axis=-1)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
+
+
+def fixed_order_dot(a, b, acc):
+    """``acc + a @ b`` (numpy, ``[..., M, K] @ [..., K, N]``) in ``acc``'s dtype: each element the
+    :func:`halving_sum` of its ``K`` products, so no element depends on its row's or column's place."""
+    x = a.astype(acc.dtype)[..., :, :, None]
+    y = b.astype(acc.dtype)[..., None, :, :]
+    return halving_sum(x * y, -2) + acc
+
+
+def use_fixed_order_dot() -> None:
+    """Make the interpreter's ``tl.dot`` :func:`fixed_order_dot` (this process; float inputs of
+    16 bits and more, the only ones the tests use: 8-bit floats are refused with a clear error)."""
+    from triton.runtime import interpreter
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "fixed_order", False):
+        return
+
+    def create_dot(self, a, b, d, *_):
+        if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating() or \
+                b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating():
+            raise NotImplementedError("the tests' fixed-order interpreter dot takes no 8-bit floats")
+        return interpreter.TensorHandle(fixed_order_dot(a.data, b.data, d.data), d.dtype.scalar)
+
+    create_dot.fixed_order = True
+    builder.create_dot = create_dot
+
+
 def run_checks(checks: dict[str, Callable[[], None]]) -> dict[str, str]:
-    """Child side: ``{name: "ok" or the traceback}``."""
+    """Child side: ``{name: "ok" or the traceback}``, with the interpreter's dot :func:`fixed_order_dot`."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1 (set before triton is imported)")
+    use_fixed_order_dot()
     results = {}
     for name, fn in checks.items():
         try:
