@@ -3,7 +3,7 @@
 The invariant path is the model itself (:class:`tpinv.models.Transformer`: the tpinv ops in
 their CUDA slots); the vanilla path is :mod:`tpinv.models.vanilla` on the same weights
 (cuBLAS, SDPA, ``F.silu``, plain RMSNorm).  Two measurements, each the median of repeated
-runs after a warm-up, in the same process:
+runs after a warm-up, in the same process, the two paths taking turns run by run:
 
 * training step: ``loss(tokens, targets).backward(w)`` at ``--batch x --seq`` tokens;
   ratio = invariant time / vanilla time (the target is <= 1.25).  On CUDA each path is also
@@ -20,6 +20,11 @@ Before timing, the invariant decode (eager, and replayed on CUDA) is checked aga
 invariant prefill of the same tokens (the last position's logits, bitwise) and the run stops
 if they differ.
 Prints a table; ``--json`` writes the records.  Runs on CPU too (a check of the script).
+
+``--peers`` (on CUDA by default when transformers is installed; ``--no-peers`` skips it) adds
+Hugging Face transformers on the same shapes and workloads (:mod:`benchmarks.peers_e2e`): its
+eager training step, its eager decoding (dynamic cache) and its compiled static-cache decoding,
+with tpinv's time over HF's in the table.
 
 ``--memory issue`` adds peak memory beside time for tpinv, vanilla and HF transformers at the
 shapes of :data:`benchmarks.memory_e2e.ISSUE_CASES` (forward without grad, a training step, and
@@ -38,6 +43,7 @@ import torch
 
 from benchmarks.common import write_json
 from benchmarks.memory_e2e import ISSUE_CASES, TINY_CASES, format_rows, run_cases
+from benchmarks.peers_e2e import hf_available, hf_times
 from tpinv.layers.linear_cross_entropy import LOG_PROB_CHUNK_TOKENS
 from tpinv.core.dtypes import dtype_from_name
 from tpinv.core.capture import capture
@@ -75,8 +81,8 @@ def train_step_times(model, device, batch: int, seq: int, iters: int) -> dict:
 
     paths = {"invariant": model.loss, "vanilla": lambda t, y: vanilla_loss(model, t, y)}
     out = {"tokens": batch * seq}
-    for name, loss_fn in paths.items():
-        out[f"{name}_s"] = median_seconds(step(loss_fn), device, iters)
+    medians = interleaved_medians({name: step(loss_fn) for name, loss_fn in paths.items()}, device, iters)
+    out.update({f"{name}_s": seconds for name, seconds in medians.items()})
     out["ratio_time"] = out["invariant_s"] / out["vanilla_s"]
     if device.type == "cuda":  # the same steps replayed from CUDA graphs: device time only
         try:
@@ -85,6 +91,23 @@ def train_step_times(model, device, batch: int, seq: int, iters: int) -> dict:
             out["graph_error"] = f"{type(exc).__name__}: {exc}"[:2000]
     model.zero_grad(set_to_none=True)
     return out
+
+
+def interleaved_medians(runs: dict, device, iters: int) -> dict:
+    """Median seconds of each ``runs[name]()`` over ``iters`` rounds, the paths taking turns in
+    each round after a warm-up of each (a host whose speed drifts during the run, as the lent
+    machines' hosts do, then weighs on every path alike)."""
+    times = {name: [] for name in runs}
+    for run in runs.values():
+        run()
+    for _ in range(iters):
+        for name, run in runs.items():
+            sync(device)
+            t0 = time.perf_counter()
+            run()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 def graphed_train_times(model, paths, step, device, iters) -> dict:
@@ -156,13 +179,16 @@ def decode_rates(model, device, batch: int, prompt_len: int, new: int, repeats: 
              "vanilla": lambda t, p, c, v: vanilla_forward(model, t, p, c, num_valid=v)}
     out = {"decode_batch": batch, "prompt": prompt_len, "new_tokens": new}
     with torch.no_grad():
-        for mode in modes:
-            for name, forward in paths.items():
-                graph = mode == "graph"
+        for mode in modes:   # the paths take turns in each repeat (see interleaved_medians)
+            graph = mode == "graph"
+            for forward in paths.values():
                 greedy_decode(forward, model, prompt, min(new, 4), device, graph)  # warm-up
-                runs = sorted(greedy_decode(forward, model, prompt, new, device, graph)[0]
-                              for _ in range(repeats))
-                out[f"{name}_{mode}_tokens_per_s"] = batch * new / runs[len(runs) // 2]
+            runs = {name: [] for name in paths}
+            for _ in range(repeats):
+                for name, forward in paths.items():
+                    runs[name].append(greedy_decode(forward, model, prompt, new, device, graph)[0])
+            for name, seconds in runs.items():
+                out[f"{name}_{mode}_tokens_per_s"] = batch * new / sorted(seconds)[len(seconds) // 2]
             out[f"ratio_rate_{mode}"] = out[f"invariant_{mode}_tokens_per_s"] / out[f"vanilla_{mode}_tokens_per_s"]
     return out
 
@@ -172,11 +198,11 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="qwen3-0.6b", help="config name, optionally :LAYERS")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=7)
     p.add_argument("--decode-batch", type=int, default=16)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--json", default=None)
     p.add_argument("--memory", choices=["issue", "tiny"], default=None,
@@ -184,6 +210,8 @@ def main(argv=None) -> None:
     p.add_argument("--memory-only", action="store_true", help="only the --memory cases")
     p.add_argument("--chunk-tokens", type=int, default=LOG_PROB_CHUNK_TOKENS,
                    help="chunk_tokens of the chunked cross-entropy / log-prob paths")
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time HF transformers (default: on CUDA when transformers is installed)")
     opts = p.parse_args(argv)
     if opts.memory_only and opts.memory is None:
         p.error("--memory-only needs --memory issue or --memory tiny")
@@ -208,6 +236,13 @@ def main(argv=None) -> None:
             raise SystemExit(f"FAIL: the invariant decode step ({mode}) differs from the invariant prefill")
     train = train_step_times(model, device, opts.batch, opts.seq, opts.iters)
     decode = decode_rates(model, device, opts.decode_batch, opts.prompt, opts.new, opts.repeats, modes)
+    peers = {}
+    want_peers = opts.peers if opts.peers is not None else (device.type == "cuda" and hf_available() is None)
+    if want_peers:
+        if hf_available() is not None:
+            raise SystemExit(f"--peers: {hf_available()}")
+        peers = hf_times(model, device, batch=opts.batch, seq=opts.seq, iters=opts.iters,
+                         decode_batch=opts.decode_batch, prompt_len=opts.prompt, new=opts.new, repeats=opts.repeats)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {dev}; model {opts.model} ({params / 1e6:.0f} M params), {opts.dtype}; "
           f"decode == prefill bitwise ({', '.join(modes)}): yes")
@@ -226,9 +261,29 @@ def main(argv=None) -> None:
         print(f"{label:<40} {decode[f'invariant_{mode}_tokens_per_s']:>12.1f} "
               f"{decode[f'vanilla_{mode}_tokens_per_s']:>12.1f} {decode[f'ratio_rate_{mode}']:>7.2f} "
               f"{'>= 0.75':>8}")
+    if peers:
+        print_peers(peers, train, decode, opts.decode_batch)
     if opts.json:
         write_json(opts.json, {"device": dev, "model": opts.model, "params": params, "dtype": opts.dtype,
-                               "train": train, "decode": decode, "memory": memory}, indent=2)
+                               "train": train, "decode": decode, "peers": peers, "memory": memory}, indent=2)
+
+
+def print_peers(peers: dict, train: dict, decode: dict, batch: int) -> None:
+    """tpinv's best and eager numbers against HF transformers' (its attention named)."""
+    print(f"{'against HF transformers (' + peers['hf_attn_implementation'] + ')':<40} {'tpinv':>12} {'HF':>12} "
+          f"{'tpinv/HF':>9}")
+    rows = [("train step s, eager", train["invariant_s"], peers["hf_s"])]
+    if "invariant_graph_s" in train:
+        rows.append(("train step s, tpinv graph vs HF eager", train["invariant_graph_s"], peers["hf_s"]))
+    rows.append((f"decode tok/s (batch {batch}), eager", decode["invariant_eager_tokens_per_s"],
+                 peers["hf_eager_tokens_per_s"]))
+    if "hf_static_compiled_tokens_per_s" in peers and "invariant_graph_tokens_per_s" in decode:
+        rows.append(("decode tok/s, tpinv graph vs HF static+compiled", decode["invariant_graph_tokens_per_s"],
+                     peers["hf_static_compiled_tokens_per_s"]))
+    for label, ours, theirs in rows:
+        print(f"{label:<40} {ours:>12.4g} {theirs:>12.4g} {ours / theirs:>9.2f}")
+    if "hf_static_error" in peers:
+        print(f"HF static-cache decoding failed: {peers['hf_static_error'][:300]}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ An eager step is bound by the host when its ops cost more Python time than devic
 measures the host side alone.  Each case is called ``--calls`` times in a row without a
 synchronisation, on tensors small enough that the device keeps up, and the time until the
 last call returns is divided by the count (after a warm-up and a final synchronisation, so
-compilation and queueing are excluded).  Prints a table and writes ``--json``.  On a machine
+compilation and queueing are excluded).  Each tpinv op is also timed with bound launches
+building their TMA descriptors every call (``tpinv.kernels.launch.REUSE_DESCRIPTORS`` off; only the
+matmuls use descriptors), the two settings taking turns twice.  Prints a table and writes ``--json``.  On a machine
 without CUDA it runs the CPU kernels (a check of the script; the numbers then include the
 CPU work).
 
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import write_json
 from tpinv import ops
+from tpinv.kernels.launch import REUSE_DESCRIPTORS
 from tpinv.models.vanilla import plain_rms_norm, plain_rope
 
 
@@ -45,7 +48,7 @@ def cases(device, dtype):
     def rand(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
 
-    x, w, w_up = rand(16, 1024), rand(1024, 1024), rand(3072, 1024)
+    x, w, w_up, x512 = rand(16, 1024), rand(1024, 1024), rand(3072, 1024), rand(512, 1024)
     g, u = rand(16, 3072), rand(16, 3072)
     norm_w = rand(1024) + 1
     q, k, v = rand(16, 16, 1, 128), rand(16, 8, 577, 128), rand(16, 8, 577, 128)
@@ -57,6 +60,7 @@ def cases(device, dtype):
     return [
         ("matmul 16x1024x1024 (leaves 8)", lambda: ops.matmul(x, w), lambda: F.linear(x, w)),
         ("matmul 16x3072x1024 (leaves 1)", lambda: ops.matmul(x, w_up, 1), lambda: F.linear(x, w_up)),
+        ("matmul 512x3072x1024 (leaves 8)", lambda: ops.matmul(x512, w_up), lambda: F.linear(x512, w_up)),
         ("rms_norm 16x1024", lambda: ops.rms_norm(x, norm_w, 1e-6), lambda: plain_rms_norm(x, norm_w, 1e-6)),
         ("silu_mul 16x3072", lambda: ops.silu_mul(g, u), lambda: F.silu(g) * u),
         ("apply_rope 16x16x1x128", lambda: ops.apply_rope(q, cos, sin), lambda: plain_rope(q, cos, sin)),
@@ -77,13 +81,20 @@ def main() -> None:
     rows = []
     for name, mine, ref in cases(device, dtype):
         with torch.no_grad():
-            rows.append({"op": name, "tpinv_us": host_us(mine, opts.calls, device),
+            reuse, build = [], []
+            for _ in range(2):
+                for setting, times in ((True, reuse), (False, build)):
+                    REUSE_DESCRIPTORS[0] = setting
+                    times.append(host_us(mine, opts.calls, device))
+            REUSE_DESCRIPTORS[0] = True
+            rows.append({"op": name, "tpinv_us": sum(reuse) / 2, "tpinv_descriptors_built_us": sum(build) / 2,
                          "torch_us": host_us(ref, opts.calls, device)})
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (CPU kernels)"
     print(f"host time per eager call, {label}, bf16, mean of {opts.calls} calls in a row")
-    print(f"{'op':<34} {'tpinv us':>9} {'torch us':>9} {'x':>6}")
+    print(f"{'op':<34} {'tpinv us':>9} {'(built)':>9} {'torch us':>9} {'x':>6}")
     for r in rows:
-        print(f"{r['op']:<34} {r['tpinv_us']:>9.1f} {r['torch_us']:>9.1f} {r['tpinv_us'] / r['torch_us']:>6.1f}")
+        print(f"{r['op']:<34} {r['tpinv_us']:>9.1f} {r['tpinv_descriptors_built_us']:>9.1f} {r['torch_us']:>9.1f} "
+              f"{r['tpinv_us'] / r['torch_us']:>6.1f}")
     if opts.json:
         write_json(opts.json, {"device": label, "calls": opts.calls, "rows": rows})
 

@@ -3,7 +3,9 @@ own launch through the dispatcher, and really run.
 
 Each case runs twice with binding on (the second launch of a specialization goes through the bound
 launcher: the counter moves) and once with binding and direct eager calls off; all three give the
-same bytes.  Control: the matmul with another leaf count differs.
+same bytes.  Control: the matmul with another leaf count differs.  A bound matmul keeps its TMA
+descriptors per address: a new tensor at a freed tensor's address gets a fresh launch's bytes
+(control: the old tensor's product differs).
 """
 from __future__ import annotations
 
@@ -67,3 +69,31 @@ def test_training_step_grads_equal_without_binding():
         launch_mod.BIND[0], registry.EAGER_CALLS[0] = True, True
     for a, b, what in zip(bound, plain, ("dx", "dw")):
         assert_same_bits(a, b, what)
+
+
+@pytest.mark.parametrize("rows", [16, 512], ids=["triton-kernel", "gluon-kernel"])
+def test_reused_descriptors_read_the_tensor_now_at_the_address(rows):
+    """Once a matmul's launch is bound its TMA descriptors are kept per address: a new tensor at a
+    freed tensor's address gets the bits of a fresh launch through Triton, not the old tensor's."""
+    gen = torch.Generator().manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=gen).to("cuda", torch.bfloat16)  # noqa: E731
+    w, wt = r(768, 1024), r(1024, 768).t()
+    for weight in (w, wt):
+        memory = r(rows * 1024)
+        x = memory.view(rows, 1024)
+        for _ in range(3):                       # through Triton, then bound (descriptors built), then reused
+            old = ops.matmul(x, weight, 8, 1)
+        address, before = x.data_ptr(), launch_mod.descriptor_reuses()
+        del x
+        memory.copy_(r(rows * 1024))             # other values at the same address,
+        x = memory.view(rows, 1024)              # in a new tensor
+        assert x.data_ptr() == address
+        new = ops.matmul(x, weight, 8, 1)
+        assert launch_mod.descriptor_reuses() >= before + 2, "the kept descriptors were not used"
+        launch_mod.BIND[0], registry.EAGER_CALLS[0] = False, False
+        try:
+            plain = ops.matmul(x, weight, 8, 1)
+        finally:
+            launch_mod.BIND[0], registry.EAGER_CALLS[0] = True, True
+        assert_same_bits(new, plain, "reused descriptors vs a fresh launch through Triton")
+        assert_bits_differ(new, old, "control: the old tensor's product")

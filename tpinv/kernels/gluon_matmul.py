@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tpinv.kernels.launch import launch, operands_key, remember
+from tpinv.kernels.launch import is_bound, launch, operands_key, remember, reused_descriptor
 from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
 #: Leaf counts the kernel unrolls (saved tree levels: registers for 1-2, smem for the 3rd).
@@ -293,13 +293,17 @@ def launch_checked(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: tor
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, plan: tuple) -> torch.Tensor:
-    """Descriptors and launch for checked inputs and their plan (:func:`_plan`)."""
+    """Descriptors and launch for checked inputs and their plan (:func:`_plan`): once the plan's
+    launch is bound, descriptors are reused per address (:func:`~tpinv.kernels.launch.reused_descriptor`)."""
     m, k = x.shape
     n = w.shape[0]
-    x_t, w_kn, x_block, w_block, grid, consts, bound = plan
+    x_t, w_kn, x_block, w_block, grid, consts, bound, x_descs, w_descs = plan
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
-    x_desc = TensorDescriptor.from_tensor(x.t() if x_t else x, x_block[0], x_block[1])
-    w_desc = TensorDescriptor.from_tensor(w.t() if w_kn else w, w_block[0], w_block[1])
+    reuse = is_bound(bound)
+    x_desc = reused_descriptor(x_descs if reuse else None, x,
+                               lambda: TensorDescriptor.from_tensor(x.t() if x_t else x, *x_block))
+    w_desc = reused_descriptor(w_descs if reuse else None, w,
+                               lambda: TensorDescriptor.from_tensor(w.t() if w_kn else w, *w_block))
     launch(_contract_mm_ws_kernel, grid, x_desc, w_desc, out, m, n, out.stride(0), k // leaves // consts["BK"],
            bound=bound, **consts["kw"])
     return out
@@ -329,7 +333,7 @@ def _plan(x, w, leaves: int, cfg: GluonConfig) -> tuple:
               PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
               num_warps=cfg.num_warps)
     return (x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), grid,
-            {"BK": bk, "kw": kw}, {})
+            {"BK": bk, "kw": kw}, {}, {}, {})
 
 
 _LAYOUTS: dict = {}

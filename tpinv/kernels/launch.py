@@ -10,7 +10,8 @@ have compiled differently.  Only the launch path changes (host time), never the 
 
 :func:`launch` is the call sites' ``kernel[grid](*args, **kwargs)``; a call site that plans its
 launches per shape (:func:`operands_key`, :func:`remember`) keeps the bound launcher with its plan
-(``bound=``) and skips building and looking up a key per call.
+(``bound=``) and skips building and looking up a key per call; once that launch is bound
+(:func:`is_bound`), its TMA descriptors are built once per address (:func:`reused_descriptor`).
 Triton versions without the launcher API used here (and Triton's interpreter) launch through
 Triton every time: same kernel, more host time.
 """
@@ -27,10 +28,14 @@ try:
 except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
     _knobs = None
 
-__all__ = ["launch", "bound_launches", "operands_key", "remember", "BIND"]
+__all__ = ["launch", "bound_launches", "is_bound", "operands_key", "remember", "reused_descriptor",
+           "descriptor_reuses", "BIND", "REUSE_DESCRIPTORS"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
 BIND = [True]
+#: ``[True]``: bound launches reuse TMA descriptors per address (:func:`reused_descriptor`);
+#: ``[False]``: build them every call (benchmarks compare).
+REUSE_DESCRIPTORS = [True]
 
 #: Entries a table of bound launchers or launch plans keeps before it is cleared and refilled
 #: (shapes that keep changing, e.g. a decode's cache length, would otherwise grow it forever).
@@ -58,6 +63,57 @@ def remember(table: dict, key, value):
 def bound_launches() -> int:
     """How many launches so far went through a bound launcher (tests assert it moves)."""
     return _COUNT[0]
+
+
+def is_bound(bound: dict) -> bool:
+    """Whether a launch with this plan's ``bound`` dict will call a bound launcher (binding on,
+    and a launcher bound for the current device) and may take reused TMA descriptors, which only
+    such a launch reads (:data:`REUSE_DESCRIPTORS`)."""
+    return (bool(bound) and BIND[0] and REUSE_DESCRIPTORS[0] and _knobs is not None
+            and _driver.active.get_current_device() in bound)
+
+
+class _Address:
+    """A reused descriptor's base: the tensor's address and dtype, no reference to the tensor
+    (a bound launch reads only ``data_ptr()`` of it, so a kept descriptor keeps no memory alive)."""
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+#: Descriptors a plan keeps per operand (by address) before it clears them and refills.
+MAX_DESCRIPTORS = 256
+_REUSED = [0]
+
+
+def descriptor_reuses() -> int:
+    """How many TMA descriptors so far were reused rather than built (tests assert it moves)."""
+    return _REUSED[0]
+
+
+def reused_descriptor(cache: Optional[dict], t: torch.Tensor, build):
+    """``build()``, the TMA descriptor of ``t`` (or of a view of it at the same address), or
+    with a ``cache`` (a launch plan's, for a bound launch only: :func:`is_bound`) the one built
+    before at ``t``'s address.  A descriptor is a function of the address, shape, strides,
+    dtype, block and layout, and the plan fixes all but the address, so a tensor at a cached
+    address gets exactly the descriptor built for it, whichever tensor was there before."""
+    if cache is None:
+        return build()
+    ptr = t.data_ptr()
+    desc = cache.get(ptr)
+    if desc is None:
+        desc = build()
+        desc.base = _Address(ptr, t.dtype)
+        if len(cache) >= MAX_DESCRIPTORS:
+            cache.clear()
+        cache[ptr] = desc
+    else:
+        _REUSED[0] += 1
+    return desc
 
 
 def _specialization(args: tuple) -> tuple:

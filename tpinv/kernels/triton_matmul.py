@@ -30,7 +30,7 @@ import triton.language as tl
 
 from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, check_divisible, check_dtype,
                             check_leaves)
-from tpinv.kernels.launch import launch, operands_key, remember
+from tpinv.kernels.launch import is_bound, launch, operands_key, remember, reused_descriptor
 from tpinv.kernels.tiles import (GLUON_MIN_ROWS, MAX_LEAVES_PER_CTA, MatmulConfig, block_k,
                                  check_config, launch_config)
 
@@ -208,6 +208,8 @@ class _Plan(NamedTuple):
     consts: dict
     bound: dict           # device -> bound launcher of the contract kernel (tpinv.kernels.launch)
     bound_combine: dict   # the same for the split combine kernel
+    x_descs: dict         # address -> TMA descriptor of x, once bound (tpinv.kernels.launch.reused_descriptor)
+    w_descs: dict         # the same for w
 
 
 _PLANS: dict = {}
@@ -242,7 +244,7 @@ def _plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     return remember(_PLANS, key, _Plan(use_tma, w_kn, [bm, bk], [bk, bn] if w_kn else [bn, bk], split,
-                                        grid, consts, {}, {}))
+                                        grid, consts, {}, {}, {}, {}))
 
 
 def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
@@ -258,9 +260,12 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
         return out.zero_()
     plan = _plan(x2, w, leaves, out_dtype, config, allow_tma, operands)
     if plan.use_tma:
-        x_ref = TensorDescriptor(x2, [m, k], [x2.stride(0), 1], plan.x_block)
-        w_ref = (TensorDescriptor(w.T, [k, n], [w.stride(1), 1], plan.w_block) if plan.w_kn
-                 else TensorDescriptor(w, [n, k], [w.stride(0), 1], plan.w_block))
+        reuse = is_bound(plan.bound)
+        x_ref = reused_descriptor(plan.x_descs if reuse else None, x2,
+                                  lambda: TensorDescriptor(x2, [m, k], [x2.stride(0), 1], plan.x_block))
+        w_ref = reused_descriptor(plan.w_descs if reuse else None, w,
+                                  lambda: (TensorDescriptor(w.T, [k, n], [w.stride(1), 1], plan.w_block) if plan.w_kn
+                                           else TensorDescriptor(w, [n, k], [w.stride(0), 1], plan.w_block)))
     else:
         x_ref, w_ref = x2, w
     split = plan.split

@@ -1,0 +1,99 @@
+"""The peer a user already has, timed beside tpinv in the same run: Hugging Face transformers.
+
+``*ForCausalLM`` of the tpinv model's shape (:func:`benchmarks.memory_e2e.build_hf`, random
+weights, SDPA attention), on the workloads of :mod:`benchmarks.bench_e2e`:
+
+* training step: ``logits = model(tokens).logits``, the same per-token weighted cross-entropy
+  as tpinv's ``loss(...).backward(weights)``, backward; eager;
+* greedy decoding of ``new`` tokens for each of ``batch`` sequences after a prompt, through
+  ``generate`` (``do_sample=False``, exactly ``new`` tokens): with the dynamic cache (eager) and
+  with the static cache, which transformers compiles for decoding on CUDA
+  (``cache_implementation="static"``).  tokens/s counts the decode steps only: the time of
+  ``new`` tokens minus the time of one token (the prefill and its first token), over ``new - 1``.
+
+Not measured here: HF under the public ``batch_invariant_ops`` recipe (it is not installed).
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.memory_e2e import build_hf
+
+try:
+    from gpu_model_tp import sync as _sync, timed as _median
+except ImportError:  # run from elsewhere: tools/ is not on the path
+    from tools.gpu_model_tp import sync as _sync, timed as _median
+
+__all__ = ["hf_available", "hf_times"]
+
+
+def hf_available() -> Optional[str]:
+    """None when transformers can be imported, else why not."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return f"transformers is not installed ({exc})"
+    return None
+
+
+def hf_train_seconds(hf, tokens: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, device,
+                     iters: int) -> float:
+    def run():
+        hf.zero_grad(set_to_none=True)
+        logits = hf(input_ids=tokens, use_cache=False).logits
+        nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+        (nll * weights.flatten()).sum().backward()
+    seconds = _median(run, device, iters)
+    hf.zero_grad(set_to_none=True)
+    return seconds
+
+
+def hf_decode_tokens_per_s(hf, prompt: torch.Tensor, new: int, device, repeats: int, static: bool) -> float:
+    """Decode steps per second times the batch (``generate``'s time for ``new`` tokens minus one)."""
+    extra = {"cache_implementation": "static"} if static else {}
+
+    def generate(n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False, pad_token_id=0, **extra)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    generate(new)                                    # warm-up (compiles the static-cache step)
+    generate(new)
+    steps = sorted(generate(new) - generate(1) for _ in range(repeats))
+    return prompt.shape[0] * (new - 1) / steps[len(steps) // 2]
+
+
+def hf_times(model, device, *, batch: int, seq: int, iters: int, decode_batch: int, prompt_len: int,
+             new: int, repeats: int) -> dict:
+    """The HF peer's training step seconds and decode rates for ``model``'s shape (the inputs
+    drawn as :mod:`benchmarks.bench_e2e` draws them)."""
+    hf = build_hf(model.args, device)
+    hf.config.use_cache = True
+    gen = torch.Generator().manual_seed(11)
+    vocab = model.args.vocab_size
+    tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    targets = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    weights = (torch.rand(batch, seq, generator=gen) / (batch * seq)).to(device)
+    out = {"hf_attn_implementation": hf.config._attn_implementation,
+           "hf_s": hf_train_seconds(hf, tokens, targets, weights, device, iters)}
+    prompt = torch.randint(0, vocab, (decode_batch, prompt_len), generator=torch.Generator().manual_seed(7))
+    prompt = prompt.to(device)
+    with torch.no_grad():
+        out["hf_eager_tokens_per_s"] = hf_decode_tokens_per_s(hf, prompt, new, device, repeats, static=False)
+        if device.type == "cuda":
+            try:
+                out["hf_static_compiled_tokens_per_s"] = hf_decode_tokens_per_s(hf, prompt, new, device, repeats,
+                                                                                static=True)
+            except Exception as exc:  # reported in the table and the JSON, the rest still stands
+                out["hf_static_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
