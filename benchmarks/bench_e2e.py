@@ -24,7 +24,8 @@ Prints a table; ``--json`` writes the records.  Runs on CPU too (a check of the 
 ``--peers`` (on CUDA by default when transformers is installed; ``--no-peers`` skips it) adds
 Hugging Face transformers on the same shapes and workloads (:mod:`benchmarks.peers_e2e`): its
 eager training step, its eager decoding (dynamic cache) and its compiled static-cache decoding,
-with tpinv's time over HF's in the table.
+with tpinv's time over HF's in the table; and, when the public ``batch_invariant_ops`` package
+can be imported, HF's eager training and decoding under its batch-invariant mode.
 
 ``--memory issue`` adds peak memory beside time for tpinv, vanilla and HF transformers at the
 shapes of :data:`benchmarks.memory_e2e.ISSUE_CASES` (forward without grad, a training step, and
@@ -280,6 +281,10 @@ def print_peers(peers: dict, train: dict, decode: dict, batch: int) -> None:
     if "hf_static_compiled_tokens_per_s" in peers and "invariant_graph_tokens_per_s" in decode:
         rows.append(("decode tok/s, tpinv graph vs HF static+compiled", decode["invariant_graph_tokens_per_s"],
                      peers["hf_static_compiled_tokens_per_s"]))
+    if "hf_bio_s" in peers:
+        rows.append(("train step s, eager vs HF + batch_invariant_ops", train["invariant_s"], peers["hf_bio_s"]))
+        rows.append(("decode tok/s, eager vs HF + batch_invariant_ops", decode["invariant_eager_tokens_per_s"],
+                     peers["hf_bio_eager_tokens_per_s"]))
     for label, ours, theirs in rows:
         print(f"{label:<40} {ours:>12.4g} {theirs:>12.4g} {ours / theirs:>9.2f}")
     if "hf_static_error" in peers:

@@ -11,7 +11,12 @@ weights, SDPA attention), on the workloads of :mod:`benchmarks.bench_e2e`:
   (``cache_implementation="static"``).  tokens/s counts the decode steps only: the time of
   ``new`` tokens minus the time of one token (the prefill and its first token), over ``new - 1``.
 
-Not measured here: HF under the public ``batch_invariant_ops`` recipe (it is not installed).
+When the public ``batch_invariant_ops`` package (Thinking Machines Lab's batch-invariant
+kernels: ``aten::mm``, ``addmm``, ``_log_softmax`` and ``mean.dim`` replaced by Triton kernels
+through ``torch.library``) can be imported, the HF training step and eager decoding are timed
+again inside its ``set_batch_invariant_mode(True)``: the recipe a user would otherwise apply to
+HF for batch invariance (not TP invariance).  It is not a dependency of tpinv: put its source on
+``PYTHONPATH`` (or install it) to include it.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ try:
 except ImportError:  # run from elsewhere: tools/ is not on the path
     from tools.gpu_model_tp import sync as _sync, timed as _median
 
-__all__ = ["hf_available", "hf_times"]
+__all__ = ["hf_available", "hf_times", "batch_invariant_mode"]
 
 
 def hf_available() -> Optional[str]:
@@ -38,6 +43,15 @@ def hf_available() -> Optional[str]:
     except ImportError as exc:
         return f"transformers is not installed ({exc})"
     return None
+
+
+def batch_invariant_mode():
+    """``batch_invariant_ops.set_batch_invariant_mode`` when the package can be imported, else None."""
+    try:
+        from batch_invariant_ops import set_batch_invariant_mode
+    except ImportError:
+        return None
+    return set_batch_invariant_mode
 
 
 def hf_train_seconds(hf, tokens: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, device,
@@ -85,6 +99,13 @@ def hf_times(model, device, *, batch: int, seq: int, iters: int, decode_batch: i
            "hf_s": hf_train_seconds(hf, tokens, targets, weights, device, iters)}
     prompt = torch.randint(0, vocab, (decode_batch, prompt_len), generator=torch.Generator().manual_seed(7))
     prompt = prompt.to(device)
+    mode = batch_invariant_mode() if device.type == "cuda" else None
+    if mode is not None:
+        with mode(True):
+            out["hf_bio_s"] = hf_train_seconds(hf, tokens, targets, weights, device, iters)
+            with torch.no_grad():
+                out["hf_bio_eager_tokens_per_s"] = hf_decode_tokens_per_s(hf, prompt, new, device, repeats,
+                                                                          static=False)
     with torch.no_grad():
         out["hf_eager_tokens_per_s"] = hf_decode_tokens_per_s(hf, prompt, new, device, repeats, static=False)
         if device.type == "cuda":
