@@ -5,10 +5,11 @@ training step (``loss.backward``) and a greedy decode step against a KV cache, f
 invariant path or the vanilla path.  Prints the top device kernels by self device time and
 the top operators by host time; ``--trace DIR`` also writes Chrome traces.  ``--host N``
 instead runs N training steps under cProfile and prints the Python functions by own time (where
-an eager step's host time goes).
+an eager step's host time goes); ``--host-decode N`` the same over N greedy decode steps.
 
     python -m benchmarks.profile_e2e --model qwen3-0.6b --path invariant
     python -m benchmarks.profile_e2e --model qwen3-0.6b --host 3
+    python -m benchmarks.profile_e2e --model qwen3-0.6b --host-decode 20
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--trace", default=None)
     p.add_argument("--host", type=int, default=0, help="cProfile this many training steps instead")
+    p.add_argument("--host-decode", type=int, default=0, help="cProfile this many decode steps instead")
     opts = p.parse_args()
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -55,7 +57,17 @@ def main() -> None:
         return model(t, cache=cache) if invariant else vanilla_forward(model, t, cache=cache)
 
     if opts.host:
-        _host_profile(train_step, opts.host, opts.rows, device)
+        _host_profile(train_step, opts.host, opts.rows, device, "training")
+        return
+    if opts.host_decode:
+        cache = model.new_cache(opts.decode_batch, opts.prompt + opts.host_decode + 4, device=device)
+        with torch.no_grad():
+            token = [forward(prompt, cache)[:, -1].argmax(-1, keepdim=True)]
+
+            def decode_step():
+                token[0] = forward(token[0], cache)[:, -1].argmax(-1, keepdim=True)
+
+            _host_profile(decode_step, opts.host_decode, opts.rows, device, "decode")
         return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort_device = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
@@ -83,7 +95,7 @@ def main() -> None:
             prof.export_chrome_trace(os.path.join(opts.trace, f"{opts.path}-{label}.json"))
 
 
-def _host_profile(step, steps: int, rows: int, device: torch.device) -> None:
+def _host_profile(step, steps: int, rows: int, device: torch.device, label: str) -> None:
     """cProfile ``steps`` calls of ``step`` after two warm-ups: functions by own time, then by total."""
     import cProfile
     import pstats
@@ -100,7 +112,7 @@ def _host_profile(step, steps: int, rows: int, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     prof.disable()
-    print(f"==== {steps} training steps: {(time.perf_counter() - start) / steps * 1e3:.1f} ms a step under cProfile")
+    print(f"==== {steps} {label} steps: {(time.perf_counter() - start) / steps * 1e3:.1f} ms a step under cProfile")
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(rows)
     stats.sort_stats("cumulative").print_stats(rows)

@@ -2,8 +2,9 @@
 own launch through the dispatcher, and really run.
 
 Each case runs twice with binding on (the second launch of a specialization goes through the bound
-launcher: the counter moves) and once with binding and direct eager calls off; all three give the
-same bytes.  Control: the matmul with another leaf count differs.  A bound matmul keeps its TMA
+launcher: the counter moves; on Triton 3.6 it calls the launcher's C entry directly, descriptors
+expanded once), once with direct launches off and once with binding and direct eager calls off; all
+give the same bytes.  Control: the matmul with another leaf count differs.  A bound matmul keeps its TMA
 descriptors per address: a new tensor at a freed tensor's address gets a fresh launch's bytes
 (control: the old tensor's product differs).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from tpinv import ops
 from tpinv.kernels import launch as launch_mod
@@ -36,18 +38,33 @@ def _cases(dtype, leaves):
 def test_bound_launches_give_triton_launch_bits(dtype):
     run = _cases(dtype, 8)
     first = run()
-    before = launch_mod.bound_launches()
+    before, direct = launch_mod.bound_launches(), launch_mod.direct_launches()
     second = run()
     assert launch_mod.bound_launches() > before, "no launch went through a bound launcher"
+    if launch_mod.direct_available():
+        assert launch_mod.direct_launches() > direct, "no bound launch called the launcher directly"
+    launch_mod.DIRECT[0] = False
+    try:
+        wrapped = run()
+    finally:
+        launch_mod.DIRECT[0] = True
     launch_mod.BIND[0], registry.EAGER_CALLS[0] = False, False
     try:
         plain = run()
     finally:
         launch_mod.BIND[0], registry.EAGER_CALLS[0] = True, True
-    for i, (a, b, c) in enumerate(zip(first, second, plain)):
+    for i, (a, b, c, d) in enumerate(zip(first, second, plain, wrapped)):
         assert_same_bits(a, c, f"case {i}: first launch vs Triton's launch")
         assert_same_bits(b, c, f"case {i}: bound launch vs Triton's launch")
+        assert_same_bits(d, c, f"case {i}: bound launch through Triton's wrapper vs Triton's launch")
     assert_bits_differ(_cases(dtype, 2)()[1], second[1], "control: 2 leaves vs 8")
+
+
+def test_direct_launches_available_on_triton_3_6():
+    """The launcher form direct launches read is Triton 3.6's: there they must be on."""
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"Triton {triton.__version__}: direct launches are checked on 3.6")
+    assert launch_mod.direct_available()
 
 
 def test_training_step_grads_equal_without_binding():
@@ -88,8 +105,11 @@ def test_reused_descriptors_read_the_tensor_now_at_the_address(rows):
         memory.copy_(r(rows * 1024))             # other values at the same address,
         x = memory.view(rows, 1024)              # in a new tensor
         assert x.data_ptr() == address
-        new = ops.matmul(x, weight, 8, 1)
+        direct = launch_mod.direct_launches()
+        new = ops.matmul(x, weight, 8, 1)        # on Triton 3.6: the kept descriptors' kept expansions
         assert launch_mod.descriptor_reuses() >= before + 2, "the kept descriptors were not used"
+        if launch_mod.direct_available():
+            assert launch_mod.direct_launches() > direct, "the launch did not call the launcher directly"
         launch_mod.BIND[0], registry.EAGER_CALLS[0] = False, False
         try:
             plain = ops.matmul(x, weight, 8, 1)

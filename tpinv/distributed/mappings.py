@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from tpinv.core.autograd import apply_function
 from tpinv.core.contract import DEFAULT_LEAVES, check_tp_size
 from tpinv.distributed.groups import group_size, group_size_rank, resolve_group
 from tpinv.distributed.reduce import all_gather, tree_all_reduce, tree_reduce_scatter
@@ -138,29 +139,29 @@ def copy_to_tensor_model_parallel_region(x: torch.Tensor, group, *,
     """Forward: identity.  Backward: tree all-reduce of the fp32 partial gradients."""
     _fp32_partial("copy_to_tensor_model_parallel_region (backward)", x)
     check_tp_size(group_size(group, "group"), leaves)
-    return _CopyToTP.apply(x, _group(group), leaves)
+    return apply_function(_CopyToTP, x, _group(group), leaves)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group, *,
                                              leaves: int = DEFAULT_LEAVES) -> torch.Tensor:
     """Forward: tree all-reduce of fp32 partials.  Backward: identity."""
     _fp32_partial("reduce_from_tensor_model_parallel_region", x)
-    return _ReduceFromTP.apply(x, _group(group), leaves)
+    return apply_function(_ReduceFromTP, x, _group(group), leaves)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Forward: this rank's chunk of the last dim.  Backward: all-gather of the last dim."""
-    return _ScatterToTP.apply(x, _group(group))
+    return apply_function(_ScatterToTP, x, _group(group))
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Forward: all-gather of the last dim.  Backward: this rank's chunk of the last dim."""
-    return _GatherFromTP.apply(x, _group(group))
+    return apply_function(_GatherFromTP, x, _group(group))
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group, *, dim: int = 0) -> torch.Tensor:
     """Forward: this rank's chunk of dim 0 (``dim``: for ``[b, s, h]`` layouts).  Backward: all-gather of it."""
-    return _ScatterToSP.apply(x, _group(group), dim % x.dim())
+    return apply_function(_ScatterToSP, x, _group(group), dim % x.dim())
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group, *,
@@ -171,11 +172,11 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group, *,
     if tensor_parallel_output_grad:
         _fp32_partial("gather_from_sequence_parallel_region (backward)", x)
         check_tp_size(group_size(group, "group"), leaves)
-    return _GatherFromSP.apply(x, _group(group), tensor_parallel_output_grad, leaves)
+    return apply_function(_GatherFromSP, x, _group(group), tensor_parallel_output_grad, leaves)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group, *,
                                                leaves: int = DEFAULT_LEAVES) -> torch.Tensor:
     """Forward: tree reduce-scatter of fp32 partials on dim 0.  Backward: all-gather of dim 0."""
     _fp32_partial("reduce_scatter_to_sequence_parallel_region", x)
-    return _ReduceScatterToSP.apply(x, _group(group), leaves)
+    return apply_function(_ReduceScatterToSP, x, _group(group), leaves)

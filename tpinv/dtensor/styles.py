@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from tpinv.core.autograd import apply_function
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_tp_size
 from tpinv.layers.embedding import _VocabParallelLookup
 from tpinv.layers.functions import ColumnParallelMatmul, RowParallelColumnOnlyMatmul
@@ -195,8 +196,8 @@ class InvariantColwiseParallel(_InvariantStyle):
             if x.shape[-1] != w.shape[1]:
                 raise ValueError(f"{type(mod).__name__}: input of shape {tuple(x.shape)}, expected "
                                  f"[..., {w.shape[1]}]")
-            y = ColumnParallelMatmul.apply(x, w, local(mod.bias), info.group, info.leaves, True, 1,
-                                           replicas, replica_index)
+            y = apply_function(ColumnParallelMatmul, x, w, local(mod.bias), info.group, info.leaves, True, 1,
+                               replicas, replica_index)
             if output == "replicate":
                 y = gather_from_tensor_model_parallel_region(y, info.group)
             elif output == "dtensor":
@@ -228,9 +229,9 @@ class InvariantColumnOnlyParallel(_InvariantStyle):
             if x.shape[-1] != k_local:
                 raise ValueError(f"{type(mod).__name__}: local input of shape {tuple(x.shape)}, "
                                  f"expected [..., {k_local}] (in_features / TP)")
-            y = RowParallelColumnOnlyMatmul.apply(x, local(mod.weight), info.group, info.leaves)
+            y = apply_function(RowParallelColumnOnlyMatmul, x, local(mod.weight), info.group, info.leaves)
             if mod.bias is not None:
-                y = _AddReplicatedBias.apply(y, local(mod.bias))
+                y = apply_function(_AddReplicatedBias, y, local(mod.bias))
             return (y, None) if as_tuple else y
 
         replace_forward(module, forward)
@@ -263,7 +264,7 @@ class InvariantVocabEmbedding(_InvariantStyle):
                 raise IndexError(f"token ids must lie in [0, {vocab}), got min {int(ids.min())} "
                                  f"and max {int(ids.max())}")
             w = local(mod.weight)
-            out = _VocabParallelLookup.apply(ids.long(), w, info.rank * w.shape[0], info.group, info.leaves)
+            out = apply_function(_VocabParallelLookup, ids.long(), w, info.rank * w.shape[0], info.group, info.leaves)
             pad = getattr(mod, "padding_idx", None)
             if pad is not None:
                 out = torch.where((ids == pad).unsqueeze(-1), out.detach(), out)

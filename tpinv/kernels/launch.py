@@ -12,6 +12,10 @@ have compiled differently.  Only the launch path changes (host time), never the 
 launches per shape (:func:`operands_key`, :func:`remember`) keeps the bound launcher with its plan
 (``bound=``) and skips building and looking up a key per call; once that launch is bound
 (:func:`is_bound`), its TMA descriptors are built once per address (:func:`reused_descriptor`).
+Where Triton's CUDA launcher has the form of Triton 3.6's, a bound launch calls the compiled launcher's C entry itself
+(:data:`DIRECT`): the arguments Triton's Python wrapper would pass, each host TMA descriptor
+expanded once by Triton's own ``make_tensordesc_arg`` and kept with the descriptor (a descriptor
+is fixed by address, shape, strides, dtype and block, and so is its expansion).
 Triton versions without the launcher API used here (and Triton's interpreter) launch through
 Triton every time: same kernel, more host time.
 """
@@ -28,14 +32,18 @@ try:
 except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
     _knobs = None
 
-__all__ = ["launch", "bound_launches", "is_bound", "operands_key", "remember", "reused_descriptor",
-           "descriptor_reuses", "BIND", "REUSE_DESCRIPTORS"]
+__all__ = ["launch", "bound_launches", "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
+           "reused_descriptor", "descriptor_reuses", "BIND", "REUSE_DESCRIPTORS", "DIRECT"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
 BIND = [True]
 #: ``[True]``: bound launches reuse TMA descriptors per address (:func:`reused_descriptor`);
 #: ``[False]``: build them every call (benchmarks compare).
 REUSE_DESCRIPTORS = [True]
+
+#: ``[True]``: a bound launch calls the compiled launcher's C entry with the arguments Triton's
+#: wrapper would build (:func:`_direct_entry`); ``[False]``: through the wrapper (tests compare).
+DIRECT = [True]
 
 #: Entries a table of bound launchers or launch plans keeps before it is cleared and refilled
 #: (shapes that keep changing, e.g. a decode's cache length, would otherwise grow it forever).
@@ -44,6 +52,7 @@ MAX_BOUND = 4096
 _BOUND: dict = {}        # (kernel, device, key) -> (compiled kernel, tail of constexpr values)
 _NAMES: dict = {}        # kernel -> its parameter names and defaults
 _COUNT = [0]
+_DIRECT_COUNT = [0]
 
 
 def operands_key(*tensors: torch.Tensor) -> tuple:
@@ -63,6 +72,18 @@ def remember(table: dict, key, value):
 def bound_launches() -> int:
     """How many launches so far went through a bound launcher (tests assert it moves)."""
     return _COUNT[0]
+
+
+def direct_launches() -> int:
+    """How many bound launches so far called the launcher's C entry directly (tests assert it moves)."""
+    return _DIRECT_COUNT[0]
+
+
+def direct_available() -> bool:
+    """Whether this Triton's launcher has the form direct launches need (:data:`DIRECT`)."""
+    if not _EXPANDER:
+        _EXPANDER.append(_tensordesc_expander() if _knobs is not None else None)
+    return _EXPANDER[0] is not None
 
 
 def is_bound(bound: dict) -> bool:
@@ -183,18 +204,83 @@ def launch(fn, grid: tuple, *args, bound: Optional[dict] = None, **kwargs) -> No
                 tail.append(default)
             else:
                 return                   # a runtime argument passed by keyword: not bound
+        entry = (compiled, tuple(tail), _direct_entry(compiled))
         if bound is not None:
-            bound[device] = (compiled, tuple(tail))
+            bound[device] = entry
             return
-        remember(_BOUND, (fn, device, key), (compiled, tuple(tail)))
+        remember(_BOUND, (fn, device, key), entry)
         return
-    compiled, tail = entry
+    compiled, tail, direct = entry
     stream = _driver.active.get_current_stream(device)
     full = (*args, *tail)
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     enter = _knobs.runtime.launch_enter_hook
     metadata = compiled.launch_metadata(grid, stream, *full) if enter is not None else None
-    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, metadata,
-                 enter, _knobs.runtime.launch_exit_hook, *full)
+    if direct is not None and DIRECT[0]:
+        c_launch, cooperative, pdl, descriptors = direct
+        if descriptors:
+            full = _expand_descriptors(full, descriptors)
+        c_launch(grid[0], g1, g2, stream, compiled.function, cooperative, pdl, None, None,
+                 compiled.packed_metadata, metadata, enter, _knobs.runtime.launch_exit_hook, *full)
+        _DIRECT_COUNT[0] += 1
+    else:
+        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, metadata,
+                     enter, _knobs.runtime.launch_exit_hook, *full)
     _COUNT[0] += 1
+
+
+def _direct_entry(compiled) -> Optional[tuple]:
+    """``(C entry, cooperative, pdl, ((position, descriptor metadata), ...))`` of a compiled kernel
+    whose launcher is a ``CudaLauncher`` of Triton 3.6's form needing no scratch memory; None otherwise
+    (the launch then goes through ``compiled.run``)."""
+    run = compiled.run
+    if (type(run).__name__ != "CudaLauncher" or not direct_available()
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl")):
+        return None
+    entry = run.launch
+    if type(entry).__name__ == "builtin_function_or_method":     # no tensor descriptor argument
+        return entry, run.launch_cooperative_grid, run.launch_pdl, ()
+    code = getattr(entry, "__code__", None)
+    if (getattr(entry, "__name__", "") != "inner" or code is None
+            or set(code.co_freevars) != {"launcher", "tensordesc_indices", "tensordesc_meta"}):
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in entry.__closure__)))
+    positions = sorted(cells["tensordesc_indices"])
+    metas = list(cells["tensordesc_meta"] or [None] * len(positions))
+    if len(metas) != len(positions) or type(cells["launcher"]).__name__ != "builtin_function_or_method":
+        return None
+    return cells["launcher"], run.launch_cooperative_grid, run.launch_pdl, tuple(zip(positions, metas))
+
+
+def _expand_descriptors(full: tuple, descriptors: tuple) -> list:
+    """``full`` with each host TMA descriptor replaced by Triton's expansion of it, built once per
+    descriptor object and kept on it (with the kernel's descriptor metadata it was built for)."""
+    out, start = [], 0
+    for position, meta in descriptors:
+        desc = full[position]
+        kept = getattr(desc, "_tpinv_expansion", None)
+        if kept is None or kept[0] is not meta:
+            kept = (meta, _EXPANDER[0](desc, meta))
+            desc._tpinv_expansion = kept
+        out.extend(full[start:position])
+        out.extend(kept[1])
+        start = position + 1
+    out.extend(full[start:])
+    return out
+
+
+def _tensordesc_expander():
+    """Triton's ``make_tensordesc_arg(arg, metadata)`` (3.6's form), or None where it differs."""
+    try:
+        from triton.backends.nvidia import driver as nvidia_driver
+        fn = nvidia_driver.make_tensordesc_arg
+        if len(inspect.signature(fn).parameters) != 2 or nvidia_driver._BASE_ARGS_FORMAT_LEN != 13:
+            return None
+        return fn
+    except Exception:        # any other Triton: its wrapper launches (same kernel, more host time)
+        return None
+
+
+_EXPANDER: list = []      # [Triton's make_tensordesc_arg, or None], resolved on first use

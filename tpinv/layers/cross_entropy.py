@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tpinv.core.autograd import apply_function
 from tpinv.core.contract import DEFAULT_LEAVES, check_divisible, check_tp_size
 from tpinv.ops import sum_exp_partial
 from tpinv.ops.cross_entropy import cross_entropy_grad, cross_entropy_lse
@@ -73,7 +74,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         raise NotImplementedError("label_smoothing is not supported by tpinv's vocab-parallel cross-entropy")
     if target.shape != vocab_parallel_logits.shape[:-1]:
         raise ValueError(f"target has shape {tuple(target.shape)}, expected {tuple(vocab_parallel_logits.shape[:-1])}")
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target.long(), tp_group, leaves)
+    return apply_function(_VocabParallelCrossEntropy, vocab_parallel_logits, target.long(), tp_group, leaves)
 
 
 def vocab_parallel_log_probs(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, *,

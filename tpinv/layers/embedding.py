@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from tpinv.core.autograd import apply_function
 from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.layers.common import check_layer_sizes, config_leaves, init_sharded_weight, params_dtype
 from tpinv.layers.common import reject_unsupported
@@ -93,5 +94,5 @@ class VocabParallelEmbedding(torch.nn.Module):
         n = self.num_embeddings   # in the graph under torch.compile; a capture's runner checks
         check_range(input_, n, lambda low, high: IndexError(
             f"token id {high if high >= n else low} is outside the vocabulary [0, {n})"), "token id")
-        return _VocabParallelLookup.apply(input_.long(), self.weight, self.vocab_start_index,
-                                          self.tp_group, self.leaves)
+        return apply_function(_VocabParallelLookup, input_.long(), self.weight, self.vocab_start_index,
+                              self.tp_group, self.leaves)

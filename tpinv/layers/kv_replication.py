@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from tpinv.core.autograd import apply_function
 from tpinv.distributed.groups import group_size_rank
 from tpinv.distributed.reduce import all_gather
 
@@ -66,7 +67,7 @@ def gather_replica_heads(x: torch.Tensor, group, replicas: int) -> torch.Tensor:
     Backward: this rank's own heads of the (identical on every replica) gradient."""
     if replicas == 1:
         return x
-    return _GatherReplicaHeads.apply(x, group, replicas)
+    return apply_function(_GatherReplicaHeads, x, group, replicas)
 
 
 def split_replica_heads(x: torch.Tensor, group, replicas: int) -> torch.Tensor:
@@ -74,4 +75,4 @@ def split_replica_heads(x: torch.Tensor, group, replicas: int) -> torch.Tensor:
     group's output gradients, gathered exactly, so every replica back-propagates the whole group."""
     if replicas == 1:
         return x
-    return _SplitReplicaHeads.apply(x, group, replicas)
+    return apply_function(_SplitReplicaHeads, x, group, replicas)

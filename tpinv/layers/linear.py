@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from tpinv.core.autograd import apply_function
 from tpinv.core.contract import check_divisible
 from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.common import (
@@ -149,9 +150,9 @@ class ColumnParallelLinear(torch.nn.Module):
         if input_.shape[-1] != self.input_size:
             raise ValueError(f"input has last dim {input_.shape[-1]}, expected {self.input_size}")
         bias = None if self.skip_bias_add else self.bias
-        y = ColumnParallelMatmul.apply(input_, weight, bias, self.tp_group, self.leaves,
-                                       not self.disable_grad_reduce, self.stride, self.replicas,
-                                       self.replica_index, self.seq_dim)
+        y = apply_function(ColumnParallelMatmul, input_, weight, bias, self.tp_group, self.leaves,
+                           not self.disable_grad_reduce, self.stride, self.replicas,
+                           self.replica_index, self.seq_dim)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather and self.tp_size > 1:
             y = gather_from_tensor_model_parallel_region(y, self.tp_group)
@@ -229,9 +230,9 @@ class RowParallelLinear(torch.nn.Module):
                              f"(input_size={self.input_size} / TP={self.tp_size}, input_is_parallel="
                              f"{self.input_is_parallel})")
         if self.strategy == "tree":
-            y = RowParallelTreeMatmul.apply(x, self.weight, self.tp_group, self.leaves, self.seq_dim)
+            y = apply_function(RowParallelTreeMatmul, x, self.weight, self.tp_group, self.leaves, self.seq_dim)
         else:
-            y = RowParallelColumnOnlyMatmul.apply(x, self.weight, self.tp_group, self.leaves)
+            y = apply_function(RowParallelColumnOnlyMatmul, x, self.weight, self.tp_group, self.leaves)
         if self.skip_bias_add:
             return y, self.bias
         return (y if self.bias is None else y + self.bias), None

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from tpinv.core.autograd import apply_function
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.cross_entropy import logits_grad, logsumexp_and_target
@@ -109,7 +110,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         raise ValueError(f"target has shape {tuple(target.shape)}, expected {tuple(hidden.shape[:-1])}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V/C, {hidden.shape[-1]}], got {list(weight.shape)}")
-    return _LinearCrossEntropy.apply(hidden, weight, target.long(), tp_group, leaves, chunk_tokens)
+    return apply_function(_LinearCrossEntropy, hidden, weight, target.long(), tp_group, leaves, chunk_tokens)
 
 
 def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tpinv.core.autograd import apply_function
 from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.distributed.reduce import all_gather
 from tpinv.kernels.reference_tree import halving_sum
@@ -66,8 +67,8 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sp_group is None or group_size(self.sp_group) == 1:
             return rms_norm(x, self.weight, self.eps)
-        return _SequenceParallelRMSNorm.apply(x.contiguous(), self.weight, float(self.eps), self.sp_group,
-                                              self.seq_dim % x.dim())
+        return apply_function(_SequenceParallelRMSNorm, x.contiguous(), self.weight, float(self.eps), self.sp_group,
+                              self.seq_dim % x.dim())
 
 
 class _HeadRMSNorm(torch.autograd.Function):
@@ -103,7 +104,8 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group, repl
     ``replicas``: ranks holding each head, for replicated KV heads)."""
     if isinstance(x, torch.Tensor):  # the op checks the inputs (once, at its kernel's entry)
         x = x.contiguous()
-    return _HeadRMSNorm.apply(x, weight, float(eps) if isinstance(eps, (int, float)) else eps, group, replicas)
+    eps = float(eps) if isinstance(eps, (int, float)) else eps
+    return apply_function(_HeadRMSNorm, x, weight, eps, group, replicas)
 
 
 class HeadRMSNorm(RMSNorm):

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from tpinv.core.autograd import apply_function
 from tpinv.core.contract import InvarianceError
 from tpinv.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpinv.ops import tree_sum
@@ -81,7 +82,7 @@ class MegatronColumnParallelLinear(ColumnParallelLinear):
             if y.shape[-1] != bias.shape[-1]:
                 raise NotImplementedError(f"{type(self).__name__}: skip_bias_add with a gathered output "
                                           "(gather_output=True) is not supported")
-            bias = BroadcastBias.apply(bias, y.shape)
+            bias = apply_function(BroadcastBias, bias, y.shape)
         return y, bias
 
 
