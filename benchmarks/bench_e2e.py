@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from benchmarks.common import write_json
+from benchmarks.common import host_median_s, synchronize as sync, write_json
 from benchmarks.memory_e2e import ISSUE_CASES, TINY_CASES, format_rows, run_cases
 from benchmarks.peers_e2e import hf_available, hf_times
 from tpinv.layers.linear_cross_entropy import LOG_PROB_CHUNK_TOKENS
@@ -51,11 +51,6 @@ from tpinv.core.capture import capture
 from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
-
-try:
-    from gpu_model_tp import sync, timed as median_seconds
-except ImportError:  # run from elsewhere: tools/ is not on the path
-    from tools.gpu_model_tp import sync, timed as median_seconds
 
 
 def build(name: str, layers: int | None, dtype: torch.dtype, device) -> Transformer:
@@ -121,7 +116,7 @@ def graphed_train_times(model, paths, step, device, iters) -> dict:
             replay()
             out["graph_grads_equal_eager"] = all(
                 torch.equal(a, b) for a, b in zip(train_grads(model, lambda: None), eager_grads))
-        out[f"{name}_graph_s"] = median_seconds(replay, device, iters)
+        out[f"{name}_graph_s"] = host_median_s(replay, iters, sync=lambda: sync(device))
     out["ratio_time_graph"] = out["invariant_graph_s"] / out["vanilla_graph_s"]
     return out
 

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import write_json
+from benchmarks.common import synchronize, write_json
 from tpinv.core.contract import tree_combine_list
 from tpinv.distributed.reduce import ALGORITHMS, algorithms_for, choose_algorithm, tree_all_reduce
 
@@ -38,23 +38,19 @@ def parse_size(text: str) -> int:
     return int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def _time(fn, device, warmup: int, iters: int) -> float:
     """Median over ``iters`` of the slowest rank's seconds for one call of ``fn``."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    synchronize(device)
     times = torch.zeros(iters, dtype=torch.float64, device=device)
     for i in range(iters):
         dist.barrier()
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times[i] = time.perf_counter() - start
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return statistics.median(times.tolist())

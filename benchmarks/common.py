@@ -12,7 +12,14 @@ import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["host_median_s", "device_median_ms", "copy_gbps", "write_json", "format_table"]
+__all__ = ["synchronize", "host_median_s", "device_median_ms", "copy_gbps", "write_json", "format_table"]
+
+
+def synchronize(device) -> None:
+    """Wait until ``device`` (a ``torch.device``) has run what was queued on it; nothing off CUDA."""
+    if device.type == "cuda":
+        import torch
+        torch.cuda.synchronize(device)
 
 
 def host_median_s(fn: Callable[[], Any], repeat: int, *, sync: Optional[Callable[[], None]] = None) -> float:

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
+from benchmarks.common import synchronize
 from tpinv.io.hf_keys import hf_config_from_args
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
@@ -71,10 +72,6 @@ def build_hf(args, device):
     return model.to(device)
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def measure(fn: Callable[[], object], device, iters: int) -> dict:
     """Peak memory (GiB above what is allocated before the call) of one call, then the median
@@ -86,14 +83,14 @@ def measure(fn: Callable[[], object], device, iters: int) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     fn()
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_allocated(device) - base) / GIB
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return {"peak_gib_above_weights": peak, "s": sorted(times)[len(times) // 2]}
 

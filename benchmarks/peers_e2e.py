@@ -26,12 +26,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import host_median_s, synchronize
 from benchmarks.memory_e2e import build_hf
-
-try:
-    from gpu_model_tp import sync as _sync, timed as _median
-except ImportError:  # run from elsewhere: tools/ is not on the path
-    from tools.gpu_model_tp import sync as _sync, timed as _median
 
 __all__ = ["hf_available", "hf_times", "batch_invariant_mode"]
 
@@ -61,7 +57,7 @@ def hf_train_seconds(hf, tokens: torch.Tensor, targets: torch.Tensor, weights: t
         logits = hf(input_ids=tokens, use_cache=False).logits
         nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
         (nll * weights.flatten()).sum().backward()
-    seconds = _median(run, device, iters)
+    seconds = host_median_s(run, iters, sync=lambda: synchronize(device))
     hf.zero_grad(set_to_none=True)
     return seconds
 
@@ -71,11 +67,11 @@ def hf_decode_tokens_per_s(hf, prompt: torch.Tensor, new: int, device, repeats: 
     extra = {"cache_implementation": "static"} if static else {}
 
     def generate(n: int) -> float:
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
                     do_sample=False, pad_token_id=0, **extra)
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - t0
 
     generate(new)                                    # warm-up (compiles the static-cache step)

@@ -4,7 +4,7 @@
 be recorded (grad mode off, or no argument requiring a gradient).  Checked here: a model's
 logits under ``no_grad`` and for a frozen model are the bytes of the recorded forward, and no
 layer's ``Function.apply`` ran (each replaced by one that raises); with a gradient to record,
-under a torch function mode and under ``torch.compile`` ``apply`` runs.  Control: the same
+under a torch function or dispatch mode and under ``torch.compile`` ``apply`` runs.  Control: the same
 forward with the final norm's weight doubled (exact) gives other bytes.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpinv.core.autograd import apply_function, direct_forwards
 from tpinv.layers.embedding import _VocabParallelLookup
@@ -88,13 +89,18 @@ def test_apply_runs_where_a_node_or_an_observer_may_need_it():
     y.sum().backward()
     assert_same_bits(x.grad, torch.full((3,), 2.0))
 
-    class Watch(TorchFunctionMode):
+    class WatchFunctions(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    with torch.no_grad(), Watch():
-        apply_function(_Twice, torch.ones(3))
-    assert direct_forwards() == before             # a function mode sees the Function's apply
+    class WatchDispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    for watch in (WatchFunctions, WatchDispatch):
+        with torch.no_grad(), watch():
+            apply_function(_Twice, torch.ones(3))
+        assert direct_forwards() == before, watch  # a mode sees the Function's apply
     with torch.no_grad():
         out = apply_function(_Twice, torch.ones(3))
     assert direct_forwards() == before + 1

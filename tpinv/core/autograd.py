@@ -4,35 +4,30 @@ Invariant kept: :func:`apply_function` computes exactly what ``fn.apply(*args)``
 it runs the same ``fn.forward`` on the same arguments -- and differs only in whether an
 autograd node is recorded.  With no gradient to record (grad mode off, or no tensor argument
 requiring one: inference, decoding, a frozen reference model's log-probs) it calls
-``fn.forward`` with a throwaway context and skips ``Function.apply``'s host work (a decode step
-of a 28-layer model makes ~250 such calls).  Under ``torch.compile``, a functorch transform or
-a torch function mode (DTensor, an observer), ``fn.apply`` always runs, as before.
+``fn.forward`` with a plain :class:`torch.autograd.function.FunctionCtx` and skips
+``Function.apply``'s host work (a decode step of a 28-layer model makes ~250 such calls).
+Where the call may be watched or transformed (:func:`observed`: ``torch.compile``, a dispatch
+or function mode, the profiler, a functorch transform) or an argument is a tensor subclass,
+``fn.apply`` runs, as before.  The ops' direct eager calls (:mod:`tpinv.ops.registry`) use the
+same two tests.
 """
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import FunctionCtx
 
-__all__ = ["apply_function", "direct_forwards"]
+__all__ = ["apply_function", "direct_forwards", "observed", "PLAIN_TENSORS"]
+
+#: The tensor types a direct call takes; any other tensor (a subclass) goes through torch.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-class _NoGradContext:
-    """The context a forward sees when no node is recorded: it keeps what the forward sets and
-    saves nothing (no backward will read it)."""
-
-    needs_input_grad: tuple = ()
-    saved_tensors: tuple = ()
-
-    def save_for_backward(self, *tensors) -> None:
-        pass
-
-    def mark_non_differentiable(self, *tensors) -> None:
-        pass
-
-    def mark_dirty(self, *tensors) -> None:
-        pass
-
-    def set_materialize_grads(self, value: bool) -> None:
-        pass
+def observed() -> bool:
+    """Whether something may watch or transform a call: torch.compile, a dispatch or function
+    mode, the profiler or a functorch transform (then it goes through torch's own path)."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._is_torch_function_mode_enabled() or torch.autograd._profiler_enabled()
+            or torch._C._are_functorch_transforms_active())
 
 
 _DIRECT = [0]
@@ -45,14 +40,12 @@ def direct_forwards() -> int:
 
 def apply_function(fn: type, *args):
     """``fn.apply(*args)`` for a :class:`torch.autograd.Function` ``fn``; without a gradient to
-    record, ``fn.forward(ctx, *args)`` with a context that saves nothing (same computation)."""
-    if (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)) \
-            or torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled() \
-            or torch._C._are_functorch_transforms_active() \
-            or any(type(a) not in _PLAIN and isinstance(a, torch.Tensor) for a in args):
+    record, ``fn.forward(FunctionCtx(), *args)`` (the same computation, no node)."""
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) not in PLAIN_TENSORS or (grad and a.requires_grad)):
+            return fn.apply(*args)
+    if observed():
         return fn.apply(*args)
     _DIRECT[0] += 1
-    return fn.forward(_NoGradContext(), *args)
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+    return fn.forward(FunctionCtx(), *args)

@@ -34,6 +34,8 @@ try:
 except ImportError:                      # older torch keeps it private
     from torch._library.custom_ops import CustomOpDef
 
+from tpinv.core.autograd import PLAIN_TENSORS, observed
+
 NAMESPACE = "tpinv"
 
 
@@ -101,15 +103,14 @@ class InvariantOp(CustomOpDef):
 
     def __call__(self, *args, **kwargs):
         fast = self._tpinv_eager
-        if (kwargs or not EAGER_CALLS[0] or len(args) != fast.arity or torch.compiler.is_compiling()
-                or _observed()):
+        if kwargs or not EAGER_CALLS[0] or len(args) != fast.arity or observed():
             return self._opoverload(*args, **kwargs)
         device = None
         for i in fast.tensor_args:
             t = args[i]
             if t is None:
                 continue
-            if type(t) not in _PLAIN_TENSORS:
+            if type(t) not in PLAIN_TENSORS:
                 return self._opoverload(*args)
             if device is None:
                 device = t.device.type
@@ -147,14 +148,6 @@ class InvariantOp(CustomOpDef):
         self._tpinv_eager.autograd = type(class_name, (_EagerAutograd,), {
             "forward": staticmethod(forward), "backward": staticmethod(eager_backward)})
 
-
-def _observed() -> bool:
-    """Whether something may watch or transform an op call (then it goes through the dispatcher)."""
-    return (torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
-            or torch.autograd._profiler_enabled() or torch._C._are_functorch_transforms_active())
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 #: ``[True]``: plain eager calls run the kernel directly (:class:`InvariantOp`); ``[False]``: every
 #: call goes through the dispatcher (tests compare the two).
