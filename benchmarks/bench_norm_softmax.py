@@ -5,9 +5,12 @@ Bandwidth = bytes read + written once (input, output, weight) / median time
 plain torch ops (the HF RMSNorm formula, ``F.log_softmax``, ``torch.logsumexp``).  The
 softmax rows time the fused one-launch kernel (``log_softmax_forward_cuda``,
 ``logsumexp_forward_cuda``: the row read once, plus the ``[T]`` result).  Prints a
-Markdown table and writes JSON (``--json PATH``).
+Markdown table and writes JSON (``--json PATH``).  ``--sweep`` also times the fused kernel's
+launch shapes (chunk, warps, programs per SM, pipeline stages) for log_softmax and the
+statistics alone by the one-program-per-leaf kernel, each checked first to give the row
+kernel's bytes.
 
-    python -m benchmarks.bench_norm_softmax --json out.json
+    python -m benchmarks.bench_norm_softmax [--sweep] --json out.json
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from triton.testing import do_bench
 from benchmarks.common import copy_gbps as copy_bandwidth_gbps, write_json
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.kernels.triton_norm import rms_norm_backward_cuda, rms_norm_forward_cuda
+from tpinv.kernels import triton_softmax
 from tpinv.kernels.triton_softmax import log_softmax_forward_cuda, logsumexp_forward_cuda
 from tpinv.models.vanilla import plain_rms_norm
 
@@ -46,47 +50,96 @@ def run(copy_gbps: float) -> list[dict]:
                              frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
                              bwd_ms=bms, bwd_gbps=bbw, bwd_frac_copy=bbw / copy_gbps))
             del x, g
-    vocab = 151936
+    vocab = VOCAB
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         for tokens in (1024, 4096):
             x = torch.randn(tokens, vocab, device="cuda", dtype=dtype)
             n_bytes = 2 * x.numel() * x.element_size()
+            row_cfg = triton_softmax._FUSED_CONFIG[dtype]
             ms, bw = gbps(n_bytes, lambda: log_softmax_forward_cuda(x, DEFAULT_LEAVES))
             tms, tbw = gbps(n_bytes, lambda: F.log_softmax(x, -1))
+            rms, rbw = gbps(n_bytes, lambda: triton_softmax._fused(x, DEFAULT_LEAVES, triton_softmax._MODE_LOG, row_cfg))
             rows.append(dict(op="log_softmax", dtype=name, T=tokens, V=vocab, ms=ms, gbps=bw,
-                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw))
+                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
+                             row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps))
             lse_bytes = x.numel() * x.element_size() + tokens * x.element_size()
             ms, bw = gbps(lse_bytes, lambda: logsumexp_forward_cuda(x, DEFAULT_LEAVES))
             tms, tbw = gbps(lse_bytes, lambda: torch.logsumexp(x, -1))
+            rms, rbw = gbps(lse_bytes, lambda: triton_softmax._fused(x, DEFAULT_LEAVES, triton_softmax._MODE_STATS, row_cfg))
             rows.append(dict(op="logsumexp", dtype=name, T=tokens, V=vocab, ms=ms, gbps=bw,
-                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw))
+                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
+                             row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps))
             del x
             torch.cuda.empty_cache()
     return rows
 
 
+VOCAB = 151936
+#: --sweep: launch shapes of the by-leaves kernel (chunk, warps, programs per SM, stages)
+SWEEP = [(chunk, warps, per_sm, stages) for chunk in (2048, 4096, 8192) for warps in (4, 8)
+         for per_sm in (2, 4, 8) for stages in (1, 2)]
+
+
+def _same_bytes(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(
+        torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def sweep(copy_gbps: float, tokens: int = 4096) -> list[dict]:
+    """Time the by-leaves kernel's launch shapes (bytes checked against the row kernel first)."""
+    from tpinv.kernels.triton_softmax_leaves import softmax_rows_by_leaves
+    rows = []
+    ts = triton_softmax
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        x = torch.randn(tokens, VOCAB, device="cuda", dtype=dtype)
+        for mode, op in ((ts._MODE_LOG, "log_softmax"), (ts._MODE_STATS, "max_sum")):
+            want = ts._fused(x, DEFAULT_LEAVES, mode, ts._FUSED_CONFIG[dtype])
+            n_bytes = x.numel() * x.element_size() * (2 if mode == ts._MODE_LOG else 1)
+            for cfg in SWEEP:
+                try:
+                    got = softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, cfg)
+                    same = all(_same_bytes(g, w) for g, w in zip(got, want) if w is not None)
+                    ms, bw = gbps(n_bytes, lambda: softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, cfg))
+                except Exception as exc:  # a config that does not compile (resources) is recorded
+                    print(f"{op} {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                    continue
+                rows.append(dict(op=op, dtype=name, T=tokens, config=list(cfg), same_bytes=same,
+                                 ms=ms, gbps=bw, frac_copy=bw / copy_gbps))
+                print(f"{op} {name} T={tokens} {cfg}: {100 * bw / copy_gbps:.0f}% same={same}", flush=True)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
 def table(rows: list[dict], copy_gbps: float) -> str:
     lines = [f"copy bandwidth (d2d, 2 GiB): {copy_gbps:.0f} GB/s", "",
-             "| op | dtype | shape | tpinv ms | tpinv GB/s | % of copy | torch ms | torch GB/s | bwd GB/s (% copy) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| op | dtype | shape | tpinv ms | tpinv GB/s | % of copy | row kernel % of copy | torch ms | torch GB/s | bwd GB/s (% copy) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = f"T={r['T']} H={r['H']}" if r["op"] == "rms_norm" else f"T={r['T']} V={r['V']}"
         bwd = f"{r['bwd_gbps']:.0f} ({100 * r['bwd_frac_copy']:.0f}%)" if "bwd_gbps" in r else "-"
+        row_kernel = f"{100 * r['row_kernel_frac_copy']:.0f}%" if "row_kernel_frac_copy" in r else "-"
         lines.append(f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {r['gbps']:.0f} | "
-                     f"{100 * r['frac_copy']:.0f}% | {r['torch_ms']:.3f} | {r['torch_gbps']:.0f} | {bwd} |")
+                     f"{100 * r['frac_copy']:.0f}% | {row_kernel} | {r['torch_ms']:.3f} | {r['torch_gbps']:.0f} | {bwd} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this path")
+    parser.add_argument("--sweep", action="store_true", help="also time the fused kernel's configs")
     args = parser.parse_args()
     copy_gbps = copy_bandwidth_gbps(2 << 30)
     rows = run(copy_gbps)
     print(table(rows, copy_gbps))
+    swept = sweep(copy_gbps) if args.sweep else []
+    for op in sorted({r["op"] + " " + r["dtype"] + " T=" + str(r["T"]) for r in swept}):
+        best = max((r for r in swept if f"{r['op']} {r['dtype']} T={r['T']}" == op and r["same_bytes"]),
+                   key=lambda r: r["gbps"])
+        print(f"best {op}: {best['config']} {100 * best['frac_copy']:.0f}% of copy")
     if args.json:
         write_json(args.json, dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                   copy_gbps=copy_gbps, rows=rows))
+                                   copy_gbps=copy_gbps, rows=rows, sweep=swept))
 
 
 if __name__ == "__main__":

@@ -212,10 +212,12 @@ def test_fused_rows_invariant_at_vocab_width(dtype):
 
 
 def test_fused_config_knobs_do_not_move_bits():
-    """Row chunk, warps, grid size, leaf grouping and eviction hints are speed choices only."""
+    """Row chunk, warps, grid size, leaf grouping, eviction hints and pipeline stages are speed
+    choices only."""
     x = rand(50, 151936, dtype=torch.bfloat16, seed=23)
     want = ts()._fused(x, DEFAULT_LEAVES, ts()._MODE_LOG)
-    for config in ((4096, 4, 1, 1, False), (32768, 16, 3, 8, True), (8192, 8, 1, 2, True)):
+    for config in ((4096, 4, 1, 1, False, 1), (32768, 16, 3, 8, True, 2), (8192, 8, 1, 2, True, 3),
+                   (16384, 4, 6, 1, True, 2), (8192, 8, 0.5, 2, False, 1)):
         got = ts()._fused(x, DEFAULT_LEAVES, ts()._MODE_LOG, config)
         for a, b in zip(got, want):
             assert_same_bits(a, b, str(config))

@@ -107,10 +107,10 @@ def _check_rows_alone_equal_batch(ts):
                 for got, want in zip(padded, full):
                     assert_same_bits(got[2:11], want, str((dtype, programs, "padding rows")))
             ts._PROGRAMS_OFF_CUDA = 3
-            row_block, warps, per_sm, _, evict = ts._FUSED_CONFIG[dtype]
+            row_block, warps, per_sm, _, evict, stages = ts._FUSED_CONFIG[dtype]
             for group in (1, 2, 4, 8):                 # leaves summed side by side
                 for mode in (ts._MODE_LOG, ts._MODE_SOFTMAX):
-                    got = ts._fused(x, 8, mode, (64, warps, per_sm, group, evict))
+                    got = ts._fused(x, 8, mode, (64, warps, per_sm, group, evict, stages))
                     want = full if mode == ts._MODE_LOG else ts._fused(x, 8, mode)
                     for a, b in zip(got, want):
                         assert_same_bits(a, b, str((dtype, group, mode)))

@@ -31,8 +31,10 @@ kernels.  Semantics are those of :mod:`tpinv.kernels.reference_softmax`; bits ma
 
 The fused kernel (:func:`_softmax_rows_kernel`) runs a persistent grid (a fixed number of
 programs per SM, each looping over rows): one program reads its row for the max, re-reads
-it for the leaf sums and again for the output while it is still in L2, and the bounded
-number of rows in flight keeps that working set near the L2 size.
+it for the leaf sums and again for the output.  Rows of a large vocabulary in flight do not
+fit in L2, so each pass reads memory; softmax and log_softmax rows of several long leaves run
+one program per leaf instead, with these same jit functions and bits
+(:mod:`tpinv.kernels.triton_softmax_leaves`).
 """
 from __future__ import annotations
 
@@ -54,13 +56,14 @@ _OUT_BLOCK = 4096
 _MODE_STATS, _MODE_LOG, _MODE_SOFTMAX = 0, 1, 2
 
 #: Fused kernel per input dtype: (row chunk of the max/output passes, num_warps, programs
-#: per SM, leaves summed side by side, L2 eviction hints on).  Fixed per dtype, never
-#: chosen from the row count; none of them moves bits (the max is exact, the output
-#: elementwise, the leaf sums have their own fixed lane order).
+#: per SM (a fraction keeps fewer rows in flight), leaves summed side by side, L2 eviction
+#: hints on, software-pipeline stages of the row loops).  Fixed per dtype, never chosen from
+#: the row count; none of them moves bits (the max is exact, the output elementwise, the
+#: leaf sums have their own fixed lane order).
 _FUSED_CONFIG = {
-    torch.float32: (8192, 8, 2, 4, True),
-    torch.bfloat16: (16384, 8, 2, 4, True),
-    torch.float16: (16384, 8, 2, 4, True),
+    torch.float32: (8192, 8, 2, 4, True, 3),
+    torch.bfloat16: (16384, 4, 4, 4, True, 3),
+    torch.float16: (16384, 4, 4, 4, True, 3),
 }
 #: Programs of the persistent grid off CUDA (the interpreter): few, so rows loop.
 _PROGRAMS_OFF_CUDA = 3
@@ -93,7 +96,7 @@ def _fold_lanes(acc, GROUP: tl.constexpr, BLOCK: tl.constexpr, LOG2_BLOCK: tl.co
 
 @triton.jit
 def _leaf_sums_exp(base, leaf_len, shift, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-                   LOG2_BLOCK: tl.constexpr, POLICY: tl.constexpr):
+                   LOG2_BLOCK: tl.constexpr, POLICY: tl.constexpr, STAGES: tl.constexpr):
     """``[GROUP]`` fp32 sums of ``exp(x - shift)``, one per leaf of ``GROUP`` leaves from ``base``.
 
     Leaf ``g``, lane ``i`` adds elements ``i, i + BLOCK, ...`` of leaf ``g`` in that order
@@ -104,7 +107,7 @@ def _leaf_sums_exp(base, leaf_len, shift, GROUP: tl.constexpr, BLOCK: tl.constex
     lanes = tl.arange(0, BLOCK)[None, :]
     leaf_at = tl.arange(0, GROUP)[:, None] * leaf_len
     acc = tl.zeros([GROUP, BLOCK], dtype=tl.float32)
-    for start in range(0, leaf_len, BLOCK):
+    for start in tl.range(0, leaf_len, BLOCK, num_stages=STAGES):
         inside = tl.broadcast_to(start + lanes < leaf_len, [GROUP, BLOCK])
         x = tl.load(base + leaf_at + start + lanes, mask=inside, other=float("-inf"),
                     eviction_policy=POLICY)
@@ -138,7 +141,7 @@ def _leaf_sum_exp_kernel(x_ptr, shift_ptr, out_ptr, leaf_len, stride_x, n_leaves
     leaf = tl.program_id(1)
     shift = tl.load(shift_ptr + row)
     base = x_ptr + row * stride_x + leaf.to(tl.int64) * leaf_len
-    sums = _leaf_sums_exp(base, leaf_len, shift, 1, BLOCK, LOG2_BLOCK, "")
+    sums = _leaf_sums_exp(base, leaf_len, shift, 1, BLOCK, LOG2_BLOCK, "", 1)
     tl.store(out_ptr + row * n_leaves + leaf + tl.arange(0, 1), sums)
 
 
@@ -156,7 +159,7 @@ def _softmax_rows_kernel(x_ptr, y_ptr, max_ptr, total_ptr, n_rows, width, leaf_l
                          stride_x, stride_y, MODE: tl.constexpr, ROW_BLOCK: tl.constexpr,
                          LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr, GROUP: tl.constexpr,
                          LEAF_BLOCK: tl.constexpr, LOG2_LEAF_BLOCK: tl.constexpr,
-                         KEEP: tl.constexpr, DROP: tl.constexpr):
+                         KEEP: tl.constexpr, DROP: tl.constexpr, STAGES: tl.constexpr):
     offs = tl.arange(0, ROW_BLOCK)
     group_ids = tl.arange(0, LEAVES // GROUP)[:, None]
     for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -164,7 +167,7 @@ def _softmax_rows_kernel(x_ptr, y_ptr, max_ptr, total_ptr, n_rows, width, leaf_l
         x_row = x_ptr + row * stride_x
         # 1. the exact row max (order-free); a NaN lane makes the max NaN, as torch.amax does
         run = tl.full([ROW_BLOCK], float("-inf"), tl.float32)
-        for start in range(0, width, ROW_BLOCK):
+        for start in tl.range(0, width, ROW_BLOCK, num_stages=STAGES):
             x = tl.load(x_row + start + offs, mask=start + offs < width, other=float("-inf"),
                         eviction_policy=KEEP)
             run = tl.maximum(run, x.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
@@ -175,7 +178,7 @@ def _softmax_rows_kernel(x_ptr, y_ptr, max_ptr, total_ptr, n_rows, width, leaf_l
         sums = tl.zeros([LEAVES // GROUP, GROUP], dtype=tl.float32)
         for g in range(0, LEAVES // GROUP):
             part = _leaf_sums_exp(x_row + g * GROUP * leaf_len, leaf_len, shift, GROUP,
-                                  LEAF_BLOCK, LOG2_LEAF_BLOCK, KEEP if MODE != 0 else DROP)
+                                  LEAF_BLOCK, LOG2_LEAF_BLOCK, KEEP if MODE != 0 else DROP, STAGES)
             sums = tl.where(group_ids == g, part[None, :], sums)
         total = _pair_tree(tl.reshape(sums, [LEAVES]), LEAVES, LOG2_LEAVES)
         tl.store(max_ptr + row, m)
@@ -183,7 +186,7 @@ def _softmax_rows_kernel(x_ptr, y_ptr, max_ptr, total_ptr, n_rows, width, leaf_l
         # 3. the output, same code as the from-parts kernel
         if MODE != 0:
             y_row = y_ptr + row * stride_y
-            for start in range(0, width, ROW_BLOCK):
+            for start in tl.range(0, width, ROW_BLOCK, num_stages=STAGES):
                 _write_chunk(x_row, y_row, start + offs, width, shift, total, MODE == 1, DROP)
 
 
@@ -192,22 +195,31 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-def _programs(n_rows: int, device: torch.device, per_sm: int) -> int:
+def _programs(n_rows: int, device: torch.device, per_sm: float) -> int:
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_rows, per_sm * sms))
+        return max(1, min(n_rows, int(per_sm * sms)))
     return max(1, min(n_rows, _PROGRAMS_OFF_CUDA))
 
 
-def _fused(rows: torch.Tensor, leaves: int, mode: int, config: tuple | None = None):
-    """``(out or None, max, total)`` for a 2-D row-contiguous ``rows``: one launch."""
-    n_rows, width = rows.shape
-    max_ = torch.empty(n_rows, dtype=torch.float32, device=rows.device)
-    total = torch.empty_like(max_)
+def _outputs(rows: torch.Tensor, mode: int) -> tuple:
+    """Uninitialized ``(out or None, max, total)`` of a fused launch over ``rows``."""
+    max_ = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
     out = None if mode == _MODE_STATS else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    return out, max_, torch.empty_like(max_)
+
+
+def _fused(rows: torch.Tensor, leaves: int, mode: int, config: tuple | None = None):
+    """``(out or None, max, total)`` for a 2-D row-contiguous ``rows``: one launch (with no
+    ``config``, long CUDA softmax/log_softmax rows of several leaves run one program per leaf,
+    same bits: :mod:`tpinv.kernels.triton_softmax_leaves`)."""
+    if config is None and _by_leaves.runs_by_leaves(rows, leaves, mode):
+        return _by_leaves.softmax_rows_by_leaves(rows, leaves, mode)
+    n_rows, width = rows.shape
+    out, max_, total = _outputs(rows, mode)
     if n_rows == 0:
         return out, max_, total
-    row_block, warps, per_sm, group, evict = config or _FUSED_CONFIG[rows.dtype]
+    row_block, warps, per_sm, group, evict, stages = config or _FUSED_CONFIG[rows.dtype]
     leaf_len = width // leaves
     block = leaf_block(leaf_len)
     target = rows if out is None else out
@@ -216,7 +228,8 @@ def _fused(rows: torch.Tensor, leaves: int, mode: int, config: tuple | None = No
         rows, target, max_, total, n_rows, width, leaf_len, rows.stride(0), target.stride(0),
         MODE=mode, ROW_BLOCK=row_block, LEAVES=leaves, LOG2_LEAVES=_log2(leaves),
         GROUP=min(group, leaves), LEAF_BLOCK=block, LOG2_LEAF_BLOCK=_log2(block),
-        KEEP="evict_last" if evict else "", DROP="evict_first" if evict else "", num_warps=warps, enable_fp_fusion=False)
+        KEEP="evict_last" if evict else "", DROP="evict_first" if evict else "", STAGES=stages,
+        num_warps=warps, enable_fp_fusion=False)
     return out, max_, total
 
 
@@ -295,3 +308,6 @@ def logsumexp_forward_cuda(x: torch.Tensor, leaves: int) -> torch.Tensor:
     check_softmax_inputs(x, leaves, "logsumexp")
     max_, total = max_and_sum_exp_cuda(x, leaves)
     return logsumexp_from_parts(max_, total).to(x.dtype)
+
+
+import tpinv.kernels.triton_softmax_leaves as _by_leaves  # noqa: E402  (it imports this module's jit helpers)

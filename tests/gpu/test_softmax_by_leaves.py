@@ -1,0 +1,113 @@
+"""The softmax family by leaves (one program per leaf) gives the row kernel's bytes.
+
+Each check compares :func:`softmax_rows_by_leaves` with the one-program-per-row kernel
+(``_fused`` given its table config, which always runs the row kernel) byte for byte: out, max
+and sum, every mode, fp32/bf16/fp16, leaves 2/4/8, rows of NaN, +-inf, all -inf, a max of mixed
++-0, and launch shapes down to ``leaves`` programs looping over many rows.  The public ops are
+asserted to take the by-leaves path.  Control: raising one element of one leaf to a new row max
+changes that row's bytes (so the comparison sees a change in any leaf).  Skips without CUDA.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpinv.core.contract import DEFAULT_LEAVES
+from tpinv.testing import assert_bits_differ, assert_same_bits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = "cuda"
+
+
+def mods():
+    from tpinv.kernels import triton_softmax, triton_softmax_leaves
+    return triton_softmax, triton_softmax_leaves
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(DEV)
+
+
+def special_rows(x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    w = x.shape[1]
+    x[0, 5] = float("nan")
+    x[1] = float("-inf")
+    x[2, w - 1] = float("inf")
+    x[3, :] = -x[3].abs()            # a max of 0 reached with both signs
+    x[3, 7] = 0.0
+    x[3, w // 2 + 3] = -0.0
+    x[4, w // 3] = float("-inf")
+    return x
+
+
+def row_kernel(ts, x, leaves, mode):
+    return ts._fused(x, leaves, mode, ts._FUSED_CONFIG[x.dtype])
+
+
+def check_same(got, want, what):
+    for name, a, b in zip(("out", "max", "sum"), got, want):
+        if b is None:
+            assert a is None, what
+        else:
+            assert_same_bits(a, b, f"{what} {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_same_bytes_as_the_row_kernel(dtype):
+    ts, bl = mods()
+    for leaves, width, rows in ((8, 151936, 37), (4, 4 * 2048, 5), (2, 2 * 3001, 300), (8, 8 * 4096, 1)):
+        x = special_rows(rand(max(rows, 5), width, dtype=dtype, seed=leaves + rows))[:rows]
+        for mode in (ts._MODE_LOG, ts._MODE_SOFTMAX, ts._MODE_STATS):
+            want = row_kernel(ts, x, leaves, mode)
+            got = bl.softmax_rows_by_leaves(x, leaves, mode)
+            check_same(got, want, f"{dtype} leaves={leaves} width={width} rows={rows} mode={mode}")
+
+
+def test_launch_shapes_do_not_move_bits():
+    ts, bl = mods()
+    x = special_rows(rand(203, 151936, dtype=torch.bfloat16, seed=5))
+    want = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_LOG)
+    for config in ((1024, 4, 0.01, 1), (8192, 8, 1, 2), (16384, 16, 4, 3), (2048, 4, 8, 1)):
+        got = bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_LOG, config)
+        check_same(got, want, str(config))
+
+
+def test_public_ops_take_the_by_leaves_path(monkeypatch):
+    ts, bl = mods()
+    calls = []
+    real = bl.softmax_rows_by_leaves
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bl, "softmax_rows_by_leaves", counted)
+    x = rand(3, 16, 151936, dtype=torch.bfloat16, seed=9)
+    flat = x.reshape(-1, x.shape[-1])
+    got = ts.log_softmax_forward_cuda(x, DEFAULT_LEAVES)
+    assert calls == [flat.shape]
+    assert_same_bits(got.reshape(flat.shape), row_kernel(ts, flat, DEFAULT_LEAVES, ts._MODE_LOG)[0],
+                     "log_softmax_forward_cuda")
+    ts.softmax_forward_cuda(x, DEFAULT_LEAVES)
+    assert len(calls) == 2
+    ts.logsumexp_forward_cuda(x, DEFAULT_LEAVES)     # the statistics alone: the row kernel
+    assert len(calls) == 2
+    ts.log_softmax_forward_cuda(rand(4, 8 * 1024), DEFAULT_LEAVES)      # leaves under MIN_LEAF_LEN
+    assert len(calls) == 2
+    monkeypatch.setattr(bl, "BY_LEAVES", [False])
+    ts.log_softmax_forward_cuda(x, DEFAULT_LEAVES)
+    assert len(calls) == 2
+
+
+def test_control_a_change_in_one_leaf_moves_its_row():
+    ts, bl = mods()
+    x = rand(4, 151936, seed=11)
+    before = bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_LOG)
+    y = x.clone()
+    y[2, 6 * (151936 // 8) + 17] = x[2].max() + 1.0      # leaf 6 holds the new row max
+    after = bl.softmax_rows_by_leaves(y, DEFAULT_LEAVES, ts._MODE_LOG)
+    for a, b in zip(after, before):
+        assert_same_bits(a[[0, 1, 3]], b[[0, 1, 3]], "other rows")
+        assert_bits_differ(a[2], b[2], "the changed row")

@@ -1,0 +1,135 @@
+"""The fused softmax family on CUDA with one program per leaf: the row kernel's bits, L2-sized.
+
+Invariant kept: the bits of :func:`tpinv.kernels.triton_softmax._fused` (the one-program-per-row
+kernel, whose order is the contract): the leaf's max, the leaf's sum of ``exp(x - shift)``
+(:func:`~tpinv.kernels.triton_softmax._leaf_sums_exp`, the same lanes and fold), the
+adjacent-pair tree over the row's leaf sums (``_pair_tree``) and the per-element output
+(``_write_chunk``) are the row kernel's own jit functions, called on the same operands.  The row
+max is the max of the leaf maxima: exact and order-free, NaN if any element is NaN.
+
+Why: the row kernel reads a row three times (max, sums, output).  A 151936-wide fp32 row is
+593 KB, so the rows in flight do not fit in L2 and every pass comes from memory.  Here a row's
+leaves are taken by different programs, each reading only its leaf (74 KB) three times, so the
+leaves in flight fit in L2 and the row comes from memory once.
+
+The programs of a row meet twice: each publishes its leaf max, waits until the row's ``leaves``
+maxima are published, then does the same with its leaf sum.  A counter per row (acquire/release
+atomics, GPU scope) carries each meeting.  Work is handed out by a ticket counter in ticket
+order -- the row's leaves are consecutive tickets -- and a program takes a ticket only while it
+runs, so at most one row is ever partly taken and every other row a waiting program belongs to
+is wholly held by running programs: this cannot deadlock once ``leaves`` programs can be
+resident at once (any GPU, any launch order).  Not for Triton's interpreter, which runs programs
+one after another: there the row kernel runs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpinv.kernels.launch import launch
+from tpinv.kernels.triton_softmax import (_MODE_STATS, _leaf_sums_exp, _log2, _outputs, _pair_tree,
+                                          _programs, _shift_of, _write_chunk, leaf_block)
+
+__all__ = ["softmax_rows_by_leaves", "runs_by_leaves", "BY_LEAVES", "MIN_LEAF_LEN"]
+
+#: ``[True]``: on CUDA, softmax and log_softmax rows of at least two leaves of
+#: :data:`MIN_LEAF_LEN` or more run here (the statistics alone, no faster here, stay on the row
+#: kernel); ``[False]``: every row runs the row kernel (tests compare the two).
+BY_LEAVES = [True]
+#: Shortest leaf worth a program of its own (shorter rows fit in L2 as whole rows).
+MIN_LEAF_LEN = 2048
+
+#: Per input dtype: (chunk of the max/output passes, num_warps, programs per SM, pipeline
+#: stages), the best of the H100 sweep in docs/benchmarks.md.  None of it moves a bit.
+_CONFIG = {
+    torch.float32: (8192, 8, 4, 2),
+    torch.bfloat16: (4096, 4, 4, 2),
+    torch.float16: (4096, 4, 4, 2),
+}
+
+
+@triton.jit
+def _meet(count_ptr, target):
+    """Publish this program's part (written before the call) and wait until ``target`` parts of
+    the row are published; every thread's later loads see them."""
+    tl.debug_barrier()
+    seen = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") + 1
+    while seen < target:
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _softmax_leaves_kernel(x_ptr, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, n_rows, leaf_len,
+                           stride_x, stride_y, MODE: tl.constexpr, CHUNK: tl.constexpr,
+                           LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr,
+                           LEAF_BLOCK: tl.constexpr, LOG2_LEAF_BLOCK: tl.constexpr,
+                           STAGES: tl.constexpr):
+    offs = tl.arange(0, CHUNK)
+    leaf_ids = tl.arange(0, LEAVES)
+    n_items = n_rows * LEAVES
+    item = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    while item < n_items:
+        row = (item // LEAVES).to(tl.int64)
+        leaf = item % LEAVES
+        x_leaf = x_ptr + row * stride_x + leaf.to(tl.int64) * leaf_len
+        parts = part_ptr + row * (2 * LEAVES)
+        # 1. the leaf's exact max (NaN if any element is NaN), then the row's from all leaves
+        run = tl.full([CHUNK], float("-inf"), tl.float32)
+        for start in tl.range(0, leaf_len, CHUNK, num_stages=STAGES):
+            x = tl.load(x_leaf + start + offs, mask=start + offs < leaf_len, other=float("-inf"),
+                        eviction_policy="evict_last")
+            run = tl.maximum(run, x.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+        leaf_max = tl.max(run, axis=0)
+        leaf_max = tl.where(tl.max(tl.where(run != run, 1, 0), axis=0) > 0, float("nan"), leaf_max)
+        tl.store(parts + leaf, leaf_max)
+        _meet(sync_ptr + 1 + row, LEAVES)
+        maxima = tl.load(parts + leaf_ids, volatile=True)
+        m = tl.max(maxima, axis=0)
+        m = tl.where(tl.max(tl.where(maxima != maxima, 1, 0), axis=0) > 0, float("nan"), m)
+        shift = _shift_of(m)
+        # 2. the leaf's sum (the row kernel's lanes and fold), then the pair tree over the leaves
+        leaf_sum = _leaf_sums_exp(x_leaf, leaf_len, shift, 1, LEAF_BLOCK, LOG2_LEAF_BLOCK,
+                                  "evict_last" if MODE != 0 else "evict_first", STAGES)
+        tl.store(parts + LEAVES + leaf + tl.arange(0, 1), leaf_sum)
+        _meet(sync_ptr + 1 + row, 2 * LEAVES)
+        total = _pair_tree(tl.load(parts + LEAVES + leaf_ids, volatile=True), LEAVES, LOG2_LEAVES)
+        if leaf == 0:
+            tl.store(max_ptr + row, m)
+            tl.store(total_ptr + row, total)
+        # 3. the leaf's output, the row kernel's per-element code
+        if MODE != 0:
+            y_leaf = y_ptr + row * stride_y + leaf.to(tl.int64) * leaf_len
+            for start in tl.range(0, leaf_len, CHUNK, num_stages=STAGES):
+                _write_chunk(x_leaf, y_leaf, start + offs, leaf_len, shift, total, MODE == 1,
+                             "evict_first")
+        item = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+
+
+def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
+                           config: tuple | None = None) -> tuple:
+    """``(out or None, max, total)`` of a 2-D row-contiguous CUDA ``rows`` (checked by the caller),
+    the bits of the row kernel."""
+    n_rows, width = rows.shape
+    out, max_, total = _outputs(rows, mode)
+    if n_rows == 0:
+        return out, max_, total
+    chunk, warps, per_sm, stages = config or _CONFIG[rows.dtype]
+    leaf_len = width // leaves
+    block = leaf_block(leaf_len)
+    parts = torch.empty((n_rows, 2 * leaves), dtype=torch.float32, device=rows.device)
+    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=rows.device)  # ticket, then a count per row
+    grid = (max(leaves, _programs(n_rows * leaves, rows.device, per_sm)),)
+    target = rows if out is None else out
+    launch(_softmax_leaves_kernel, grid,
+           rows, target, max_, total, parts, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
+           MODE=mode, CHUNK=chunk, LEAVES=leaves, LOG2_LEAVES=_log2(leaves), LEAF_BLOCK=block,
+           LOG2_LEAF_BLOCK=_log2(block), STAGES=stages, num_warps=warps, enable_fp_fusion=False)
+    return out, max_, total
+
+
+def runs_by_leaves(rows: torch.Tensor, leaves: int, mode: int) -> bool:
+    """Whether :func:`tpinv.kernels.triton_softmax._fused` hands ``rows`` to this kernel."""
+    return (BY_LEAVES[0] and mode != _MODE_STATS and rows.device.type == "cuda" and leaves >= 2
+            and rows.shape[1] // leaves >= MIN_LEAF_LEN)
