@@ -69,9 +69,11 @@ def test_launch_shapes_do_not_move_bits():
     ts, bl = mods()
     x = special_rows(rand(203, 151936, dtype=torch.bfloat16, seed=5))
     want = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_LOG)
+    want_stats = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_STATS)
     for config in ((1024, 4, 0.01, 1), (8192, 8, 1, 2), (16384, 16, 4, 3), (2048, 4, 8, 1)):
-        got = bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_LOG, config)
-        check_same(got, want, str(config))
+        check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_LOG, config), want, str(config))
+        check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_STATS, config), want_stats,
+                   f"statistics {config}")
 
 
 def test_public_ops_take_the_by_leaves_path(monkeypatch):
@@ -91,14 +93,18 @@ def test_public_ops_take_the_by_leaves_path(monkeypatch):
     assert_same_bits(got.reshape(flat.shape), row_kernel(ts, flat, DEFAULT_LEAVES, ts._MODE_LOG)[0],
                      "log_softmax_forward_cuda")
     ts.softmax_forward_cuda(x, DEFAULT_LEAVES)
-    assert len(calls) == 2
-    ts.logsumexp_forward_cuda(x, DEFAULT_LEAVES)     # the statistics alone: the row kernel
-    assert len(calls) == 2
+    m, total = ts.max_and_sum_exp_cuda(x, DEFAULT_LEAVES)
+    assert len(calls) == 3
+    _, want_m, want_total = row_kernel(ts, flat, DEFAULT_LEAVES, ts._MODE_STATS)
+    assert_same_bits(m.reshape(-1), want_m, "max_and_sum_exp_cuda max")
+    assert_same_bits(total.reshape(-1), want_total, "max_and_sum_exp_cuda sum")
+    ts.logsumexp_forward_cuda(x, DEFAULT_LEAVES)
+    assert len(calls) == 4
     ts.log_softmax_forward_cuda(rand(4, 8 * 1024), DEFAULT_LEAVES)      # leaves under MIN_LEAF_LEN
-    assert len(calls) == 2
+    assert len(calls) == 4
     monkeypatch.setattr(bl, "BY_LEAVES", [False])
     ts.log_softmax_forward_cuda(x, DEFAULT_LEAVES)
-    assert len(calls) == 2
+    assert len(calls) == 4
 
 
 def test_control_a_change_in_one_leaf_moves_its_row():

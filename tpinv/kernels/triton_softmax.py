@@ -32,8 +32,8 @@ kernels.  Semantics are those of :mod:`tpinv.kernels.reference_softmax`; bits ma
 The fused kernel (:func:`_softmax_rows_kernel`) runs a persistent grid (a fixed number of
 programs per SM, each looping over rows): one program reads its row for the max, re-reads
 it for the leaf sums and again for the output.  Rows of a large vocabulary in flight do not
-fit in L2, so each pass reads memory; softmax and log_softmax rows of several long leaves run
-one program per leaf instead, with these same jit functions and bits
+fit in L2, so each pass reads memory; rows of several long leaves run one program per leaf
+instead, with these same jit functions and bits
 (:mod:`tpinv.kernels.triton_softmax_leaves`).
 """
 from __future__ import annotations
@@ -211,8 +211,8 @@ def _outputs(rows: torch.Tensor, mode: int) -> tuple:
 
 def _fused(rows: torch.Tensor, leaves: int, mode: int, config: tuple | None = None):
     """``(out or None, max, total)`` for a 2-D row-contiguous ``rows``: one launch (with no
-    ``config``, long CUDA softmax/log_softmax rows of several leaves run one program per leaf,
-    same bits: :mod:`tpinv.kernels.triton_softmax_leaves`)."""
+    ``config``, long CUDA rows of several leaves run one program per leaf, same bits:
+    :mod:`tpinv.kernels.triton_softmax_leaves`)."""
     if config is None and _by_leaves.runs_by_leaves(rows, leaves, mode):
         return _by_leaves.softmax_rows_by_leaves(rows, leaves, mode)
     n_rows, width = rows.shape

@@ -13,8 +13,9 @@ leaves are taken by different programs, each reading only its leaf (74 KB) three
 leaves in flight fit in L2 and the row comes from memory once.
 
 The programs of a row meet twice: each publishes its leaf max, waits until the row's ``leaves``
-maxima are published, then does the same with its leaf sum.  A counter per row (acquire/release
-atomics, GPU scope) carries each meeting.  Work is handed out by a ticket counter in ticket
+maxima are published, then does the same with its leaf sum (for the statistics alone, with no
+output to write, nobody waits the second time: the row's last leaf sum to arrive combines them).
+A counter per row (acquire/release atomics, GPU scope) carries each meeting.  Work is handed out by a ticket counter in ticket
 order -- the row's leaves are consecutive tickets -- and a program takes a ticket only while it
 runs, so at most one row is ever partly taken and every other row a waiting program belongs to
 is wholly held by running programs: this cannot deadlock once ``leaves`` programs can be
@@ -33,19 +34,18 @@ from tpinv.kernels.triton_softmax import (_MODE_STATS, _leaf_sums_exp, _log2, _o
 
 __all__ = ["softmax_rows_by_leaves", "runs_by_leaves", "BY_LEAVES", "MIN_LEAF_LEN"]
 
-#: ``[True]``: on CUDA, softmax and log_softmax rows of at least two leaves of
-#: :data:`MIN_LEAF_LEN` or more run here (the statistics alone, no faster here, stay on the row
-#: kernel); ``[False]``: every row runs the row kernel (tests compare the two).
+#: ``[True]``: on CUDA, rows of at least two leaves of :data:`MIN_LEAF_LEN` or more run here;
+#: ``[False]``: every row runs the row kernel (tests compare the two).
 BY_LEAVES = [True]
 #: Shortest leaf worth a program of its own (shorter rows fit in L2 as whole rows).
 MIN_LEAF_LEN = 2048
 
-#: Per input dtype: (chunk of the max/output passes, num_warps, programs per SM, pipeline
-#: stages), the best of the H100 sweep in docs/benchmarks.md.  None of it moves a bit.
+#: Per (input dtype, statistics alone): (chunk of the max/output passes, num_warps, programs per
+#: SM, pipeline stages), the best of the H100 sweeps in docs/benchmarks.md.  None of it moves a bit.
 _CONFIG = {
-    torch.float32: (8192, 8, 4, 2),
-    torch.bfloat16: (4096, 4, 4, 2),
-    torch.float16: (4096, 4, 4, 2),
+    (torch.float32, False): (8192, 8, 4, 2), (torch.float32, True): (8192, 8, 4, 1),
+    (torch.bfloat16, False): (4096, 4, 4, 2), (torch.bfloat16, True): (4096, 4, 8, 1),
+    (torch.float16, False): (4096, 4, 4, 2), (torch.float16, True): (4096, 4, 8, 1),
 }
 
 
@@ -93,13 +93,23 @@ def _softmax_leaves_kernel(x_ptr, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr,
         leaf_sum = _leaf_sums_exp(x_leaf, leaf_len, shift, 1, LEAF_BLOCK, LOG2_LEAF_BLOCK,
                                   "evict_last" if MODE != 0 else "evict_first", STAGES)
         tl.store(parts + LEAVES + leaf + tl.arange(0, 1), leaf_sum)
-        _meet(sync_ptr + 1 + row, 2 * LEAVES)
-        total = _pair_tree(tl.load(parts + LEAVES + leaf_ids, volatile=True), LEAVES, LOG2_LEAVES)
-        if leaf == 0:
-            tl.store(max_ptr + row, m)
-            tl.store(total_ptr + row, total)
-        # 3. the leaf's output, the row kernel's per-element code
-        if MODE != 0:
+        if MODE == 0:
+            # the statistics alone: the row's last leaf sum to arrive combines them, no one waits
+            tl.debug_barrier()
+            seen = tl.atomic_add(sync_ptr + 1 + row, 1, sem="acq_rel", scope="gpu") + 1
+            if seen == 2 * LEAVES:
+                tl.debug_barrier()
+                total = _pair_tree(tl.load(parts + LEAVES + leaf_ids, volatile=True), LEAVES,
+                                   LOG2_LEAVES)
+                tl.store(max_ptr + row, m)
+                tl.store(total_ptr + row, total)
+        else:
+            _meet(sync_ptr + 1 + row, 2 * LEAVES)
+            total = _pair_tree(tl.load(parts + LEAVES + leaf_ids, volatile=True), LEAVES, LOG2_LEAVES)
+            if leaf == 0:
+                tl.store(max_ptr + row, m)
+                tl.store(total_ptr + row, total)
+            # 3. the leaf's output, the row kernel's per-element code
             y_leaf = y_ptr + row * stride_y + leaf.to(tl.int64) * leaf_len
             for start in tl.range(0, leaf_len, CHUNK, num_stages=STAGES):
                 _write_chunk(x_leaf, y_leaf, start + offs, leaf_len, shift, total, MODE == 1,
@@ -115,7 +125,7 @@ def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
     out, max_, total = _outputs(rows, mode)
     if n_rows == 0:
         return out, max_, total
-    chunk, warps, per_sm, stages = config or _CONFIG[rows.dtype]
+    chunk, warps, per_sm, stages = config or _CONFIG[rows.dtype, mode == _MODE_STATS]
     leaf_len = width // leaves
     block = leaf_block(leaf_len)
     parts = torch.empty((n_rows, 2 * leaves), dtype=torch.float32, device=rows.device)
@@ -131,5 +141,5 @@ def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
 
 def runs_by_leaves(rows: torch.Tensor, leaves: int, mode: int) -> bool:
     """Whether :func:`tpinv.kernels.triton_softmax._fused` hands ``rows`` to this kernel."""
-    return (BY_LEAVES[0] and mode != _MODE_STATS and rows.device.type == "cuda" and leaves >= 2
+    return (BY_LEAVES[0] and rows.device.type == "cuda" and leaves >= 2
             and rows.shape[1] // leaves >= MIN_LEAF_LEN)
