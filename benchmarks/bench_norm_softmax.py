@@ -3,12 +3,12 @@
 Bandwidth = bytes read + written once (input, output, weight) / median time
 (``triton.testing.do_bench``), against a measured device-to-device copy and against the
 plain torch ops (the HF RMSNorm formula, ``F.log_softmax``, ``torch.logsumexp``).  The
-softmax rows time the fused one-launch kernel (``log_softmax_forward_cuda``,
-``logsumexp_forward_cuda``: the row read once, plus the ``[T]`` result).  Prints a
-Markdown table and writes JSON (``--json PATH``).  ``--sweep`` also times the fused kernel's
-launch shapes (chunk, warps, programs per SM, pipeline stages) for log_softmax and the
-statistics alone by the one-program-per-leaf kernel, each checked first to give the row
-kernel's bytes.
+softmax rows time the public one-launch kernels (``log_softmax_forward_cuda``,
+``logsumexp_forward_cuda``: the row read once, plus the ``[T]`` result; long rows run one
+program per leaf) and, beside them, the one-program-per-row kernel.  Prints a Markdown table
+and writes JSON (``--json PATH``).  ``--sweep`` also times the by-leaves kernel's launch shapes
+(chunk, warps, programs per SM, pipeline stages) for log_softmax and for the statistics alone,
+each checked first to give the row kernel's bytes.
 
     python -m benchmarks.bench_norm_softmax [--sweep] --json out.json
 """

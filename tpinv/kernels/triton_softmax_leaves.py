@@ -15,12 +15,12 @@ leaves in flight fit in L2 and the row comes from memory once.
 The programs of a row meet twice: each publishes its leaf max, waits until the row's ``leaves``
 maxima are published, then does the same with its leaf sum (for the statistics alone, with no
 output to write, nobody waits the second time: the row's last leaf sum to arrive combines them).
-A counter per row (acquire/release atomics, GPU scope) carries each meeting.  Work is handed out by a ticket counter in ticket
-order -- the row's leaves are consecutive tickets -- and a program takes a ticket only while it
-runs, so at most one row is ever partly taken and every other row a waiting program belongs to
-is wholly held by running programs: this cannot deadlock once ``leaves`` programs can be
-resident at once (any GPU, any launch order).  Not for Triton's interpreter, which runs programs
-one after another: there the row kernel runs.
+A counter per row (acquire/release atomics, GPU scope) carries each meeting.  Work is handed out
+by a ticket counter in ticket order -- the row's leaves are consecutive tickets -- and a program
+takes a ticket only while it runs, so at most one row is ever partly taken and every other row a
+waiting program belongs to is wholly held by running programs: this cannot deadlock once
+``leaves`` programs can be resident at once (any GPU, any launch order).  Not for Triton's
+interpreter, which runs programs one after another: there the row kernel runs.
 """
 from __future__ import annotations
 
