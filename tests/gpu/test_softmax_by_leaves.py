@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tpinv.core.contract import DEFAULT_LEAVES
+from tpinv.kernels.reference_softmax import logsumexp_from_parts
 from tpinv.testing import assert_bits_differ, assert_same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -117,3 +118,26 @@ def test_control_a_change_in_one_leaf_moves_its_row():
     for a, b in zip(after, before):
         assert_same_bits(a[[0, 1, 3]], b[[0, 1, 3]], "other rows")
         assert_bits_differ(a[2], b[2], "the changed row")
+
+
+def test_replayed_from_a_cuda_graph():
+    """Captured once, replayed on new values: the tickets and row counters are zeroed inside the
+    graph, so every replay gives the eager call's bytes."""
+    ts, bl = mods()
+    static = rand(16, 151936, seed=13)
+    assert bl.runs_by_leaves(static, DEFAULT_LEAVES, ts._MODE_LOG)
+    ts.log_softmax_forward_cuda(static, DEFAULT_LEAVES)     # compile outside the capture
+    ts.logsumexp_forward_cuda(static, DEFAULT_LEAVES)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ts.log_softmax_forward_cuda(static, DEFAULT_LEAVES)
+        lse = ts.logsumexp_forward_cuda(static, DEFAULT_LEAVES)
+    for seed in (14, 15):
+        y = rand(16, 151936, seed=seed)
+        static.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_same_bits(out, row_kernel(ts, y, DEFAULT_LEAVES, ts._MODE_LOG)[0], f"replay {seed} log_softmax")
+        _, m, s = row_kernel(ts, y, DEFAULT_LEAVES, ts._MODE_STATS)
+        assert_same_bits(lse, logsumexp_from_parts(m, s).to(y.dtype), f"replay {seed} logsumexp")
