@@ -26,6 +26,10 @@ from tpinv.kernels.triton_norm import rms_norm_backward_cuda, rms_norm_forward_c
 from tpinv.kernels import triton_softmax
 from tpinv.kernels.triton_softmax import log_softmax_forward_cuda, logsumexp_forward_cuda
 from tpinv.models.vanilla import plain_rms_norm
+from tpinv.testing import same_bits
+
+#: The softmax rows' vocabulary (Qwen3's).
+VOCAB = 151936
 
 
 def gbps(n_bytes: int, fn) -> tuple[float, float]:
@@ -50,23 +54,22 @@ def run(copy_gbps: float) -> list[dict]:
                              frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
                              bwd_ms=bms, bwd_gbps=bbw, bwd_frac_copy=bbw / copy_gbps))
             del x, g
-    vocab = VOCAB
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         for tokens in (1024, 4096):
-            x = torch.randn(tokens, vocab, device="cuda", dtype=dtype)
+            x = torch.randn(tokens, VOCAB, device="cuda", dtype=dtype)
             n_bytes = 2 * x.numel() * x.element_size()
             row_cfg = triton_softmax._FUSED_CONFIG[dtype]
             ms, bw = gbps(n_bytes, lambda: log_softmax_forward_cuda(x, DEFAULT_LEAVES))
             tms, tbw = gbps(n_bytes, lambda: F.log_softmax(x, -1))
             rms, rbw = gbps(n_bytes, lambda: triton_softmax._fused(x, DEFAULT_LEAVES, triton_softmax._MODE_LOG, row_cfg))
-            rows.append(dict(op="log_softmax", dtype=name, T=tokens, V=vocab, ms=ms, gbps=bw,
+            rows.append(dict(op="log_softmax", dtype=name, T=tokens, V=VOCAB, ms=ms, gbps=bw,
                              frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
                              row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps))
             lse_bytes = x.numel() * x.element_size() + tokens * x.element_size()
             ms, bw = gbps(lse_bytes, lambda: logsumexp_forward_cuda(x, DEFAULT_LEAVES))
             tms, tbw = gbps(lse_bytes, lambda: torch.logsumexp(x, -1))
             rms, rbw = gbps(lse_bytes, lambda: triton_softmax._fused(x, DEFAULT_LEAVES, triton_softmax._MODE_STATS, row_cfg))
-            rows.append(dict(op="logsumexp", dtype=name, T=tokens, V=vocab, ms=ms, gbps=bw,
+            rows.append(dict(op="logsumexp", dtype=name, T=tokens, V=VOCAB, ms=ms, gbps=bw,
                              frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
                              row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps))
             del x
@@ -74,15 +77,9 @@ def run(copy_gbps: float) -> list[dict]:
     return rows
 
 
-VOCAB = 151936
 #: --sweep: launch shapes of the by-leaves kernel (chunk, warps, programs per SM, stages)
 SWEEP = [(chunk, warps, per_sm, stages) for chunk in (2048, 4096, 8192) for warps in (4, 8)
          for per_sm in (2, 4, 8) for stages in (1, 2)]
-
-
-def _same_bytes(a, b) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(
-        torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
 def sweep(copy_gbps: float, tokens: int = 4096) -> list[dict]:
@@ -98,7 +95,7 @@ def sweep(copy_gbps: float, tokens: int = 4096) -> list[dict]:
             for cfg in SWEEP:
                 try:
                     got = softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, cfg)
-                    same = all(_same_bytes(g, w) for g, w in zip(got, want) if w is not None)
+                    same = all(same_bits(g, w) for g, w in zip(got, want) if w is not None)
                     ms, bw = gbps(n_bytes, lambda: softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, cfg))
                 except Exception as exc:  # a config that does not compile (resources) is recorded
                     print(f"{op} {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
@@ -127,7 +124,7 @@ def table(rows: list[dict], copy_gbps: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this path")
-    parser.add_argument("--sweep", action="store_true", help="also time the fused kernel's configs")
+    parser.add_argument("--sweep", action="store_true", help="also time the by-leaves kernel's launch shapes")
     args = parser.parse_args()
     copy_gbps = copy_bandwidth_gbps(2 << 30)
     rows = run(copy_gbps)

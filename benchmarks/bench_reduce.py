@@ -38,7 +38,6 @@ def parse_size(text: str) -> int:
     return int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
 
 
-
 def _time(fn, device, warmup: int, iters: int) -> float:
     """Median over ``iters`` of the slowest rank's seconds for one call of ``fn``."""
     for _ in range(warmup):

@@ -72,7 +72,6 @@ def build_hf(args, device):
     return model.to(device)
 
 
-
 def measure(fn: Callable[[], object], device, iters: int) -> dict:
     """Peak memory (GiB above what is allocated before the call) of one call, then the median
     seconds of ``iters`` calls."""

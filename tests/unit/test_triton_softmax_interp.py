@@ -6,7 +6,8 @@ Checked: the fused one-launch kernel gives the bits of the split composition -- 
 ``C = 1, 2, 4, 8``, ``leaves = 1, 2, 4, 8``, fp32 and fp16, with one and with many
 ``BLOCK`` steps per leaf; a row's bits alone == in a batch == beside junk rows, for several
 persistent-grid sizes and leaf groupings; the lane fold is contiguous halving and the leaf
-combine the adjacent-pair tree; parity with :mod:`tpinv.kernels.reference_softmax`.
+combine the adjacent-pair tree; parity with :mod:`tpinv.kernels.reference_softmax`; rows the
+by-leaves kernel takes on CUDA stay on the row kernel under the interpreter.
 
 The checks run in one child process with the interpreter on (:mod:`triton_interp`).  Negative
 controls (plain torch, in this process): a vocabulary-parallel sum in the usual order and a
@@ -185,6 +186,29 @@ def _check_from_parts_errors(ts):
         except err:
             continue
         raise AssertionError(f"expected {err.__name__} for {[tuple(t.shape) for t in bad]}")
+
+
+def _check_interpreter_runs_the_row_kernel(ts):
+    """Rows long enough for the by-leaves kernel on CUDA stay on the row kernel here: the by-leaves
+    programs wait for each other, which the interpreter (programs one after another) cannot run."""
+    from tpinv.kernels import triton_softmax_leaves as bl
+    assert bl.BY_LEAVES[0]
+    x = _rand(2, 8 * bl.MIN_LEAF_LEN, torch.float32, seed=5)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the by-leaves kernel was called under the interpreter")
+
+    real, bl.softmax_rows_by_leaves = bl.softmax_rows_by_leaves, refuse
+    try:
+        for mode in (ts._MODE_STATS, ts._MODE_LOG, ts._MODE_SOFTMAX):
+            assert not bl.runs_by_leaves(x, 8, mode)
+            got = ts._fused(x, 8, mode)
+            want = ts._fused(x, 8, mode, ts._FUSED_CONFIG[x.dtype])
+            for a, b in zip(got, want):
+                if b is not None:
+                    assert_same_bits(a, b, str(mode))
+    finally:
+        bl.softmax_rows_by_leaves = real
 
 
 def _with_kernels(check):

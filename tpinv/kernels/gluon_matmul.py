@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tpinv.kernels.launch import is_bound, launch, operands_key, remember, reused_descriptor
+from tpinv.kernels.launch import is_bound, launch, operands_key, remember, reused_descriptor, sm_count
 from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
 #: Leaf counts the kernel unrolls (saved tree levels: registers for 1-2, smem for the 3rd).
@@ -260,9 +260,6 @@ def supported(x: torch.Tensor, w: torch.Tensor, leaves: int) -> bool:
     return unsupported_reason(x, w, leaves, None) is None
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def gluon_matmul_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int,
                       out_dtype: torch.dtype | None = None, *,
                       config: GluonConfig | None = None) -> torch.Tensor:
@@ -324,11 +321,8 @@ def _plan(x, w, leaves: int, cfg: GluonConfig) -> tuple:
     x_t, w_kn = _major(x) == "col", _major(w) == "col"
     x_block = [bk, cfg.block_m] if x_t else [cfg.block_m, bk]
     w_block = [bk, cfg.block_n] if w_kn else [cfg.block_n, bk]
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    grid = (min(_SM_COUNT[dev], tiles), )
+    grid = (min(sm_count(x.device), tiles), )
     kw = dict(LEAVES=leaves, STAGES=cfg.num_stages, GROUP_M=cfg.group_m,
               PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
               num_warps=cfg.num_warps)

@@ -32,7 +32,7 @@ try:
 except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
     _knobs = None
 
-__all__ = ["launch", "bound_launches", "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
+__all__ = ["launch", "sm_count", "bound_launches", "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
            "reused_descriptor", "descriptor_reuses", "BIND", "REUSE_DESCRIPTORS", "DIRECT"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
@@ -53,6 +53,19 @@ _BOUND: dict = {}        # (kernel, device, key) -> (compiled kernel, tail of co
 _NAMES: dict = {}        # kernel -> its parameter names and defaults
 _COUNT = [0]
 _DIRECT_COUNT = [0]
+
+
+_SM_COUNT: dict = {}     # CUDA device index -> its multiprocessor count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of CUDA ``device`` (looked up once per device): what persistent grids are
+    sized by."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SM_COUNT.get(index)
+    if count is None:
+        count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
 
 
 def operands_key(*tensors: torch.Tensor) -> tuple:

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import launch
+from tpinv.kernels.launch import launch, sm_count
 from tpinv.core.contract import tree_combine
 from tpinv.kernels.reference_softmax import (check_partial_inputs, check_softmax_inputs,
                                        logsumexp_from_parts, safe_shift)
@@ -122,6 +122,24 @@ def _shift_of(m):
 
 
 @triton.jit
+def _nan_max(v):
+    """The exact max of ``v`` (order-free), NaN if any element is NaN, as ``torch.amax``."""
+    return tl.where(tl.max(tl.where(v != v, 1, 0), axis=0) > 0, float("nan"), tl.max(v, axis=0))
+
+
+@triton.jit
+def _span_max(base, n, CHUNK: tl.constexpr, POLICY: tl.constexpr, STAGES: tl.constexpr):
+    """:func:`_nan_max` of the fp32 values of ``base[0:n]``, read in ``CHUNK``-wide steps."""
+    offs = tl.arange(0, CHUNK)
+    run = tl.full([CHUNK], float("-inf"), tl.float32)
+    for start in tl.range(0, n, CHUNK, num_stages=STAGES):
+        x = tl.load(base + start + offs, mask=start + offs < n, other=float("-inf"),
+                    eviction_policy=POLICY)
+        run = tl.maximum(run, x.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+    return _nan_max(run)
+
+
+@triton.jit
 def _write_chunk(x_row, y_row, offs, width, shift, total, LOG: tl.constexpr,
                  POLICY: tl.constexpr):
     ok = offs < width
@@ -166,13 +184,7 @@ def _softmax_rows_kernel(x_ptr, y_ptr, max_ptr, total_ptr, n_rows, width, leaf_l
         row = tl.cast(r, tl.int64)
         x_row = x_ptr + row * stride_x
         # 1. the exact row max (order-free); a NaN lane makes the max NaN, as torch.amax does
-        run = tl.full([ROW_BLOCK], float("-inf"), tl.float32)
-        for start in tl.range(0, width, ROW_BLOCK, num_stages=STAGES):
-            x = tl.load(x_row + start + offs, mask=start + offs < width, other=float("-inf"),
-                        eviction_policy=KEEP)
-            run = tl.maximum(run, x.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
-        m = tl.max(run, axis=0)
-        m = tl.where(tl.max(tl.where(run != run, 1, 0), axis=0) > 0, float("nan"), m)
+        m = _span_max(x_row, width, ROW_BLOCK, KEEP, STAGES)
         shift = _shift_of(m)
         # 2. leaf sums (the split path's code), GROUP leaves at a time, then the pair tree
         sums = tl.zeros([LEAVES // GROUP, GROUP], dtype=tl.float32)
@@ -197,8 +209,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _programs(n_rows: int, device: torch.device, per_sm: float) -> int:
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_rows, int(per_sm * sms)))
+        return max(1, min(n_rows, int(per_sm * sm_count(device))))
     return max(1, min(n_rows, _PROGRAMS_OFF_CUDA))
 
 

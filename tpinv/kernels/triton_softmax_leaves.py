@@ -3,9 +3,10 @@
 Invariant kept: the bits of :func:`tpinv.kernels.triton_softmax._fused` (the one-program-per-row
 kernel, whose order is the contract): the leaf's max, the leaf's sum of ``exp(x - shift)``
 (:func:`~tpinv.kernels.triton_softmax._leaf_sums_exp`, the same lanes and fold), the
-adjacent-pair tree over the row's leaf sums (``_pair_tree``) and the per-element output
-(``_write_chunk``) are the row kernel's own jit functions, called on the same operands.  The row
-max is the max of the leaf maxima: exact and order-free, NaN if any element is NaN.
+adjacent-pair tree over the row's leaf sums (``_pair_tree``), the per-element output
+(``_write_chunk``) and the max (``_span_max``, ``_nan_max``) are the row kernel's own jit
+functions, called on the same operands.  The row max is the max of the leaf maxima: exact and
+order-free, NaN if any element is NaN.
 
 Why: the row kernel reads a row three times (max, sums, output).  A 151936-wide fp32 row is
 593 KB, so the rows in flight do not fit in L2 and every pass comes from memory.  Here a row's
@@ -29,8 +30,9 @@ import triton
 import triton.language as tl
 
 from tpinv.kernels.launch import launch
-from tpinv.kernels.triton_softmax import (_MODE_STATS, _leaf_sums_exp, _log2, _outputs, _pair_tree,
-                                          _programs, _shift_of, _write_chunk, leaf_block)
+from tpinv.kernels.triton_softmax import (_MODE_STATS, _leaf_sums_exp, _log2, _nan_max, _outputs,
+                                          _pair_tree, _programs, _shift_of, _span_max, _write_chunk,
+                                          leaf_block)
 
 __all__ = ["softmax_rows_by_leaves", "runs_by_leaves", "BY_LEAVES", "MIN_LEAF_LEN"]
 
@@ -76,18 +78,9 @@ def _softmax_leaves_kernel(x_ptr, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr,
         x_leaf = x_ptr + row * stride_x + leaf.to(tl.int64) * leaf_len
         parts = part_ptr + row * (2 * LEAVES)
         # 1. the leaf's exact max (NaN if any element is NaN), then the row's from all leaves
-        run = tl.full([CHUNK], float("-inf"), tl.float32)
-        for start in tl.range(0, leaf_len, CHUNK, num_stages=STAGES):
-            x = tl.load(x_leaf + start + offs, mask=start + offs < leaf_len, other=float("-inf"),
-                        eviction_policy="evict_last")
-            run = tl.maximum(run, x.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
-        leaf_max = tl.max(run, axis=0)
-        leaf_max = tl.where(tl.max(tl.where(run != run, 1, 0), axis=0) > 0, float("nan"), leaf_max)
-        tl.store(parts + leaf, leaf_max)
+        tl.store(parts + leaf, _span_max(x_leaf, leaf_len, CHUNK, "evict_last", STAGES))
         _meet(sync_ptr + 1 + row, LEAVES)
-        maxima = tl.load(parts + leaf_ids, volatile=True)
-        m = tl.max(maxima, axis=0)
-        m = tl.where(tl.max(tl.where(maxima != maxima, 1, 0), axis=0) > 0, float("nan"), m)
+        m = _nan_max(tl.load(parts + leaf_ids, volatile=True))
         shift = _shift_of(m)
         # 2. the leaf's sum (the row kernel's lanes and fold), then the pair tree over the leaves
         leaf_sum = _leaf_sums_exp(x_leaf, leaf_len, shift, 1, LEAF_BLOCK, LOG2_LEAF_BLOCK,
