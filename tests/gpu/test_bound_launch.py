@@ -117,3 +117,30 @@ def test_reused_descriptors_read_the_tensor_now_at_the_address(rows):
             launch_mod.BIND[0], registry.EAGER_CALLS[0] = True, True
         assert_same_bits(new, plain, "reused descriptors vs a fresh launch through Triton")
         assert_bits_differ(new, old, "control: the old tensor's product")
+
+
+def test_launch_hooks_see_bound_launches():
+    """A bound launch passes Triton's launch hooks only when one is registered (an empty hook chain
+    is skipped with its launch metadata); a registered enter hook sees every bound launch, named.
+    Control: with the hook removed it sees none."""
+    from triton import knobs
+    chain = knobs.runtime.launch_enter_hook
+    if type(chain).__name__ != "HookChain":
+        pytest.skip("this Triton keeps no launch hook chain")
+    run = _cases(torch.bfloat16, 8)
+    run()                                   # every specialization bound
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    chain.add(hook)
+    try:
+        before = launch_mod.bound_launches()
+        run()
+        torch.cuda.synchronize()
+        launched = launch_mod.bound_launches() - before
+    finally:
+        chain.remove(hook)
+    assert launched > 0 and len(seen) >= launched, f"{len(seen)} hook calls for {launched} bound launches"
+    assert any("mm" in name for name in seen), seen
+    count = len(seen)
+    run()
+    assert len(seen) == count, "the removed hook still ran"

@@ -72,8 +72,8 @@ def test_fp16():
 
 def test_dispatch_uses_gluon_from_the_row_threshold(monkeypatch):
     calls = []
-    real = gm().launch_checked
-    monkeypatch.setattr(gm(), "launch_checked", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    real = gm().launch_plan
+    monkeypatch.setattr(gm(), "launch_plan", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     threshold = tm().GLUON_MIN_ROWS
     x, w = make(threshold + 300, 512, 1024)
     big = tm().matmul_cuda(x, w, 8)

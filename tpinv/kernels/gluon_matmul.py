@@ -38,7 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tpinv.kernels.launch import is_bound, launch, operands_key, remember, reused_descriptor, sm_count
+from tpinv.kernels.launch import (cdiv, is_bound, launch_with, operands_key, remember, reused_descriptor,
+                                  sm_count)
 from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
 #: Leaf counts the kernel unrolls (saved tree levels: registers for 1-2, smem for the 3rd).
@@ -273,24 +274,26 @@ def gluon_matmul_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int,
     why = unsupported_reason(x, w, leaves, out_dtype)
     if why is not None:
         raise ValueError(f"gluon_matmul_cuda: {why}")
-    return launch_checked(x, w, leaves, out_dtype or x.dtype, config)
+    out_dtype = out_dtype or x.dtype
+    return launch_plan(x, w, leaves, out_dtype, plan_for(x, w, leaves, out_dtype, config))
 
 
-def launch_checked(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-                   config: GluonConfig | None = None, *, operands: tuple | None = None) -> torch.Tensor:
-    """:func:`gluon_matmul_cuda` for inputs :func:`unsupported_reason` has already passed
-    (the dispatch in :mod:`tpinv.kernels.triton_matmul` checks once per call and passes its
-    :func:`~tpinv.kernels.launch.operands_key` as ``operands``)."""
+def plan_for(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
+             config: GluonConfig | None = None, *, operands: tuple | None = None) -> tuple:
+    """The launch plan of inputs :func:`unsupported_reason` has passed, made once per shape,
+    strides, dtypes, alignment, leaves and config (:func:`launch_plan` runs it).  The dispatch
+    in :mod:`tpinv.kernels.triton_matmul` keeps it per call shape: a repeated shape looks up
+    one plan."""
     cfg = config or gluon_launch_config(x.shape[0], leaves)
     key = (operands or operands_key(x, w), leaves, out_dtype, cfg)
     plan = _PLANS.get(key)
     if plan is None:
         plan = remember(_PLANS, key, _plan(x, w, leaves, cfg))
-    return _launch(x, w, leaves, out_dtype, plan)
+    return plan
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, plan: tuple) -> torch.Tensor:
-    """Descriptors and launch for checked inputs and their plan (:func:`_plan`): once the plan's
+def launch_plan(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, plan: tuple) -> torch.Tensor:
+    """Descriptors and launch for checked inputs and their plan (:func:`plan_for`): once the plan's
     launch is bound, descriptors are reused per address (:func:`~tpinv.kernels.launch.reused_descriptor`)."""
     m, k = x.shape
     n = w.shape[0]
@@ -301,8 +304,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtyp
                                lambda: TensorDescriptor.from_tensor(x.t() if x_t else x, *x_block))
     w_desc = reused_descriptor(w_descs if reuse else None, w,
                                lambda: TensorDescriptor.from_tensor(w.t() if w_kn else w, *w_block))
-    launch(_contract_mm_ws_kernel, grid, x_desc, w_desc, out, m, n, out.stride(0), k // leaves // consts["BK"],
-           bound=bound, **consts["kw"])
+    launch_with(_contract_mm_ws_kernel, grid, (x_desc, w_desc, out, m, n, out.stride(0), k // leaves // consts["BK"]),
+                consts["kw"], bound)
     return out
 
 
@@ -321,7 +324,7 @@ def _plan(x, w, leaves: int, cfg: GluonConfig) -> tuple:
     x_t, w_kn = _major(x) == "col", _major(w) == "col"
     x_block = [bk, cfg.block_m] if x_t else [cfg.block_m, bk]
     w_block = [bk, cfg.block_n] if w_kn else [cfg.block_n, bk]
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     grid = (min(sm_count(x.device), tiles), )
     kw = dict(LEAVES=leaves, STAGES=cfg.num_stages, GROUP_M=cfg.group_m,
               PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,

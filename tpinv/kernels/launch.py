@@ -17,7 +17,10 @@ Where Triton's CUDA launcher has the form of Triton 3.6's, a bound launch calls 
 expanded once by Triton's own ``make_tensordesc_arg`` and kept with the descriptor (a descriptor
 is fixed by address, shape, strides, dtype and block, and so is its expansion).
 Triton versions without the launcher API used here (and Triton's interpreter) launch through
-Triton every time: same kernel, more host time.
+Triton every time: same kernel, more host time.  A bound launch passes Triton's launch hooks
+only where one is registered (Triton 3.6 keeps an empty hook chain otherwise, and builds launch
+metadata for it on every launch); host code computes grids with :func:`cdiv` and
+:func:`next_power_of_2` (Triton's are constexpr-function objects, slow to call on the host).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ try:
 except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
     _knobs = None
 
-__all__ = ["launch", "sm_count", "bound_launches", "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
+__all__ = ["launch", "launch_with", "cdiv", "next_power_of_2", "sm_count", "bound_launches", "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
            "reused_descriptor", "descriptor_reuses", "BIND", "REUSE_DESCRIPTORS", "DIRECT"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
@@ -49,7 +52,7 @@ DIRECT = [True]
 #: (shapes that keep changing, e.g. a decode's cache length, would otherwise grow it forever).
 MAX_BOUND = 4096
 
-_BOUND: dict = {}        # (kernel, device, key) -> (compiled kernel, tail of constexpr values)
+_BOUND: dict = {}        # (device, (id(kernel), key)) -> (compiled kernel, constexpr tail, direct entry, kernel)
 _NAMES: dict = {}        # kernel -> its parameter names and defaults
 _COUNT = [0]
 _DIRECT_COUNT = [0]
@@ -66,6 +69,23 @@ def sm_count(device: torch.device) -> int:
     if count is None:
         count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return count
+
+
+def cdiv(x: int, y: int) -> int:
+    """``triton.cdiv`` for host code (Triton's is a constexpr function: ~2 us a call on the host)."""
+    return (x + (y - 1)) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code: the smallest power of two >= ``n`` (same bit steps)."""
+    n -= 1
+    n |= n >> 1
+    n |= n >> 2
+    n |= n >> 4
+    n |= n >> 8
+    n |= n >> 16
+    n |= n >> 32
+    return n + 1
 
 
 def operands_key(*tensors: torch.Tensor) -> tuple:
@@ -104,7 +124,7 @@ def is_bound(bound: dict) -> bool:
     and a launcher bound for the current device) and may take reused TMA descriptors, which only
     such a launch reads (:data:`REUSE_DESCRIPTORS`)."""
     return (bool(bound) and BIND[0] and REUSE_DESCRIPTORS[0] and _knobs is not None
-            and _driver.active.get_current_device() in bound)
+            and _current_device() in bound)
 
 
 class _Address:
@@ -151,26 +171,26 @@ def reused_descriptor(cache: Optional[dict], t: torch.Tensor, build):
 
 
 def _specialization(args: tuple) -> tuple:
-    """The key of ``args``: ints and None by value, bools tagged (Triton compiles bools apart
-    from ints), floats by type, tensors by dtype and 16-byte alignment.  Raises TypeError for
+    """The key of ``args``: tensors by dtype and 16-byte alignment, ints and None by value, bools
+    tagged (Triton compiles bools apart from ints), floats by type.  Raises TypeError for
     anything else (the launch then goes through Triton)."""
     key = []
     for a in args:
         t = type(a)
-        if t is int or a is None:
+        if t is _TENSOR or t is _PARAMETER:
+            key.append((a.dtype, not a.data_ptr() & 15))
+        elif t is int or a is None:
             key.append(a)
         elif t is bool:
             key.append((bool, a))
         elif t is float:
             key.append(float)
-        elif t in _TENSORS:
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
         else:
             raise TypeError(t)
     return tuple(key)
 
 
-_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 
 
 def _parameters(fn) -> tuple:
@@ -192,55 +212,107 @@ def launch(fn, grid: tuple, *args, bound: Optional[dict] = None, **kwargs) -> No
     options.  ``bound`` (optional) is a dict the caller keeps with a launch plan that fixes every
     integer argument and constexpr and every tensor's dtype and alignment; the bound launcher is
     stored there per device (no key is built, no table looked up)."""
+    launch_with(fn, grid, args, kwargs, bound)
+
+
+def launch_with(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict] = None) -> None:
+    """:func:`launch` with the arguments as a tuple and the constexprs as a dict (a launch plan
+    keeps its constexprs' dict and passes it as is)."""
     if not BIND[0] or _knobs is None or _interpreting(fn):
         fn[grid](*args, **kwargs)
         return
     key = None
     if bound is None:
         try:
-            key = (_specialization(args), tuple(kwargs.items()))
+            key = (id(fn), _specialization(args), tuple(kwargs.items()))
         except TypeError:        # an argument kind this module does not key: Triton decides
             fn[grid](*args, **kwargs)
             return
-    device = _driver.active.get_current_device()
-    entry = _BOUND.get((fn, device, key)) if bound is None else bound.get(device)
+    device = _current_device()
+    entry = _BOUND.get((device, key)) if bound is None else bound.get(device)
     if entry is None:
-        compiled = fn[grid](*args, **kwargs)
-        params = _parameters(fn)
-        if compiled is None or fn.pre_run_hooks or len(args) > len(params):
-            return
-        tail = []
-        for name, default in params[len(args):]:
-            if name in kwargs:
-                tail.append(kwargs[name])
-            elif default is not inspect.Parameter.empty:
-                tail.append(default)
-            else:
-                return                   # a runtime argument passed by keyword: not bound
-        entry = (compiled, tuple(tail), _direct_entry(compiled))
-        if bound is not None:
-            bound[device] = entry
-            return
-        remember(_BOUND, (fn, device, key), entry)
+        _bind(fn, grid, args, kwargs, bound, device, key)
         return
-    compiled, tail, direct = entry
-    stream = _driver.active.get_current_stream(device)
+    compiled, tail, direct = entry[:3]
+    stream = _current_stream(device)
     full = (*args, *tail)
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    enter = _knobs.runtime.launch_enter_hook
+    enter, leave = _hooks()
     metadata = compiled.launch_metadata(grid, stream, *full) if enter is not None else None
     if direct is not None and DIRECT[0]:
         c_launch, cooperative, pdl, descriptors = direct
         if descriptors:
             full = _expand_descriptors(full, descriptors)
         c_launch(grid[0], g1, g2, stream, compiled.function, cooperative, pdl, None, None,
-                 compiled.packed_metadata, metadata, enter, _knobs.runtime.launch_exit_hook, *full)
+                 compiled.packed_metadata, metadata, enter, leave, *full)
         _DIRECT_COUNT[0] += 1
     else:
         compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, metadata,
-                     enter, _knobs.runtime.launch_exit_hook, *full)
+                     enter, leave, *full)
     _COUNT[0] += 1
+
+
+def _bind(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict], device: int, key) -> None:
+    """The first launch of a specialization: through Triton, then its compiled kernel is kept (in
+    ``bound`` per device, or in the module's table under ``key``) unless it cannot be bound."""
+    compiled = fn[grid](*args, **kwargs)
+    params = _parameters(fn)
+    if compiled is None or fn.pre_run_hooks or len(args) > len(params):
+        return
+    tail = []
+    for name, default in params[len(args):]:
+        if name in kwargs:
+            tail.append(kwargs[name])
+        elif default is not inspect.Parameter.empty:
+            tail.append(default)
+        else:
+            return                   # a runtime argument passed by keyword: not bound
+    entry = (compiled, tuple(tail), _direct_entry(compiled), fn)   # fn kept alive: the key holds id(fn)
+    if bound is not None:
+        bound[device] = entry
+    else:
+        remember(_BOUND, (device, key), entry)
+
+
+def _hooks() -> tuple:
+    """Triton's launch enter and exit hooks, each None where it is an empty hook chain (Triton 3.5+
+    keeps a chain object that is never None; calling an empty one does nothing, and the launch
+    metadata exists only for an enter hook)."""
+    enter = _knobs.runtime.launch_enter_hook
+    leave = _knobs.runtime.launch_exit_hook
+    if enter is not None and type(enter).__name__ == "HookChain" and not enter.calls:
+        enter = None
+    if leave is not None and type(leave).__name__ == "HookChain" and not leave.calls:
+        leave = None
+    return enter, leave
+
+
+def _current_device() -> int:
+    """The current CUDA device's index, as Triton's driver reads it (its ``get_current_device``)."""
+    if not _GETTERS:
+        _GETTERS.extend(_getters())
+    return _GETTERS[0]()
+
+
+def _current_stream(device: int) -> int:
+    """The current stream of ``device``, as Triton's driver reads it (its ``get_current_stream``)."""
+    return _GETTERS[1](device)
+
+
+def _getters() -> tuple:
+    """Triton's device and stream getters, read once; ``torch._C._cuda_getDevice`` where the
+    driver's device getter is ``torch.cuda.current_device`` (the same value once CUDA is
+    initialized, which it is here: a launch has CUDA tensors)."""
+    active = _driver.active
+    device = active.get_current_device
+    if device is torch.cuda.current_device and hasattr(torch._C, "_cuda_getDevice"):
+        torch.cuda.init()
+        device = torch._C._cuda_getDevice
+    return device, active.get_current_stream
+
+
+_GETTERS: list = []   # [device getter, stream getter], resolved on the first launch
 
 
 def _direct_entry(compiled) -> Optional[tuple]:

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import launch
+from tpinv.kernels.launch import cdiv, launch, next_power_of_2
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 
 __all__ = ["attention_forward_cuda", "AttentionConfig", "forward_config", "padded_head_dim",
@@ -63,7 +63,7 @@ _FORWARD_TABLE = {
 def padded_head_dim(D: int) -> int:
     if D < 1 or D > MAX_HEAD_DIM:
         raise ValueError(f"head dim D={D} is not supported; expected 1 <= D <= {MAX_HEAD_DIM}")
-    return max(16, triton.next_power_of_2(D))
+    return max(16, next_power_of_2(D))
 
 
 #: fp32 runs the exact FMA dot (no tensor cores): small tiles, no pipeline (shared memory).
@@ -294,7 +294,7 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     m, (s_mb, s_ms, s_mt) = mask_args(mask, q)
     cfg = forward_config(q.dtype, DP)
-    n_tiles = triton.cdiv(S * g, cfg.block_m)
+    n_tiles = cdiv(S * g, cfg.block_m)
     launch(_attn_fwd_kernel, (n_tiles, B * Hkv),
         q, k, v, q_pos, m, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

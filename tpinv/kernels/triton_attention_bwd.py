@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import launch
+from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 from tpinv.kernels.reference_attention_bwd import check_backward_inputs
 from tpinv.kernels.triton_attention import (block_ranges, clean_kv, forward_config,
@@ -258,7 +258,7 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
     m, (s_mb, s_ms, s_mt) = mask_args(mask, q)
     delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     dlse = grad_lse if grad_lse is not None else delta
-    launch(_delta_kernel, (triton.cdiv(S, DELTA_ROWS), B * Hq),
+    launch(_delta_kernel, (cdiv(S, DELTA_ROWS), B * Hq),
         grad_out, out, dlse, delta, *grad_out.stride()[:3], *out.stride()[:3], *dlse.stride(),
         delta.stride(0), delta.stride(1), S, D, Hq,
         HAS_DLSE=grad_lse is not None, ROWS=DELTA_ROWS, DP=DP,
@@ -268,13 +268,13 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
                *lse.stride(), delta.stride(0), delta.stride(1), *q_pos.stride(), s_mb, s_ms, s_mt)
     block_m, warps = DKDV_TILE_FP32 if q.dtype == torch.float32 else DKDV_TILE[DP]
-    launch(_dkdv_kernel, (triton.cdiv(T, KV_BLOCK), B * Hkv),
+    launch(_dkdv_kernel, (cdiv(T, KV_BLOCK), B * Hkv),
         q, k, v, grad_out, lse, delta, q_pos, m, dk, dv, *strides, *dk.stride()[:3],
         *dv.stride()[:3], S, T, D, Hkv, int(window or 0), scale, BLOCK_M=block_m,
         SCAN=POS_SCAN, num_warps=warps, num_stages=2 if q.dtype != torch.float32 else 1,
         enable_fp_fusion=False, **common)
     cfg = forward_config(q.dtype, DP)
-    n_tiles = triton.cdiv(S * g, cfg.block_m)
+    n_tiles = cdiv(S * g, cfg.block_m)
     launch(_dq_kernel, (n_tiles, B * Hkv),
         q, k, v, grad_out, lse, delta, q_pos, m, dq, *strides, *dq.stride()[:3],
         S, T, D, Hkv, n_tiles, int(window or 0), scale, BLOCK_M=cfg.block_m,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import launch
+from tpinv.kernels.launch import cdiv, launch, next_power_of_2
 from tpinv.core.contract import InvarianceError
 from tpinv.kernels.reference_activation import check_silu_mul_inputs
 from tpinv.kernels.reference_rope import check_rope_inputs
@@ -127,7 +127,7 @@ def _launch_silu_fwd(gate, up, config=None):
     n = gate.numel()
     if n:
         block, warps = config or silu_config(n)
-        launch(_silu_mul_fwd_kernel, (triton.cdiv(n, block),),
+        launch(_silu_mul_fwd_kernel, (cdiv(n, block),),
             _flat(gate), _flat(up), out.view(-1), n, BLOCK=block, PRECISE_EXP=not _interpreting(),
             num_warps=warps, **_EXACT_OPTIONS)
     return out
@@ -139,7 +139,7 @@ def _launch_silu_bwd(grad, gate, up, config=None):
     n = gate.numel()
     if n:
         block, warps = config or silu_config(n)
-        launch(_silu_mul_bwd_kernel, (triton.cdiv(n, block),),
+        launch(_silu_mul_bwd_kernel, (cdiv(n, block),),
             _flat(grad), _flat(gate), _flat(up), d_gate.view(-1), d_up.view(-1), n, BLOCK=block,
             PRECISE_EXP=not _interpreting(), num_warps=warps, **_EXACT_OPTIONS)
     return d_gate, d_up
@@ -216,9 +216,9 @@ def rope_config(heads: int, head_dim: int) -> tuple[int, int, int, int]:
     A program rotates ``BLOCK_H`` heads x ``BLOCK_S`` positions x ``2 * BLOCK_HALF`` lanes
     (4096 elements for head_dim >= 8), all heads of the group sharing one cos/sin tile.
     """
-    block_half = min(triton.next_power_of_2(max(head_dim // 2, 1)), 1024)
+    block_half = min(next_power_of_2(max(head_dim // 2, 1)), 1024)
     rows = max(2048 // block_half, 1)
-    block_h = min(triton.next_power_of_2(heads), 4, rows)
+    block_h = min(next_power_of_2(heads), 4, rows)
     block_s = max(rows // block_h, 1)
     return block_h, block_s, block_half, 4
 
@@ -243,8 +243,8 @@ def _launch_rope(x, cos, sin, sign, config=None):
     sin, ss_b, ss_s = _table(sin)
     block_h, block_s, block_half, warps = config or rope_config(heads, dim)
     half = dim // 2
-    n_hgroups, n_dchunks = triton.cdiv(heads, block_h), triton.cdiv(half, block_half)
-    n_sblocks = triton.cdiv(seq, block_s)
+    n_hgroups, n_dchunks = cdiv(heads, block_h), cdiv(half, block_half)
+    n_sblocks = cdiv(seq, block_s)
     grid = (batch * n_sblocks * n_dchunks * n_hgroups,)
     launch(_rope_kernel, grid, x, cos, sin, out, heads, seq,
                        x.stride(0), x.stride(1), x.stride(2), sc_b, sc_s, ss_b, ss_s,

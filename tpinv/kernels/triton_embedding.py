@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import launch
+from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.reference_embedding import token_runs
 
 __all__ = ["embedding_backward_cuda"]
@@ -51,6 +51,6 @@ def embedding_backward_cuda(grad: torch.Tensor, ids: torch.Tensor, num_rows: int
         g = g.contiguous()
     ends = torch.searchsorted(sorted_ids, sorted_ids, right=True)  # one past each run's last token
     tokens, dim = g.shape
-    launch(_token_order_chain_kernel, (tokens, triton.cdiv(dim, BLOCK_D)),
+    launch(_token_order_chain_kernel, (tokens, cdiv(dim, BLOCK_D)),
         g, order, sorted_ids, ends, acc, dim, g.stride(0), acc.stride(0), BLOCK_D=BLOCK_D, num_warps=4)
     return acc.to(grad.dtype)

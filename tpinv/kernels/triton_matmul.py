@@ -30,7 +30,8 @@ import triton.language as tl
 
 from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, check_divisible, check_dtype,
                             check_leaves)
-from tpinv.kernels.launch import is_bound, launch, operands_key, remember, reused_descriptor
+from tpinv.kernels.launch import (cdiv, is_bound, launch, launch_with, operands_key, remember,
+                                  reused_descriptor)
 from tpinv.kernels.tiles import (GLUON_MIN_ROWS, MAX_LEAVES_PER_CTA, MatmulConfig, block_k,
                                  check_config, launch_config)
 
@@ -242,7 +243,7 @@ def _plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype
                   USE_TMA=use_tma, W_KN=w_kn, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                   GROUP_M=config.group_m, EVEN_K=even_k, IS_FP32=(x2.dtype == torch.float32),
                   num_warps=config.num_warps, num_stages=config.num_stages)
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    grid = (cdiv(m, bm) * cdiv(n, bn), split)
     return remember(_PLANS, key, _Plan(use_tma, w_kn, [bm, bk], [bk, bn] if w_kn else [bn, bk], split,
                                         grid, consts, {}, {}, {}, {}))
 
@@ -251,14 +252,21 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
             config: MatmulConfig, allow_tma: bool = True, operands: tuple | None = None) -> torch.Tensor:
     """Run the kernel on x2 [M, K], w [N, K]; ``allow_tma=False`` forces pointer loads
     (``operands``: their :func:`~tpinv.kernels.launch.operands_key`, when the caller has it)."""
+    if x2.shape[0] == 0 or w.shape[0] == 0 or x2.shape[1] == 0:
+        return _empty_product(x2, w, out_dtype)
+    return _launch_plan(x2, w, leaves, out_dtype, _plan(x2, w, leaves, out_dtype, config, allow_tma, operands))
+
+
+def _empty_product(x2: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The product of operands with no rows, no columns or K = 0 (zeros)."""
+    return torch.zeros((x2.shape[0], w.shape[0]), device=x2.device, dtype=out_dtype)
+
+
+def _launch_plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, plan: _Plan) -> torch.Tensor:
+    """Descriptors and launch of non-empty operands and their plan (:func:`_plan`)."""
     m, k = x2.shape
     n = w.shape[0]
     out = torch.empty((m, n), device=x2.device, dtype=out_dtype)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-    plan = _plan(x2, w, leaves, out_dtype, config, allow_tma, operands)
     if plan.use_tma:
         reuse = is_bound(plan.bound)
         x_ref = reused_descriptor(plan.x_descs if reuse else None, x2,
@@ -274,13 +282,12 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
     else:
         dest = torch.empty((split, m, n), device=x2.device, dtype=torch.float32)
         stride_g = dest.stride(0)
-    launch(_contract_mm_kernel, plan.grid,
-           x_ref, w_ref, dest, m, n, k // leaves,
-           x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
-           stride_g, dest.stride(-2), dest.stride(-1), bound=plan.bound, **plan.consts)
+    launch_with(_contract_mm_kernel, plan.grid,
+                (x_ref, w_ref, dest, m, n, k // leaves, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
+                 stride_g, dest.stride(-2), dest.stride(-1)), plan.consts, plan.bound)
     if split > 1:
         block = 1024
-        launch(_combine_groups_kernel, (triton.cdiv(m * n, block),),
+        launch(_combine_groups_kernel, (cdiv(m * n, block),),
                dest, out, m * n, stride_g, bound=plan.bound_combine, GROUPS=split, BLOCK=block,
                num_warps=4)
     return out
@@ -304,27 +311,36 @@ def gluon_kernel_for(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: 
 
 
 _GLUON: list = []   # [the gluon_matmul module, or None without Gluon], once resolved
-_GLUON_CHOICE: dict = {}   # (operands_key, leaves, out_dtype) -> the gluon module or None
-_UNSEEN = object()
+_ROUTES: dict = {}   # (operands_key, leaves, out_dtype) -> (gluon module or None, its launch plan)
+
+
+def _route(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, operands: tuple) -> tuple:
+    """Which kernel runs a call without a config, and its launch plan (one per call shape)."""
+    gluon = gluon_kernel_for(x2, w, leaves, out_dtype)
+    if gluon is not None:
+        return gluon, gluon.plan_for(x2, w, leaves, out_dtype, operands=operands)
+    return None, _plan(x2, w, leaves, out_dtype, launch_config(x2.shape[0], leaves), True, operands)
 
 
 def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
          config: MatmulConfig | None) -> torch.Tensor:
     _check_inputs(x, w, leaves)
-    x2 = x.reshape(-1, x.shape[-1])
-    operands = operands_key(x2, w)   # one key per call: the gluon choice and both launch plans
-    gluon = None
-    if config is None:
-        choice = (operands, leaves, out_dtype)
-        gluon = _GLUON_CHOICE.get(choice, _UNSEEN)
-        if gluon is _UNSEEN:
-            gluon = remember(_GLUON_CHOICE, choice, gluon_kernel_for(x2, w, leaves, out_dtype))
-    if gluon is not None:
-        out = gluon.launch_checked(x2, w, leaves, out_dtype, operands=operands)
+    flat = x.dim() != 2
+    x2 = x.reshape(-1, x.shape[-1]) if flat else x
+    if x2.shape[0] == 0 or w.shape[0] == 0 or x2.shape[1] == 0:
+        out = _empty_product(x2, w, out_dtype)
+    elif config is None:
+        operands = operands_key(x2, w)   # one key per call: the kernel's choice and its launch plan
+        key = (operands, leaves, out_dtype)
+        route = _ROUTES.get(key)
+        if route is None:
+            route = remember(_ROUTES, key, _route(x2, w, leaves, out_dtype, operands))
+        gluon, plan = route
+        out = (gluon.launch_plan(x2, w, leaves, out_dtype, plan) if gluon is not None
+               else _launch_plan(x2, w, leaves, out_dtype, plan))
     else:
-        cfg = launch_config(x2.shape[0], leaves) if config is None else check_config(config)
-        out = _launch(x2, w, leaves, out_dtype, cfg, operands=operands)
-    return out.reshape(*x.shape[:-1], w.shape[0])
+        out = _launch(x2, w, leaves, out_dtype, check_config(config))
+    return out.reshape(*x.shape[:-1], w.shape[0]) if flat else out
 
 
 def matmul_partial_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int = DEFAULT_LEAVES, *,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import launch
+from tpinv.kernels.launch import launch, next_power_of_2
 from tpinv.kernels.reference_norm import (check_per_head_inputs, check_rms_norm_backward_inputs, check_rms_norm_inputs,
                                     rms_norm_backward, rms_norm_backward_heads, rms_norm_forward,
                                     rms_norm_out_dtype, sum_over_tokens_per_head)
@@ -75,7 +75,7 @@ def _rms_norm_bwd_kernel(g_ptr, x_ptr, w_ptr, dx_ptr, contrib_ptr, hidden, hidde
 
 
 def _block_for(hidden: int) -> tuple[int, int]:
-    block = triton.next_power_of_2(hidden)
+    block = next_power_of_2(hidden)
     warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
     return block, warps
 

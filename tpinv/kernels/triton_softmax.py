@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import launch, sm_count
+from tpinv.kernels.launch import cdiv, launch, next_power_of_2, sm_count
 from tpinv.core.contract import tree_combine
 from tpinv.kernels.reference_softmax import (check_partial_inputs, check_softmax_inputs,
                                        logsumexp_from_parts, safe_shift)
@@ -71,7 +71,7 @@ _PROGRAMS_OFF_CUDA = 3
 
 def leaf_block(leaf_len: int) -> int:
     """Accumulator width for a leaf of ``leaf_len`` elements (leaf length only)."""
-    return max(16, min(_MAX_LEAF_BLOCK, triton.next_power_of_2(max(leaf_len, 1))))
+    return max(16, min(_MAX_LEAF_BLOCK, next_power_of_2(max(leaf_len, 1))))
 
 
 def _log2(n: int) -> int:
@@ -285,7 +285,7 @@ def _from_parts(x: torch.Tensor, max_: torch.Tensor, total: torch.Tensor, log: b
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.numel():
         shift = safe_shift(max_).reshape(-1).contiguous()
-        grid = (rows.shape[0], triton.cdiv(rows.shape[1], _OUT_BLOCK))
+        grid = (rows.shape[0], cdiv(rows.shape[1], _OUT_BLOCK))
         launch(_from_parts_kernel, grid, rows, shift, total.reshape(-1).contiguous(), out, rows.shape[1],
                                  rows.stride(0), out.stride(0), LOG=log, BLOCK=_OUT_BLOCK,
                                  num_warps=8, enable_fp_fusion=False)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import launch
+from tpinv.kernels.launch import cdiv, launch
 
 __all__ = ["halving_sum_cuda", "ROWS", "CHUNK"]
 
@@ -62,6 +62,6 @@ def halving_sum_cuda(x: torch.Tensor) -> torch.Tensor:
     half = 1 << ((n - 1).bit_length() - 1)       # p / 2 with p = next_pow2(n)
     scratch = torch.empty((half, R), dtype=torch.float32, device=x.device)
     out = torch.empty((R,), dtype=torch.float32, device=x.device)
-    launch(_halving_sum_kernel, (triton.cdiv(R, ROWS),), x, scratch, out, R, n, half,
+    launch(_halving_sum_kernel, (cdiv(R, ROWS),), x, scratch, out, R, n, half,
            half.bit_length() - 1, x.stride(0), x.stride(1), ROWS=ROWS, CHUNK=CHUNK, num_warps=4, num_stages=1)
     return out

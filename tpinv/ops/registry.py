@@ -105,22 +105,25 @@ class InvariantOp(CustomOpDef):
         fast = self._tpinv_eager
         if kwargs or not EAGER_CALLS[0] or len(args) != fast.arity or observed():
             return self._opoverload(*args, **kwargs)
-        device = None
+        cuda = None          # whether the tensor arguments are on CUDA (all) or the CPU (all)
+        grad = False
         for i in fast.tensor_args:
             t = args[i]
             if t is None:
                 continue
             if type(t) not in PLAIN_TENSORS:
                 return self._opoverload(*args)
-            if device is None:
-                device = t.device.type
-            elif t.device.type != device:
-                return self._opoverload(*args)
-        kernel = fast.kernels.get(device)
-        if kernel is None:
+            on_cuda = t.is_cuda
+            if on_cuda is not cuda:
+                if cuda is not None or not (on_cuda or t.is_cpu):
+                    return self._opoverload(*args)    # mixed, or another device: torch dispatches
+                cuda = on_cuda
+            if t.requires_grad:
+                grad = True
+        if cuda is None:
             return self._opoverload(*args)
-        if (fast.autograd is not None and torch.is_grad_enabled()
-                and any(args[i] is not None and args[i].requires_grad for i in fast.tensor_args)):
+        kernel = fast.cuda if cuda else fast.cpu
+        if grad and fast.autograd is not None and torch.is_grad_enabled():
             if fast.mutates:
                 return self._opoverload(*args)
             return fast.autograd.apply(kernel, *args)
@@ -161,7 +164,8 @@ class _EagerPath:
         self.arity = len(schema.arguments)
         self.tensor_args = tuple(i for i, a in enumerate(schema.arguments)
                                  if "Tensor" in str(a.type) and "[]" not in str(a.type))
-        self.kernels, self.mutates, self.autograd = kernels, mutates, None
+        self.cpu, self.cuda = kernels["cpu"], kernels["cuda"]
+        self.mutates, self.autograd = mutates, None
 
 
 class OpDef(NamedTuple):
