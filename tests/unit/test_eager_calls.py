@@ -4,8 +4,9 @@
 backward through the op's own autograd formula).  Checked here: outputs and gradients are the
 bytes of the dispatched call for every differentiable op family; the direct path really ran (the
 dispatcher entry replaced by one that raises is never reached), and it is left for the dispatcher
-under a dispatch mode, under ``torch.compile``, and with tensor subclasses.  Control: the same
-products with another leaf count differ (the check sees bits).
+under a dispatch mode, under ``torch.compile``, with tensor subclasses and with a tensor on a
+device other than the CPU or CUDA (``meta``).  Control: the same products with another leaf
+count differ (the check sees bits).
 """
 from __future__ import annotations
 
@@ -85,3 +86,6 @@ def test_observed_calls_go_through_the_dispatcher(monkeypatch):
 
     with pytest.raises(AssertionError, match="dispatcher reached"):
         ops.matmul(x.as_subclass(Sub), w, 4, 4)
+    for a, b in ((x, w.to("meta")), (x.to("meta"), w), (x.to("meta"), w.to("meta"))):
+        with pytest.raises(AssertionError, match="dispatcher reached"):   # a device other than CPU/CUDA
+            ops.matmul(a, b, 4, 4)

@@ -114,10 +114,12 @@ class InvariantOp(CustomOpDef):
             if type(t) not in PLAIN_TENSORS:
                 return self._opoverload(*args)
             on_cuda = t.is_cuda
-            if on_cuda is not cuda:
-                if cuda is not None or not (on_cuda or t.is_cpu):
-                    return self._opoverload(*args)    # mixed, or another device: torch dispatches
+            if not on_cuda and not t.is_cpu:
+                return self._opoverload(*args)        # another device (meta, ...): torch dispatches
+            if cuda is None:
                 cuda = on_cuda
+            elif on_cuda is not cuda:
+                return self._opoverload(*args)        # CPU and CUDA mixed: torch dispatches
             if t.requires_grad:
                 grad = True
         if cuda is None:
