@@ -16,7 +16,10 @@ __all__ = ["assert_same_bits", "assert_bits_differ", "bits", "same_bits"]
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    """The bytes of ``t`` in row-major order, for any strides (``contiguous()`` keeps a size-1
+    dim's stride, which ``view(torch.uint8)`` refuses, so the copy is made with row-major strides)."""
+    flat = t.detach().to("cpu").reshape(-1)
+    return torch.empty(flat.shape, dtype=flat.dtype).copy_(flat).view(torch.uint8)
 
 
 def bits(t: torch.Tensor) -> str:
