@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
 
 from benchmarks.bench_e2e import build
+from benchmarks.common import synchronize
 
 
 def main() -> None:
@@ -91,12 +92,10 @@ def main() -> None:
             else:
                 step = train_step
             step()  # warm-up (compiles kernels); a decode step advances the cache by one
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             with profile(activities=activities) as prof:
                 step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                synchronize(device)
         print(f"==== {opts.path} {label}: top kernels by self device time")
         print(prof.key_averages().table(sort_by=sort_device, row_limit=opts.rows, max_name_column_width=60))
         print(f"==== {opts.path} {label}: top operators by host time")
@@ -109,19 +108,18 @@ def main() -> None:
 def _anatomy(model, tokens, targets, steps: int, device: torch.device) -> None:
     """Median host time to issue the forward and the backward, and wall time, per path (taking turns)."""
     import time
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     paths = {"invariant": model.loss, "vanilla": lambda t, y: vanilla_loss(model, t, y)}
     times = {name: [] for name in paths}
     for step in range(steps + 2):                      # two warm-up steps per path
         for name, loss_fn in paths.items():
             model.zero_grad(set_to_none=True)
-            sync()
+            synchronize(device)
             t0 = time.perf_counter()
             loss = loss_fn(tokens, targets)
             t1 = time.perf_counter()
             loss.mean().backward()
             t2 = time.perf_counter()
-            sync()
+            synchronize(device)
             if step >= 2:
                 times[name].append((t1 - t0, t2 - t1, time.perf_counter() - t0))
     print(f"{'path':10s} {'forward issue ms':>17s} {'backward issue ms':>18s} {'wall ms':>8s}")
@@ -138,15 +136,13 @@ def _host_profile(step, steps: int, rows: int, device: torch.device, label: str,
     import time
     for _ in range(2):
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     prof = cProfile.Profile()
     start = time.perf_counter()
     prof.enable()
     for _ in range(steps):
         step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     prof.disable()
     print(f"==== {steps} {label} steps: {(time.perf_counter() - start) / steps * 1e3:.1f} ms a step under cProfile")
     if dump:

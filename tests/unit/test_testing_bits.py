@@ -1,6 +1,6 @@
 """``tpinv.testing``'s byte check: shape, dtype and raw bytes, for tensors of any strides.
 
-Controls by construction: ``0.0`` vs ``-0.0`` differ (``torch.equal`` says equal), one NaN
+Controls by construction: ``0.0`` vs ``-0.0`` differ (equal as numbers), one NaN
 payload vs another differs, and a differing element is named.
 """
 from __future__ import annotations
@@ -12,7 +12,6 @@ from tpinv.testing import assert_bits_differ, assert_same_bits, bits, same_bits
 
 
 def test_signed_zero_and_nan_payloads_are_bits():
-    assert torch.equal(torch.tensor([0.0]), torch.tensor([-0.0]))
     assert_bits_differ(torch.tensor([0.0]), torch.tensor([-0.0]), "0.0 vs -0.0")
     a = torch.tensor([0x7FC00000, 0x7FC00001], dtype=torch.int32).view(torch.float32)
     assert_bits_differ(a[:1], a[1:], "two NaN payloads")

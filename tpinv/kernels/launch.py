@@ -35,7 +35,8 @@ try:
 except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
     _knobs = None
 
-__all__ = ["launch", "launch_with", "cdiv", "next_power_of_2", "sm_count", "bound_launches", "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
+__all__ = ["launch", "launch_with", "cdiv", "next_power_of_2", "sm_count", "bound_launches",
+           "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
            "reused_descriptor", "descriptor_reuses", "BIND", "REUSE_DESCRIPTORS", "DIRECT"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
@@ -279,13 +280,14 @@ def _hooks() -> tuple:
     """Triton's launch enter and exit hooks, each None where it is an empty hook chain (Triton 3.5+
     keeps a chain object that is never None; calling an empty one does nothing, and the launch
     metadata exists only for an enter hook)."""
-    enter = _knobs.runtime.launch_enter_hook
-    leave = _knobs.runtime.launch_exit_hook
-    if enter is not None and type(enter).__name__ == "HookChain" and not enter.calls:
-        enter = None
-    if leave is not None and type(leave).__name__ == "HookChain" and not leave.calls:
-        leave = None
-    return enter, leave
+    return _active(_knobs.runtime.launch_enter_hook), _active(_knobs.runtime.launch_exit_hook)
+
+
+def _active(hook):
+    """``hook``, or None where it is None or an empty hook chain."""
+    if hook is not None and type(hook).__name__ == "HookChain" and not hook.calls:
+        return None
+    return hook
 
 
 def _current_device() -> int:

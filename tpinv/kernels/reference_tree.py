@@ -26,8 +26,6 @@ def halving_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum the last dim (any length) by contiguous halving over a zero-padded power of two."""
     if x.is_cuda and x.dtype == torch.float32 and x.dim() >= 1:
         from tpinv.kernels.triton_tree import halving_sum_cuda   # imports Triton: CUDA only
-        if x.dim() == 2:
-            return halving_sum_cuda(x)
         return halving_sum_cuda(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
     n = x.shape[-1]
     p = _next_pow2(n)
@@ -48,10 +46,5 @@ def leaf_partials(x: torch.Tensor, leaves: int) -> torch.Tensor:
 
 
 def leaf_tree_sum(x: torch.Tensor, leaves: int) -> torch.Tensor:
-    """The contract's full reduction of the last dim: leaf chains, then the leaf tree (one leaf:
-    its chain, the tree of one partial being that partial)."""
-    if leaves == 1:
-        if x.dtype != torch.float32:
-            raise TypeError(f"leaf reductions run in fp32, got {x.dtype}")
-        return halving_sum(x)
+    """The contract's full reduction of the last dim: leaf chains, then the leaf tree."""
     return tree_combine(leaf_partials(x, leaves))

@@ -262,7 +262,8 @@ def _empty_product(x2: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) ->
     return torch.zeros((x2.shape[0], w.shape[0]), device=x2.device, dtype=out_dtype)
 
 
-def _launch_plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, plan: _Plan) -> torch.Tensor:
+def _launch_plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
+                 plan: _Plan) -> torch.Tensor:
     """Descriptors and launch of non-empty operands and their plan (:func:`_plan`)."""
     m, k = x2.shape
     n = w.shape[0]
@@ -339,7 +340,8 @@ def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
         out = (gluon.launch_plan(x2, w, leaves, out_dtype, plan) if gluon is not None
                else _launch_plan(x2, w, leaves, out_dtype, plan))
     else:
-        out = _launch(x2, w, leaves, out_dtype, check_config(config))
+        plan = _plan(x2, w, leaves, out_dtype, check_config(config), True, None)
+        out = _launch_plan(x2, w, leaves, out_dtype, plan)
     return out.reshape(*x.shape[:-1], w.shape[0]) if flat else out
 
 

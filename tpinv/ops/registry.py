@@ -162,12 +162,11 @@ EAGER_CALLS = [True]
 class _EagerPath:
     """What :meth:`InvariantOp.__call__` needs, computed once per op."""
 
-    def __init__(self, schema, kernels: dict, mutates: bool):
+    def __init__(self, schema, cpu: Callable, cuda: Callable, mutates: bool):
         self.arity = len(schema.arguments)
         self.tensor_args = tuple(i for i, a in enumerate(schema.arguments)
                                  if "Tensor" in str(a.type) and "[]" not in str(a.type))
-        self.cpu, self.cuda = kernels["cpu"], kernels["cuda"]
-        self.mutates, self.autograd = mutates, None
+        self.cpu, self.cuda, self.mutates, self.autograd = cpu, cuda, mutates, None
 
 
 class OpDef(NamedTuple):
@@ -239,8 +238,7 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
         cuda_slot = with_contiguous_outputs(kernel)
         op.register_kernel("cuda", cuda_slot)
         op.__class__ = InvariantOp
-        op._tpinv_eager = _EagerPath(op._opoverload._schema, {"cpu": reference_slot, "cuda": cuda_slot},
-                                   bool(mutated))
+        op._tpinv_eager = _EagerPath(op._opoverload._schema, reference_slot, cuda_slot, bool(mutated))
         OPS[qualname] = OpDef(op, reference, cuda, check, kernel)
         return op
 
