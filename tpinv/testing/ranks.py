@@ -1,7 +1,12 @@
 """Spawned multi-rank groups for tests: :func:`run_ranks` starts one fresh process per rank,
 joins them into a process group, runs a module-level function in each and returns the results
 in rank order; it never hangs (every wait has a deadline) and a failing rank's full traceback
-is raised in the caller."""
+is raised in the caller.
+
+The rendezvous store is the caller's: :func:`run_ranks` opens a TCP store on a port the kernel
+picks and holds it until the ranks are gone, and every rank (rank 0 too) joins it as a client,
+as under ``torchrun``'s agent.  No port is picked, released and bound again later, so two runs
+at once (pytest-xdist workers) can never meet on one port."""
 from __future__ import annotations
 
 import datetime
@@ -22,6 +27,7 @@ __all__ = ["RankFailedError", "RankTimeoutError", "free_port", "run_ranks"]
 # Seconds a dead rank's last message may still take to arrive through the result pipe.
 _DRAIN_SECONDS = 1.0
 _POLL_SECONDS = 0.05
+_HOST = "127.0.0.1"
 
 
 class RankFailedError(RuntimeError):
@@ -50,9 +56,13 @@ def _rank_main(fn, rank, world_size, args, backend, port, pg_timeout, env, threa
                results) -> None:
     """Body of one spawned rank: set up, run ``fn``, send ``(rank, ok, payload)`` back."""
     try:
+        # TORCHELASTIC_USE_AGENT_STORE: every rank's env:// or tcp:// rendezvous is a client of
+        # the store the parent holds at MASTER_PORT (rank 0 does not host one); older torch
+        # releases also read the restart count for the store's key prefix.
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                           "MASTER_ADDR": _HOST, "MASTER_PORT": str(port),
+                           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"})
         os.environ.update(env or {})
         if threads is not None:
             torch.set_num_threads(threads)
@@ -60,7 +70,7 @@ def _rank_main(fn, rank, world_size, args, backend, port, pg_timeout, env, threa
             torch.cuda.set_device(rank % torch.cuda.device_count())
         if init_group:
             dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                    init_method=f"tcp://127.0.0.1:{port}",
+                                    init_method="env://",
                                     timeout=datetime.timedelta(seconds=pg_timeout))
         payload = pickle.dumps(fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -93,8 +103,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
     pg_timeout = timeout if pg_timeout is None else pg_timeout
+    store = _host_store(world_size, pg_timeout)
+    port = store.port
     procs = [ctx.Process(target=_rank_main, name=f"tpinv-rank-{r}", daemon=True,
                          args=(fn, r, world_size, args, backend, port, pg_timeout, env, threads,
                                init_group, results))
@@ -110,6 +121,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         for p in procs:
             p.join(timeout=5.0)
         results.close()
+        del store
+
+
+def _host_store(world_size: int, pg_timeout: float) -> dist.TCPStore:
+    """The ranks' rendezvous store, served from this process on a port the kernel picks."""
+    return dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=pg_timeout))
 
 
 def _collect(procs, results, deadline: float, timeout: float) -> list[Any]:

@@ -1,0 +1,46 @@
+"""tpinv.testing.run_ranks: the rendezvous port belongs to the caller for the ranks' whole life."""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import pytest
+import torch.distributed as dist
+
+from tpinv.testing import run_ranks
+
+
+def _try_bind_master_port(rank, world_size):
+    """Bind MASTER_PORT before any group exists: errno if taken, 0 if this rank got it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+        except OSError as err:
+            return err.errno
+    return 0
+
+
+def _all_reduce_rank(rank, world_size):
+    import torch
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_the_port_is_held_before_any_rank_binds_it():
+    # A port picked, released and bound later by rank 0 could be taken by another run in between
+    # (two pytest-xdist workers once met on one): the caller's store holds it throughout.
+    assert run_ranks(_try_bind_master_port, 2, init_group=False) == [errno.EADDRINUSE] * 2
+
+
+def test_control_a_released_port_can_be_taken():
+    # Control: the same probe on a port nobody holds succeeds, so the check above can fail.
+    from tpinv.testing import free_port
+    assert run_ranks(_try_bind_master_port, 1, init_group=False,
+                     env={"MASTER_PORT": str(free_port())}) == [0]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_ranks_meet_through_the_callers_store(world_size):
+    assert run_ranks(_all_reduce_rank, world_size) == [world_size * (world_size + 1) / 2] * world_size
