@@ -107,6 +107,7 @@ def main() -> None:
 
 def _anatomy(model, tokens, targets, steps: int, device: torch.device) -> None:
     """Median host time to issue the forward and the backward, and wall time, per path (taking turns)."""
+    import statistics
     import time
     paths = {"invariant": model.loss, "vanilla": lambda t, y: vanilla_loss(model, t, y)}
     times = {name: [] for name in paths}
@@ -124,7 +125,7 @@ def _anatomy(model, tokens, targets, steps: int, device: torch.device) -> None:
                 times[name].append((t1 - t0, t2 - t1, time.perf_counter() - t0))
     print(f"{'path':10s} {'forward issue ms':>17s} {'backward issue ms':>18s} {'wall ms':>8s}")
     for name, rows in times.items():
-        med = [sorted(r[i] for r in rows)[len(rows) // 2] * 1e3 for i in range(3)]
+        med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(3)]
         print(f"{name:10s} {med[0]:17.1f} {med[1]:18.1f} {med[2]:8.1f}")
 
 

@@ -6,6 +6,7 @@ import os
 import socket
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tpinv.testing import run_ranks
@@ -22,7 +23,6 @@ def _try_bind_master_port(rank, world_size):
 
 
 def _all_reduce_rank(rank, world_size):
-    import torch
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     return t.item()

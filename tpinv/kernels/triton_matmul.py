@@ -252,9 +252,14 @@ def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
             config: MatmulConfig, allow_tma: bool = True, operands: tuple | None = None) -> torch.Tensor:
     """Run the kernel on x2 [M, K], w [N, K]; ``allow_tma=False`` forces pointer loads
     (``operands``: their :func:`~tpinv.kernels.launch.operands_key`, when the caller has it)."""
-    if x2.shape[0] == 0 or w.shape[0] == 0 or x2.shape[1] == 0:
+    if _no_work(x2, w):
         return _empty_product(x2, w, out_dtype)
     return _launch_plan(x2, w, leaves, out_dtype, _plan(x2, w, leaves, out_dtype, config, allow_tma, operands))
+
+
+def _no_work(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the product has no rows, no columns or K = 0 (nothing to launch)."""
+    return x2.shape[0] == 0 or w.shape[0] == 0 or x2.shape[1] == 0
 
 
 def _empty_product(x2: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -328,9 +333,11 @@ def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
     _check_inputs(x, w, leaves)
     flat = x.dim() != 2
     x2 = x.reshape(-1, x.shape[-1]) if flat else x
-    if x2.shape[0] == 0 or w.shape[0] == 0 or x2.shape[1] == 0:
+    if config is not None:
+        out = _launch(x2, w, leaves, out_dtype, check_config(config))
+    elif _no_work(x2, w):
         out = _empty_product(x2, w, out_dtype)
-    elif config is None:
+    else:
         operands = operands_key(x2, w)   # one key per call: the kernel's choice and its launch plan
         key = (operands, leaves, out_dtype)
         route = _ROUTES.get(key)
@@ -339,9 +346,6 @@ def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
         gluon, plan = route
         out = (gluon.launch_plan(x2, w, leaves, out_dtype, plan) if gluon is not None
                else _launch_plan(x2, w, leaves, out_dtype, plan))
-    else:
-        plan = _plan(x2, w, leaves, out_dtype, check_config(config), True, None)
-        out = _launch_plan(x2, w, leaves, out_dtype, plan)
     return out.reshape(*x.shape[:-1], w.shape[0]) if flat else out
 
 

@@ -46,9 +46,10 @@ class RankTimeoutError(TimeoutError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on the loopback address that was free a moment ago (:func:`run_ranks` holds
+    its own; this is for launchers such as ``torchrun`` that bind the port themselves)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((_HOST, 0))
         return s.getsockname()[1]
 
 
