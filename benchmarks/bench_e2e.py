@@ -8,7 +8,9 @@ runs after a warm-up, in the same process, the two paths taking turns run by run
 * training step: ``loss(tokens, targets).backward(w)`` at ``--batch x --seq`` tokens;
   ratio = invariant time / vanilla time (the target is <= 1.25).  On CUDA each path is also
   timed replayed from a CUDA graph (the device time alone; the invariant graph's gradients
-  are checked equal to the eager step's, bitwise).
+  are checked equal to the eager step's, bitwise), and compiled (``tpinv.compile`` of the
+  invariant loss, ``torch.compile`` of the vanilla one; the compiled invariant step's loss and
+  gradients are checked equal to the eager step's, bitwise; compile time is reported apart).
 * decoding: a prompt of ``--prompt`` tokens is prefilled into a KV cache, then ``--new``
   greedy steps of one token for each of ``--decode-batch`` sequences; tokens/s of the decode
   steps; ratio = invariant tokens/s / vanilla tokens/s (the target is >= 0.75).  Each path is
@@ -48,6 +50,8 @@ from benchmarks.peers_e2e import hf_available, hf_times
 from tpinv.layers.linear_cross_entropy import LOG_PROB_CHUNK_TOKENS
 from tpinv.core.dtypes import dtype_from_name
 from tpinv.core.capture import capture
+from tpinv.core.compile import compile as tpinv_compile
+from tpinv.testing.bits import same_bits
 from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
@@ -62,7 +66,7 @@ def build(name: str, layers: int | None, dtype: torch.dtype, device) -> Transfor
     return model.to(device)
 
 
-def train_step_times(model, device, batch: int, seq: int, iters: int) -> dict:
+def train_step_times(model, device, batch: int, seq: int, iters: int, compiled: bool = False) -> dict:
     gen = torch.Generator().manual_seed(11)
     vocab = model.args.vocab_size
     tokens = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
@@ -85,7 +89,39 @@ def train_step_times(model, device, batch: int, seq: int, iters: int) -> dict:
             out.update(graphed_train_times(model, paths, step, device, iters))
         except RuntimeError as exc:  # reported in the table and the JSON, the rest still runs
             out["graph_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    if compiled:
+        out.update(compiled_train_times(model, paths, step, (tokens, targets, weights), device, iters))
     model.zero_grad(set_to_none=True)
+    return out
+
+
+def compiled_train_times(model, paths, step, inputs, device, iters) -> dict:
+    """Each path's loss compiled -- ``tpinv.compile`` (full graph, the eager bits) for the invariant
+    path, plain ``torch.compile`` for the vanilla one -- and timed as the eager steps are (the
+    paths taking turns).  The first call of each (tracing and compiling) is timed apart, and the
+    compiled invariant step's loss and gradients are compared with the eager step's, bitwise."""
+    out = {}
+    try:
+        compiled = {"invariant": tpinv_compile(model.loss), "vanilla": torch.compile(paths["vanilla"])}
+    except NotImplementedError as exc:   # tpinv.compile refuses a torch below its floor
+        return {"compiled_error": f"{type(exc).__name__}: {exc}"[:2000]}
+    tokens, targets, weights = inputs
+    eager_loss = model.loss(tokens, targets).detach()
+    eager_grads = train_grads(model, step(model.loss))
+    for name, loss_fn in compiled.items():
+        sync(device)
+        t0 = time.perf_counter()
+        step(loss_fn)()
+        sync(device)
+        out[f"{name}_compile_s"] = time.perf_counter() - t0
+    grads = train_grads(model, step(compiled["invariant"]))
+    out["compiled_grads_equal_eager"] = (len(grads) == len(eager_grads)
+                                         and all(same_bits(a, b) for a, b in zip(grads, eager_grads)))
+    with torch.no_grad():
+        out["compiled_loss_equal_eager"] = same_bits(compiled["invariant"](tokens, targets), eager_loss)
+    medians = interleaved_medians({name: step(fn) for name, fn in compiled.items()}, device, iters)
+    out.update({f"{name}_compiled_s": seconds for name, seconds in medians.items()})
+    out["ratio_time_compiled"] = out["invariant_compiled_s"] / out["vanilla_compiled_s"]
     return out
 
 
@@ -206,6 +242,8 @@ def main(argv=None) -> None:
     p.add_argument("--memory-only", action="store_true", help="only the --memory cases")
     p.add_argument("--chunk-tokens", type=int, default=LOG_PROB_CHUNK_TOKENS,
                    help="chunk_tokens of the chunked cross-entropy / log-prob paths")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time the training step compiled (tpinv.compile vs torch.compile of vanilla)")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
                    help="also time HF transformers (default: on CUDA when transformers is installed)")
     opts = p.parse_args(argv)
@@ -230,7 +268,7 @@ def main(argv=None) -> None:
     for mode in modes:
         if not check_decode_equals_prefill(model, device, 2, min(opts.prompt, 200), mode == "graph"):
             raise SystemExit(f"FAIL: the invariant decode step ({mode}) differs from the invariant prefill")
-    train = train_step_times(model, device, opts.batch, opts.seq, opts.iters)
+    train = train_step_times(model, device, opts.batch, opts.seq, opts.iters, opts.compiled)
     decode = decode_rates(model, device, opts.decode_batch, opts.prompt, opts.new, opts.repeats, modes)
     peers = {}
     want_peers = opts.peers if opts.peers is not None else (device.type == "cuda" and hf_available() is None)
@@ -252,6 +290,21 @@ def main(argv=None) -> None:
         label = f"train step s, CUDA graph (grads == eager: {train['graph_grads_equal_eager']})"
         print(f"{label:<40} {train['invariant_graph_s']:>12.4f} "
               f"{train['vanilla_graph_s']:>12.4f} {train['ratio_time_graph']:>7.2f} {'<= 1.25':>8}")
+    if "compiled_error" in train:
+        print(f"train step, compiled: not run ({train['compiled_error'][:300]})")
+    if "invariant_compiled_s" in train:
+        same = train["compiled_loss_equal_eager"] and train["compiled_grads_equal_eager"]
+        label = f"train step s, compiled (== eager: {same})"
+        print(f"{label:<40} {train['invariant_compiled_s']:>12.4f} "
+              f"{train['vanilla_compiled_s']:>12.4f} {train['ratio_time_compiled']:>7.2f} {'<= 1.0':>8}")
+        print(f"  (first call, tracing and compiling: invariant {train['invariant_compile_s']:.1f} s, "
+              f"vanilla {train['vanilla_compile_s']:.1f} s)")
+    best = {path: min(train[k] for k in (f"{path}_s", f"{path}_graph_s", f"{path}_compiled_s") if k in train)
+            for path in ("invariant", "vanilla")}
+    label = "train step s, each path's best"
+    print(f"{label:<40} {best['invariant']:>12.4f} {best['vanilla']:>12.4f} "
+          f"{best['invariant'] / best['vanilla']:>7.2f} {'<= 1.0':>8}")
+    train["best_s"] = best
     for mode in modes:
         label = f"decode tok/s (batch {opts.decode_batch}, {mode})"
         print(f"{label:<40} {decode[f'invariant_{mode}_tokens_per_s']:>12.1f} "

@@ -10,7 +10,11 @@ matmuls use descriptors), the two settings taking turns twice.  Prints a table a
 without CUDA it runs the CPU kernels (a check of the script; the numbers then include the
 CPU work).
 
-    python -m benchmarks.bench_host [--calls 500] [--json out.json]
+``--chain`` instead times one column-parallel matmul's host path layer by layer (the kernel
+function, the op, the op recording a gradient, the layer, the layer's forward and backward),
+each beside the PyTorch call it stands in for: where an eager training step's Python goes.
+
+    python -m benchmarks.bench_host [--calls 500] [--json out.json] [--chain]
 """
 from __future__ import annotations
 
@@ -71,14 +75,66 @@ def cases(device, dtype):
     ]
 
 
+def chain_cases(device, dtype):
+    """(name, tpinv call, PyTorch call): one 16x1024x1024 matmul, from the kernel up to the layer."""
+    from types import SimpleNamespace
+    from tpinv.layers import ColumnParallelLinear
+    from tpinv.layers.functions import column_input_grad, weight_grad
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 1024, generator=gen).to(device=device, dtype=dtype)
+    xg = x.clone().requires_grad_(True)
+    w = torch.randn(1024, 1024, generator=gen).to(device=device, dtype=dtype)
+    wg = w.clone().requires_grad_(True)
+    dy = torch.randn(16, 1024, generator=gen).to(device=device, dtype=dtype)
+    config = SimpleNamespace(params_dtype=dtype, tpinv_leaves=8, tpinv_row_strategy="tree",
+                             use_cpu_initialization=device.type == "cpu")
+    layer = ColumnParallelLinear(1024, 1024, config=config, init_method=torch.nn.init.zeros_, bias=False)
+    layer = layer.to(device)
+    linear = torch.nn.Linear(1024, 1024, bias=False, device=device, dtype=dtype)
+    if device.type == "cuda":
+        from tpinv.kernels.triton_matmul import matmul_cuda as kernel
+        extra = ()
+    else:
+        from tpinv.ops.registry import OPS
+        kernel, extra = OPS["tpinv::matmul"].reference, (1,)
+
+    def layer_fwd_bwd():
+        layer(xg)[0].backward(dy)
+
+    def linear_fwd_bwd():
+        linear(xg).backward(dy)
+
+    def op_fwd_bwd():
+        ops.matmul(xg, wg, 1, 8).backward(dy)
+
+    def torch_fwd_bwd():
+        F.linear(xg, wg).backward(dy)
+
+    return [
+        ("torch.empty 16x1024", lambda: torch.empty(16, 1024, device=device, dtype=dtype),
+         lambda: torch.empty(16, 1024, device=device, dtype=dtype)),
+        ("kernel function (1 leaf)", lambda: kernel(x, w, 1, *extra), lambda: F.linear(x, w)),
+        ("op, no gradient", lambda: ops.matmul(x, w, 1), lambda: F.linear(x, w)),
+        ("op, recording a gradient", lambda: ops.matmul(xg, wg, 1), lambda: F.linear(xg, wg)),
+        ("ColumnParallelLinear forward", lambda: layer(xg), lambda: linear(xg)),
+        ("op fwd+bwd", op_fwd_bwd, torch_fwd_bwd),
+        ("ColumnParallelLinear fwd+bwd", layer_fwd_bwd, linear_fwd_bwd),
+        ("its backward's kernels, called", lambda: (column_input_grad(dy, w, None, 8), weight_grad(dy, x, dtype)),
+         lambda: (dy @ w, dy.t() @ x)),
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--json", default=None)
+    p.add_argument("--chain", action="store_true", help="one matmul's host path, layer by layer")
     opts = p.parse_args()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16
     rows = []
+    if opts.chain:
+        return _chain(device, dtype, opts)
     for name, mine, ref in cases(device, dtype):
         with torch.no_grad():
             reuse, build = [], []
@@ -97,6 +153,20 @@ def main() -> None:
               f"{r['tpinv_us'] / r['torch_us']:>6.1f}")
     if opts.json:
         write_json(opts.json, {"device": label, "calls": opts.calls, "rows": rows})
+
+
+def _chain(device, dtype, opts) -> None:
+    rows = []
+    for name, mine, ref in chain_cases(device, dtype):
+        rows.append({"call": name, "tpinv_us": host_us(mine, opts.calls, device),
+                     "torch_us": host_us(ref, opts.calls, device)})
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (CPU kernels)"
+    print(f"host time per eager call, one matmul layer by layer, {label}, bf16, mean of {opts.calls} calls")
+    print(f"{'call':<34} {'tpinv us':>9} {'torch us':>9}")
+    for r in rows:
+        print(f"{r['call']:<34} {r['tpinv_us']:>9.1f} {r['torch_us']:>9.1f}")
+    if opts.json:
+        write_json(opts.json, {"device": label, "calls": opts.calls, "chain": rows})
 
 
 if __name__ == "__main__":

@@ -14,8 +14,7 @@ import torch
 from tpinv.core.autograd import apply_function
 from tpinv.distributed.groups import group_size, group_size_rank
 from tpinv.distributed.reduce import all_gather
-from tpinv.kernels.reference_tree import halving_sum
-from tpinv.ops import rms_norm
+from tpinv.ops import rms_norm, tree_sum
 from tpinv.ops.norm import rms_norm_backward_heads_op, rms_norm_backward_op, rms_norm_op
 
 __all__ = ["RMSNorm", "HeadRMSNorm", "head_rms_norm"]
@@ -95,7 +94,8 @@ class _HeadRMSNorm(torch.autograd.Function):
             per_head = all_gather(per_head.contiguous(), ctx.group, dim=0)
         if ctx.replicas > 1:  # replicated KV heads: R identical consecutive rows per head, keep one
             per_head = per_head.view(-1, ctx.replicas, per_head.shape[-1])[:, 0]
-        return grad_x, halving_sum(per_head.float().t()).to(weight.dtype), None, None, None
+        # the halving over all heads, as an op: a compiled graph calls it as one opaque kernel
+        return grad_x, tree_sum(per_head.float().t(), 1).to(weight.dtype), None, None, None
 
 
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group, replicas: int = 1) -> torch.Tensor:
