@@ -93,7 +93,6 @@ def test_engine_compiled_decode_equals_eager(model):
         return [Request("a", list(range(1, 40)), max_tokens=6, ignore_eos=True, top_logprobs=3),
                 Request("b", [7, 8, 9], max_tokens=8, ignore_eos=True)]
 
-    model.eval()
     eager = Engine(model, max_batch=2, max_context=64).generate(requests())
     engine = Engine(model, max_batch=2, max_context=64, compile=True)
     compiled = engine.generate(requests())

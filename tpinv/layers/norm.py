@@ -94,8 +94,8 @@ class _HeadRMSNorm(torch.autograd.Function):
             per_head = all_gather(per_head.contiguous(), ctx.group, dim=0)
         if ctx.replicas > 1:  # replicated KV heads: R identical consecutive rows per head, keep one
             per_head = per_head.view(-1, ctx.replicas, per_head.shape[-1])[:, 0]
-        # the halving over all heads, as an op: a compiled graph calls it as one opaque kernel
-        return grad_x, tree_sum(per_head.float().t(), 1).to(weight.dtype), None, None, None
+        # the fp32 halving over all heads, as an op: a compiled graph calls it as one opaque kernel
+        return grad_x, tree_sum(per_head.t(), 1).to(weight.dtype), None, None, None
 
 
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group, replicas: int = 1) -> torch.Tensor:
