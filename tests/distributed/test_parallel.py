@@ -145,10 +145,13 @@ def _sleep_rank(rank, world):
     return rank
 
 
-def test_run_ranks_names_the_ranks_that_did_not_finish():
+def test_run_ranks_names_the_ranks_that_did_not_finish(capfd):
     # Generous enough for rank 0 to start and finish on a loaded 2-core machine.
     with pytest.raises(RankTimeoutError, match=r"ranks \[1\] of 2 did not finish within 20.0 s"):
         run_ranks(_sleep_rank, 2, timeout=20.0)
+    # The unfinished rank printed where it was before it was killed.
+    err = capfd.readouterr().err
+    assert "Timeout (" in err and "in _sleep_rank" in err
 
 
 def test_record_ops_nests_and_bits_digest_exact_bytes():

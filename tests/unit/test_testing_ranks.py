@@ -44,3 +44,23 @@ def test_control_a_released_port_can_be_taken():
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_ranks_meet_through_the_callers_store(world_size):
     assert run_ranks(_all_reduce_rank, world_size) == [world_size * (world_size + 1) / 2] * world_size
+
+
+
+def _reduce_then_block_teardown(rank, world_size):
+    """All-reduce; rank 1's group teardown then blocks for two minutes holding the GIL (as gloo's
+    ``destroy_process_group`` was seen to on torch 2.6), so its queue's feeder thread, which
+    writes a result into the pipe, cannot run once the teardown begins."""
+    import ctypes
+    result = _all_reduce_rank(rank, world_size)
+    if rank == 1:
+        sleep_holding_the_gil = ctypes.PyDLL(None).sleep   # looked up now: nothing left to load
+        dist.destroy_process_group = lambda: sleep_holding_the_gil(120)
+    return result
+
+
+def test_a_result_arrives_though_the_teardown_blocks_holding_the_gil():
+    # The result is in the pipe before the group is torn down, so a rank stuck in teardown still
+    # reports (and is then killed).  Were the result left to the feeder thread, rank 1 would
+    # time out here (checked by hand with the wait removed: RankTimeoutError naming rank 1).
+    assert run_ranks(_reduce_then_block_teardown, 3, timeout=60.0) == [6.0] * 3

@@ -10,6 +10,7 @@ at once (pytest-xdist workers) can never meet on one port."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -27,6 +28,8 @@ __all__ = ["RankFailedError", "RankTimeoutError", "free_port", "run_ranks"]
 # Seconds a dead rank's last message may still take to arrive through the result pipe.
 _DRAIN_SECONDS = 1.0
 _POLL_SECONDS = 0.05
+# A rank alive this many seconds before the deadline dumps its stacks (the caller kills it then).
+_STACK_DUMP_LEAD = 3.0
 _HOST = "127.0.0.1"
 
 
@@ -54,8 +57,11 @@ def free_port() -> int:
 
 
 def _rank_main(fn, rank, world_size, args, backend, port, pg_timeout, env, threads, init_group,
-               results) -> None:
+               results, deadline) -> None:
     """Body of one spawned rank: set up, run ``fn``, send ``(rank, ok, payload)`` back."""
+    # A rank still running shortly before the caller's deadline (CLOCK_MONOTONIC is shared by
+    # all processes) prints every thread's stack to stderr, so a timeout says where it hung.
+    faulthandler.dump_traceback_later(max(deadline - time.monotonic() - _STACK_DUMP_LEAD, 0.1))
     try:
         # TORCHELASTIC_USE_AGENT_STORE: every rank's env:// or tcp:// rendezvous is a client of
         # the store the parent holds at MASTER_PORT (rank 0 does not host one); older torch
@@ -76,11 +82,21 @@ def _rank_main(fn, rank, world_size, args, backend, port, pg_timeout, env, threa
         payload = pickle.dumps(fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         # Report first: tearing down a group whose peers are stuck may block.
-        results.put((rank, False, traceback.format_exc()))
+        _send(results, (rank, False, traceback.format_exc()))
         return
-    results.put((rank, True, payload))
+    _send(results, (rank, True, payload))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _send(results, message) -> None:
+    """Put ``message`` and wait until it is in the pipe.  The queue's feeder thread writes it, and
+    a teardown that blocks while holding the GIL would otherwise keep it from ever leaving: seen
+    with torch 2.6 and gloo in about one run of 20 (three ranks, a loaded two-core machine), the
+    rank's main thread in ``destroy_process_group`` and its feeder thread waiting for the GIL."""
+    results.put(message)
+    results.close()
+    results.join_thread()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
@@ -98,7 +114,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
 
     Raises :class:`RankFailedError` with the full traceback as soon as any rank raises
     (the other ranks are killed), or naming a rank that died without a result, and
-    :class:`RankTimeoutError` naming the unfinished ranks after ``timeout`` seconds.
+    :class:`RankTimeoutError` naming the unfinished ranks after ``timeout`` seconds (each of
+    them printed every thread's stack to its stderr a few seconds before).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -107,14 +124,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     pg_timeout = timeout if pg_timeout is None else pg_timeout
     store = _host_store(world_size, pg_timeout)
     port = store.port
+    deadline = time.monotonic() + timeout
     procs = [ctx.Process(target=_rank_main, name=f"tpinv-rank-{r}", daemon=True,
                          args=(fn, r, world_size, args, backend, port, pg_timeout, env, threads,
-                               init_group, results))
+                               init_group, results, deadline))
              for r in range(world_size)]
     try:
         for p in procs:
             p.start()
-        return _collect(procs, results, time.monotonic() + timeout, timeout)
+        return _collect(procs, results, deadline, timeout)
     finally:
         for p in procs:
             if p.is_alive():
@@ -151,7 +169,8 @@ def _collect(procs, results, deadline: float, timeout: float) -> list[Any]:
                 missing = [r for r in range(world_size) if r not in done and r not in dead]
                 raise RankTimeoutError(
                     f"ranks {missing} of {world_size} did not finish within {timeout:.1f} s"
-                    + _dead_note(dead) + "; all ranks were killed")
+                    + _dead_note(dead) + "; all ranks were killed (a rank still running "
+                    f"{_STACK_DUMP_LEAD:.0f} s before the limit printed its stacks to stderr)")
             continue
         if not ok:
             raise RankFailedError(f"rank {rank} of {world_size} raised" + _dead_note(dead)
