@@ -11,10 +11,14 @@ without CUDA it runs the CPU kernels (a check of the script; the numbers then in
 CPU work).
 
 ``--chain`` instead times one column-parallel matmul's host path layer by layer (the kernel
-function, the op, the op recording a gradient, the layer, the layer's forward and backward),
-each beside the PyTorch call it stands in for: where an eager training step's Python goes.
+function, the op, the op recording a gradient, the layer, the layer's forward and backward,
+then the backward's two products with the transposed views the backward passes and with
+contiguous copies), each beside the PyTorch call it stands in for: where an eager training
+step's Python goes.  ``--rows`` sets its token count (default 16); at training sizes keep
+``--calls`` at 300 or fewer, so that the launches queued stay below the device's queue depth
+and the host never waits for the device.
 
-    python -m benchmarks.bench_host [--calls 500] [--json out.json] [--chain]
+    python -m benchmarks.bench_host [--calls 500] [--json out.json] [--chain [--rows 16]]
 """
 from __future__ import annotations
 
@@ -75,17 +79,18 @@ def cases(device, dtype):
     ]
 
 
-def chain_cases(device, dtype):
-    """(name, tpinv call, PyTorch call): one 16x1024x1024 matmul, from the kernel up to the layer."""
+def chain_cases(device, dtype, rows=16):
+    """(name, tpinv call, PyTorch call): one rows x 1024 x 1024 matmul, from the kernel up to the layer."""
     from types import SimpleNamespace
     from tpinv.layers import ColumnParallelLinear
     from tpinv.layers.functions import column_input_grad, weight_grad
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(16, 1024, generator=gen).to(device=device, dtype=dtype)
+    x = torch.randn(rows, 1024, generator=gen).to(device=device, dtype=dtype)
     xg = x.clone().requires_grad_(True)
     w = torch.randn(1024, 1024, generator=gen).to(device=device, dtype=dtype)
     wg = w.clone().requires_grad_(True)
-    dy = torch.randn(16, 1024, generator=gen).to(device=device, dtype=dtype)
+    dy = torch.randn(rows, 1024, generator=gen).to(device=device, dtype=dtype)
+    w_t, dy_t, x_t = w.t().contiguous(), dy.t().contiguous(), x.t().contiguous()
     config = SimpleNamespace(params_dtype=dtype, tpinv_leaves=8, tpinv_row_strategy="tree",
                              use_cpu_initialization=device.type == "cpu")
     layer = ColumnParallelLinear(1024, 1024, config=config, init_method=torch.nn.init.zeros_, bias=False)
@@ -121,6 +126,10 @@ def chain_cases(device, dtype):
         ("ColumnParallelLinear fwd+bwd", layer_fwd_bwd, linear_fwd_bwd),
         ("its backward's kernels, called", lambda: (column_input_grad(dy, w, None, 8), weight_grad(dy, x, dtype)),
          lambda: (dy @ w, dy.t() @ x)),
+        ("dX kernel, W^T a view", lambda: kernel(dy, w.t(), 8, *extra), lambda: dy @ w),
+        ("dX kernel, W^T contiguous", lambda: kernel(dy, w_t, 8, *extra), lambda: dy @ w),
+        ("dW kernel, dY^T, X^T views", lambda: kernel(dy.t(), x.t(), 1, *extra), lambda: dy.t() @ x),
+        ("dW kernel, dY^T, X^T contiguous", lambda: kernel(dy_t, x_t, 1, *extra), lambda: dy.t() @ x),
     ]
 
 
@@ -129,6 +138,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--json", default=None)
     p.add_argument("--chain", action="store_true", help="one matmul's host path, layer by layer")
+    p.add_argument("--rows", type=int, default=16, help="--chain: tokens of the matmul")
     opts = p.parse_args()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16
@@ -157,16 +167,17 @@ def main() -> None:
 
 def _chain(device, dtype, opts) -> None:
     rows = []
-    for name, mine, ref in chain_cases(device, dtype):
+    for name, mine, ref in chain_cases(device, dtype, opts.rows):
         rows.append({"call": name, "tpinv_us": host_us(mine, opts.calls, device),
                      "torch_us": host_us(ref, opts.calls, device)})
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (CPU kernels)"
-    print(f"host time per eager call, one matmul layer by layer, {label}, bf16, mean of {opts.calls} calls")
+    print(f"host time per eager call, one {opts.rows}x1024x1024 matmul layer by layer, {label}, bf16, "
+          f"mean of {opts.calls} calls")
     print(f"{'call':<34} {'tpinv us':>9} {'torch us':>9}")
     for r in rows:
         print(f"{r['call']:<34} {r['tpinv_us']:>9.1f} {r['torch_us']:>9.1f}")
     if opts.json:
-        write_json(opts.json, {"device": label, "calls": opts.calls, "chain": rows})
+        write_json(opts.json, {"device": label, "calls": opts.calls, "rows": opts.rows, "chain": rows})
 
 
 if __name__ == "__main__":
