@@ -4,9 +4,11 @@ bf16, Hq=32, Hkv=8, D=128.  Prefill: causal S=T=4096 at B=1 and 4, forward and
 forward+backward; decode: one query per sequence against T=4096 cached keys at
 B=1, 16, 64.  Times are medians of ``triton.testing.do_bench`` (L2 flushed before each
 run).  ``ratio = sdpa_time / ours`` (above 1: ours is faster).  ``--check`` first runs
-the bitwise invariance checks on the device and prints PASS/FAIL for each.
+the bitwise invariance checks on the device and prints PASS/FAIL for each.  ``--long`` adds
+long-context prefill at B=1, S=T=8192, 16384 and 32768 (with ``--check``: the last chunk of
+queries and the last decode step at S=32768 equal the whole prefill's rows, bitwise).
 
-    python -m benchmarks.bench_attention [--check] [--json PATH] [--quick]
+    python -m benchmarks.bench_attention [--check] [--json PATH] [--quick] [--long]
 """
 from __future__ import annotations
 
@@ -100,6 +102,32 @@ def run_checks() -> bool:
     return ok_all
 
 
+def run_long_checks(S: int = 32768) -> bool:
+    """At long context: the last 512 queries run as a chunk, and the last query as a decode
+    step, against the whole cache equal the whole prefill's rows, bitwise (control: SDPA's
+    decode of the last query differs from its prefill's row)."""
+    from tpinv.kernels.triton_attention import attention_forward_cuda as fwd
+    q, k, v = _inputs(1, S, S, seed=7)
+    pos = torch.arange(S, device="cuda").expand(1, S).contiguous()
+    full = fwd(q, k, v, pos, None, True, None, None)[0]
+    chunk = fwd(q[:, :, -512:], k, v, pos[:, -512:].contiguous(), None, True, None, None)[0]
+    step = fwd(q[:, :, -1:], k, v, pos[:, -1:].contiguous(), None, True, None, None)[0]
+    van = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    van_step = F.scaled_dot_product_attention(q[:, :, -1:], k, v, enable_gqa=True)
+    results = {f"S={S}: last 512 queries as a chunk == prefill": _same_bits(chunk, full[:, :, -512:]),
+               f"S={S}: last query as a decode step == prefill": _same_bits(step, full[:, :, -1:]),
+               f"S={S}: control: SDPA decode != SDPA prefill": not _same_bits(van_step, van[:, :, -1:])}
+    for name, ok in results.items():
+        print(f"check {name:<44} {'PASS' if ok else 'FAIL'}")
+    return all(results.values())
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Shape, dtype and raw bytes equal (``torch.equal`` alone takes 0.0 for -0.0)."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
 def bench_prefill(B, S, backend_ctx):
     from tpinv.kernels.triton_attention import attention_forward_cuda as fwd
     from tpinv.kernels.triton_attention_bwd import attention_backward_cuda as bwd
@@ -149,6 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="bitwise invariance checks first")
     ap.add_argument("--json", help="write the records to this path")
     ap.add_argument("--quick", action="store_true", help="B=1 prefill and B=1, 64 decode only")
+    ap.add_argument("--long", action="store_true", help="also B=1 prefill at S=8192, 16384, 32768")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -156,15 +185,19 @@ def main(argv=None) -> int:
     status = 0
     if args.check and not run_checks():
         status = 1
+    if args.check and args.long and not run_long_checks():
+        status = 1
     name, ctx = _sdpa_backend()
     print(f"device {torch.cuda.get_device_name()}  SDPA backend (prefill): {name}")
     records = []
     print(f"{'prefill':<8}{'B':>3}{'S':>6} | {'ours fwd us':>11}{'sdpa':>9}{'ratio':>7}{'TF/s':>6}"
           f" | {'ours f+b us':>11}{'sdpa':>9}{'ratio':>7}{'TF/s':>6}")
-    for B in ((1,) if args.quick else (1, 4)):
-        r = bench_prefill(B, 4096, ctx)
+    prefills = [(B, 4096) for B in ((1,) if args.quick else (1, 4))]
+    prefills += [(1, S) for S in ((8192, 16384, 32768) if args.long else ())]
+    for B, S in prefills:
+        r = bench_prefill(B, S, ctx)
         records.append(r)
-        print(f"{'':<8}{B:>3}{4096:>6} | {r['ours_fwd_us']:>11.0f}{r['sdpa_fwd_us']:>9.0f}"
+        print(f"{'':<8}{B:>3}{S:>6} | {r['ours_fwd_us']:>11.0f}{r['sdpa_fwd_us']:>9.0f}"
               f"{r['ratio_fwd']:>7.2f}{r['ours_fwd_tflops']:>6.0f} | {r['ours_fwdbwd_us']:>11.0f}"
               f"{r['sdpa_fwdbwd_us']:>9.0f}{r['ratio_fwdbwd']:>7.2f}"
               f"{r['ours_fwdbwd_tflops']:>6.0f}")
