@@ -19,6 +19,7 @@ import sys
 import torch
 
 from benchmarks.common import write_json
+from tpinv.testing.bits import same_bits
 import torch.nn.functional as F
 
 HQ, HKV, D = 32, 8, 128
@@ -114,18 +115,12 @@ def run_long_checks(S: int = 32768) -> bool:
     step = fwd(q[:, :, -1:], k, v, pos[:, -1:].contiguous(), None, True, None, None)[0]
     van = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     van_step = F.scaled_dot_product_attention(q[:, :, -1:], k, v, enable_gqa=True)
-    results = {f"S={S}: last 512 queries as a chunk == prefill": _same_bits(chunk, full[:, :, -512:]),
-               f"S={S}: last query as a decode step == prefill": _same_bits(step, full[:, :, -1:]),
-               f"S={S}: control: SDPA decode != SDPA prefill": not _same_bits(van_step, van[:, :, -1:])}
+    results = {f"S={S}: last 512 queries as a chunk == prefill": same_bits(chunk, full[:, :, -512:]),
+               f"S={S}: last query as a decode step == prefill": same_bits(step, full[:, :, -1:]),
+               f"S={S}: control: SDPA decode != SDPA prefill": not same_bits(van_step, van[:, :, -1:])}
     for name, ok in results.items():
         print(f"check {name:<44} {'PASS' if ok else 'FAIL'}")
     return all(results.values())
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Shape, dtype and raw bytes equal (``torch.equal`` alone takes 0.0 for -0.0)."""
-    return (a.shape == b.shape and a.dtype == b.dtype
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
 def bench_prefill(B, S, backend_ctx):
