@@ -302,7 +302,7 @@ def main(argv=None) -> None:
               f"{train['vanilla_compiled_s']:>12.4f} {train['ratio_time_compiled']:>7.2f} {'<= 1.0':>8}")
         print(f"  (first call, tracing and compiling: invariant {train['invariant_compile_s']:.1f} s, "
               f"vanilla {train['vanilla_compile_s']:.1f} s)")
-    if "invariant_compiled_s" in train:   # a best without vanilla's compiled step would flatter tpinv
+        # only here: a best without vanilla's compiled step would flatter tpinv
         best = {path: min(train[k] for k in (f"{path}_s", f"{path}_graph_s", f"{path}_compiled_s") if k in train)
                 for path in ("invariant", "vanilla")}
         label = "train step s, each path's best"

@@ -46,7 +46,6 @@ def test_ranks_meet_through_the_callers_store(world_size):
     assert run_ranks(_all_reduce_rank, world_size) == [world_size * (world_size + 1) / 2] * world_size
 
 
-
 def _reduce_then_block_teardown(rank, world_size):
     """All-reduce; rank 1's group teardown then blocks for two minutes holding the GIL (as gloo's
     ``destroy_process_group`` was seen to on torch 2.6), so its queue's feeder thread, which
