@@ -23,7 +23,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from benchmarks.common import copy_gbps, write_json
+from benchmarks.common import copy_gbps, graph_time_us, write_json
 from tpinv.kernels import tiles
 from tpinv.kernels.triton_matmul import _contract_mm_kernel, _launch, gluon_kernel_for, matmul_cuda
 
@@ -64,22 +64,6 @@ def sweep_configs(leaves: int) -> list[tiles.MatmulConfig]:
             continue
         out.append(cfg)
     return out
-
-
-def graph_time_us(op, sets: int, est_us: float) -> float:
-    """Median microseconds per call of ``op(i)`` (input set i), from CUDA-graph replays."""
-    calls = max(sets, min(64, int(1500 / max(est_us, 1.0))))
-    calls += -calls % sets
-    for i in range(sets):
-        op(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in range(calls):
-            op(c % sets)
-    ms = do_bench(graph.replay, warmup=5, rep=30, return_mode="median")
-    del graph
-    return ms * 1e3 / calls
 
 
 def bench_shape(name, m, n, k, peak_flops, copy_bw, l2_bytes, sweep):

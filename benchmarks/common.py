@@ -12,7 +12,8 @@ import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["synchronize", "host_median_s", "device_median_ms", "copy_gbps", "write_json", "format_table"]
+__all__ = ["synchronize", "host_median_s", "device_median_ms", "graph_time_us", "copy_gbps", "write_json",
+           "format_table"]
 
 
 def synchronize(device) -> None:
@@ -78,3 +79,23 @@ def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]], *, fl
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def graph_time_us(op: Callable[[int], Any], sets: int, est_us: float) -> float:
+    """Median microseconds per call of ``op(i)`` (input set i), from CUDA-graph replays: one graph
+    of many calls cycling through the ``sets`` input sets (so a working set larger than L2 is
+    read from memory, as by successive layers), no Python launch cost in the time."""
+    import torch
+    calls = max(sets, min(64, int(1500 / max(est_us, 1.0))))
+    calls += -calls % sets
+    for i in range(sets):
+        op(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in range(calls):
+            op(c % sets)
+    from triton.testing import do_bench
+    ms = do_bench(graph.replay, warmup=5, rep=30, return_mode="median")
+    del graph
+    return ms * 1e3 / calls
