@@ -8,8 +8,9 @@ medians of ``triton.testing.do_bench`` (L2 flushed before each run).  ``ratio = 
 the bitwise invariance checks on the device and prints PASS/FAIL for each.  ``--long`` adds
 long-context prefill at B=1, S=T=8192, 16384 and 32768 (with ``--check``: the last chunk of
 queries and the last decode step at S=32768 equal the whole prefill's rows, bitwise).
+``--sweep-backward`` instead times the backward's launch shapes (bits checked against the table's).
 
-    python -m benchmarks.bench_attention [--check] [--json PATH] [--quick] [--long]
+    python -m benchmarks.bench_attention [--check] [--json PATH] [--quick] [--long] [--sweep-backward]
 """
 from __future__ import annotations
 
@@ -173,6 +174,55 @@ def bench_decode(B, T, backend_ctx):
     return rec
 
 
+def sweep_backward() -> list[dict]:
+    """Every backward launch shape (``BACKWARD_CANDIDATES``) beside the table's: bits checked against
+    the table's (dq, dk, dv), then the backward alone timed, at a Qwen3-0.6B training shape (4 x 1024
+    tokens, 16 / 8 heads) and a Qwen3-8B one (1 x 4096, 32 / 8 heads)."""
+    from tpinv.kernels.triton_attention import attention_forward_cuda as fwd
+    from tpinv.kernels.triton_attention_bwd import (BACKWARD_CANDIDATES, attention_backward_cuda as bwd,
+                                                    backward_config)
+    out = []
+    for B, S, hq, hkv in ((4, 1024, 16, 8), (1, 4096, 32, 8)):
+        gen = torch.Generator(device="cuda").manual_seed(S)
+        mk = lambda *s: torch.randn(*s, device="cuda", dtype=DT, generator=gen)  # noqa: E731
+        q, k, v, dout = mk(B, hq, S, D), mk(B, hkv, S, D), mk(B, hkv, S, D), mk(B, hq, S, D)
+        pos = torch.arange(S, device="cuda").expand(B, S).contiguous()
+        o, lse = fwd(q, k, v, pos, None, True, None, None)
+        args = (dout, None, q, k, v, o, lse, pos, None, True, None, None)
+        want = bwd(*args)
+        table_cfg = backward_config(DT, D)
+        base = _bench(lambda: bwd(*args))
+        flops = 2.5 * 4 * B * hq * S * S * D / 2
+        print(f"backward B={B} S={S} Hq={hq}: table {table_cfg} {base:.0f} us "
+              f"({flops / base / 1e6:.0f} TFLOP/s)", flush=True)
+        out.append(dict(kind="backward sweep", B=B, S=S, Hq=hq, Hkv=hkv, config=str(table_cfg),
+                        table=True, same_bits=True, us=base))
+        for cfg in BACKWARD_CANDIDATES:
+            try:
+                got = bwd(*args, config=cfg)
+                same = all(same_bits(a, b) for a, b in zip(got, want))
+                us = _bench(lambda: bwd(*args, config=cfg))
+            except Exception as exc:   # a shape that does not compile (resources) is recorded
+                print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                out.append(dict(kind="backward sweep", B=B, S=S, Hq=hq, config=str(cfg), error=str(exc)[:500]))
+                continue
+            print(f"  {cfg}: {us:.0f} us ({base / us:.2f}x the table's) same bits {same}", flush=True)
+            out.append(dict(kind="backward sweep", B=B, S=S, Hq=hq, Hkv=hkv, config=str(cfg), table=False,
+                            same_bits=same, us=us, speedup=base / us))
+        sd = [t.detach().requires_grad_() for t in (q, k, v)]
+        name, ctx = _sdpa_backend()
+        with ctx():
+            def sdpa_bwd():
+                y = F.scaled_dot_product_attention(*sd, is_causal=True, enable_gqa=True)
+                torch.autograd.grad(y, sd, dout)
+            fb = _bench(sdpa_bwd)
+            f = _bench(lambda: F.scaled_dot_product_attention(*sd, is_causal=True, enable_gqa=True))
+        print(f"  SDPA ({name}) backward ~{fb - f:.0f} us (forward+backward {fb:.0f} - forward {f:.0f})",
+              flush=True)
+        out.append(dict(kind="backward sweep", B=B, S=S, Hq=hq, config=f"sdpa {name}", sdpa_bwd_us=fb - f))
+    return out
+
+
 def kernel_resources() -> list[dict]:
     """Registers and spills of every compiled forward kernel (from Triton's per-device cache)."""
     from tpinv.kernels import triton_attention
@@ -190,10 +240,18 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the records to this path")
     ap.add_argument("--quick", action="store_true", help="B=1 prefill and B=1, 64 decode only")
     ap.add_argument("--long", action="store_true", help="also B=1 prefill at S=8192, 16384, 32768")
+    ap.add_argument("--sweep-backward", action="store_true",
+                    help="only the backward's launch shapes, bits checked and timed")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
+    if args.sweep_backward:
+        swept = sweep_backward()
+        if args.json:
+            write_json(args.json, dict(meta=dict(device=torch.cuda.get_device_name(), torch=torch.__version__),
+                                       records=swept))
+        return 0 if all(r.get("same_bits", True) for r in swept) else 1
     status = 0
     if args.check and not run_checks():
         status = 1

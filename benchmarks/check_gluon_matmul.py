@@ -8,13 +8,14 @@
    contract at leaves=8 on at least one shape.
 2. Timing (CUDA-graph replays, helpers of benchmarks/bench_matmul.py): cuBLAS, the Triton kernel
    (table config) and the Gluon kernel, leaves 1 and 8, M in (256, 4096) and 8192^3.
-3. ``--sweep``: a few other Gluon launch shapes at M=4096 and M=256 (bits checked, then timed).
+3. ``--sweep``: a few other Gluon launch shapes at M=4096 and M=256 (bits checked, then timed);
+   ``--sweep-only`` runs just that, on all four shapes.
 
 Every case runs in its own try/except and prints a line before it starts (a per-case watchdog
 dumps the stack and exits if one hangs); ``--budget`` seconds after the start no new case
 begins, and the JSON is rewritten after every case.
 
-    python -m benchmarks.check_gluon_matmul [--json out.json] [--sweep] [--budget 250]
+    python -m benchmarks.check_gluon_matmul [--json out.json] [--sweep | --sweep-only] [--budget 250]
 """
 from __future__ import annotations
 
@@ -46,14 +47,14 @@ CHECK_MS = (4096, 256, 1000, 32, 17, 1)
 LEAVES = (1, 2, 4, 8)
 TIME_MS = (256, 4096)
 #: (M, leaves) -> other Gluon launch shapes to time with --sweep (bits checked first)
-SWEEP = {(4096, 1): (GluonConfig(128, 256, 8, 3), GluonConfig(128, 256, 8, 4),
-                     GluonConfig(128, 128, 8, 5), GluonConfig(128, 256, 8, 4, zero_acc=False)),
+SWEEP = {(4096, 1): (GluonConfig(128, 256, 8, 4), GluonConfig(128, 256, 8, 4, group_m=4),
+                     GluonConfig(128, 256, 8, 4, group_m=16), GluonConfig(128, 128, 8, 5)),
          (4096, 8): (GluonConfig(128, 128, 8, 4), GluonConfig(128, 128, 8, 5),
-                     GluonConfig(64, 128, 4, 6), GluonConfig(128, 128, 8, 4, zero_acc=False)),
-         (256, 1): (GluonConfig(64, 128, 4, 6), GluonConfig(64, 64, 4, 8),
-                    GluonConfig(128, 128, 8, 4)),
-         (256, 8): (GluonConfig(64, 128, 4, 6), GluonConfig(64, 64, 4, 8),
-                    GluonConfig(128, 128, 8, 4))}
+                     GluonConfig(128, 128, 8, 4, group_m=4), GluonConfig(128, 128, 8, 4, group_m=16)),
+         (256, 1): (GluonConfig(64, 128, 4, 6), GluonConfig(128, 128, 8, 6),
+                    GluonConfig(128, 128, 8, 7), GluonConfig(128, 64, 8, 8), GluonConfig(128, 64, 8, 9)),
+         (256, 8): (GluonConfig(64, 128, 4, 6), GluonConfig(128, 128, 8, 4),
+                    GluonConfig(128, 128, 8, 5), GluonConfig(128, 64, 8, 6), GluonConfig(128, 64, 8, 7))}
 CASE_TIMEOUT_S = 150
 
 
@@ -119,7 +120,7 @@ def make(m, n, k, dtype, seed=0, x_t=False, w_kn=False):
 
 def check_case(name, m, n, k, leaves, dtype, x_t=False, w_kn=False):
     x, w = make(m, n, k, dtype, x_t=x_t, w_kn=w_kn)
-    cfg = launch_config(m, leaves)
+    cfg = launch_config(m, n, leaves, torch.cuda.get_device_properties(0).multi_processor_count)
     rounded = compare(gluon_matmul_cuda(x, w, leaves), triton_mm(x, w, leaves))
     partial = compare(gluon_matmul_cuda(x, w, leaves, torch.float32),
                       triton_mm(x, w, leaves, torch.float32))
@@ -165,13 +166,13 @@ def time_case(name, m, n, k, leaves, peak, l2_bytes, configs=None):
     if configs is None:
         rec["triton_config"] = tiles.launch_config(m, leaves).name()
         timed("triton", lambda i: triton_mm(xs[i], ws[i], leaves))
-        rec["gluon_config"] = str(launch_config(m, leaves))
+        rec["gluon_config"] = str(launch_config(m, n, leaves, torch.cuda.get_device_properties(0).multi_processor_count))
         timed("gluon", lambda i: gluon_matmul_cuda(xs[i], ws[i], leaves))
     else:
         ref = triton_mm(xs[0], ws[0], leaves)
         for cfg in configs:
             key = (f"gluon {cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
-                   + ("" if cfg.zero_acc else " scale-d0"))
+                   + ("" if cfg.group_m == 8 else f"g{cfg.group_m}") + ("" if cfg.zero_acc else " scale-d0"))
             try:
                 rec[key + " bits"] = compare(
                     gluon_matmul_cuda(xs[0], ws[0], leaves, config=cfg), ref)
@@ -233,6 +234,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=250.0,
                     help="seconds after which no new case starts")
     ap.add_argument("--sweep", action="store_true", help="also time other Gluon launch shapes")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="only the sweep, on every Qwen3-8B shape (bits checked per config)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("check_gluon_matmul needs a CUDA device")
@@ -242,6 +245,16 @@ def main() -> None:
     r = Runner(args)
     r.payload["device"] = device
     shapes = bm.QWEN3_8B
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    if args.sweep_only:
+        for (m, leaves), configs in sorted(SWEEP.items()):     # M = 256 first
+            for name, n, k in shapes:
+                r.run("sweep", f"sweep {name} M={m} leaves={leaves}",
+                      lambda: time_case(name, m, n, k, leaves, None, l2, configs))
+        r.payload["elapsed_s"] = time.time() - r.t0
+        r.write()
+        print_summary(r.payload)
+        return
     # correctness: o_proj first (it compiles every variant the other shapes reuse)
     order = [shapes[1]] + [s for s in shapes if s is not shapes[1]]
     for i, (name, n, k) in enumerate(order):
@@ -254,7 +267,6 @@ def main() -> None:
                 r.run("correctness", f"control {cname} M=256",
                       lambda: control_case(cname, 256, cn, ck))
     # timing
-    l2 = getattr(props, "L2_cache_size", 50 << 20)
     big = r.run("timing", "time 8192^3 leaves=1",
                 lambda: time_case("8192^3", 8192, 8192, 8192, 1, None, l2))
     peak = None

@@ -43,7 +43,8 @@ def triton_only(x, w, leaves, out_dtype=None):
 
 
 @pytest.mark.parametrize("leaves", [1, 2, 4, 8])
-@pytest.mark.parametrize("m,n,k", [(4096, 1024, 2048), (1000, 200, 1024), (300, 3072, 1024), (70, 64, 512)])
+@pytest.mark.parametrize("m,n,k", [(4096, 1024, 2048), (1000, 200, 1024), (300, 3072, 1024), (70, 64, 512),
+                                   (256, 640, 1024), (200, 9216, 512)])   # 129-256 rows: 128x64, 128x128
 def test_gluon_equals_the_triton_kernel(m, n, k, leaves):
     x, w = make(m, n, k)
     assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves),
@@ -54,8 +55,9 @@ def test_gluon_equals_the_triton_kernel(m, n, k, leaves):
 
 @pytest.mark.parametrize("x_t,w_kn", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("leaves", [1, 8])
-def test_transposed_operands_give_the_same_bits(x_t, w_kn, leaves):
-    x, w = make(1024, 768, 2048, x_t=x_t, w_kn=w_kn)
+@pytest.mark.parametrize("m", [1024, 256])
+def test_transposed_operands_give_the_same_bits(x_t, w_kn, leaves, m):
+    x, w = make(m, 768, 2048, x_t=x_t, w_kn=w_kn)
     assert gm().supported(x, w, leaves)
     ref = triton_only(x.contiguous(), w.contiguous(), leaves, torch.float32)
     assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), ref,

@@ -32,9 +32,22 @@ def test_block_k_is_the_largest_power_of_two_dividing_the_leaf():
 @pytest.mark.parametrize("leaves", [1, 2, 4, 8])
 def test_every_gluon_table_entry_fits_the_kernel(leaves):
     for m in MS:
-        cfg = tiles.gluon_launch_config(m, leaves)
-        for leaf_len in (64, 512, 1536):
-            tiles.check_gluon_config(cfg, leaves, tiles.block_k(torch.bfloat16, leaf_len))
+        for n in (64, 640, 4096, 6144, 24576, 151936):
+            for sms in (78, 132, 144):
+                cfg = tiles.gluon_launch_config(m, n, leaves, sms)
+                for leaf_len in (64, 512, 1536):
+                    tiles.check_gluon_config(cfg, leaves, tiles.block_k(torch.bfloat16, leaf_len))
+
+
+def test_gluon_tiles_fill_one_wave_from_129_to_256_rows():
+    """128x64 tiles where they fit in one wave of the SMs, else 128x128 (Qwen3-8B's shapes at 256
+    rows on 132 SMs: o_proj and down_proj N = 4096 fit, qkv N = 6144 and gate_up do not)."""
+    pick = lambda m, n, leaves=1: tiles.gluon_launch_config(m, n, leaves, 132)  # noqa: E731
+    assert (pick(256, 4096).block_m, pick(256, 4096).block_n) == (128, 64)
+    assert (pick(256, 6144).block_m, pick(256, 6144).block_n) == (128, 128)
+    assert (pick(256, 24576, 8).block_m, pick(256, 24576, 8).block_n) == (128, 128)
+    assert pick(256, 64 * 132 // 2).block_n == 64 and pick(256, 64 * 132 // 2 + 1).block_n == 128
+    assert pick(128, 6144).block_m == 64 and pick(4096, 6144).block_n == 256
 
 
 def test_gluon_checks_refuse_what_does_not_fit():

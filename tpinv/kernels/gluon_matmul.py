@@ -284,7 +284,7 @@ def plan_for(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
     strides, dtypes, alignment, leaves and config (:func:`launch_plan` runs it).  The dispatch
     in :mod:`tpinv.kernels.triton_matmul` keeps it per call shape: a repeated shape looks up
     one plan."""
-    cfg = config or gluon_launch_config(x.shape[0], leaves)
+    cfg = config or gluon_launch_config(x.shape[0], w.shape[0], leaves, sm_count(x.device))
     key = (operands or operands_key(x, w), leaves, out_dtype, cfg)
     plan = _PLANS.get(key)
     if plan is None:

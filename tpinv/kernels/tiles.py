@@ -139,13 +139,26 @@ class GluonConfig:
     zero_acc: bool = True
 
 
-def gluon_launch_config(m: int, leaves: int) -> GluonConfig:
-    """The Gluon kernel's tile for ``m`` rows: a speed choice only (one leaf cannot split K,
-    so small M takes small tiles to give every SM a tile)."""
+#: SMs a lent Hopper GPU has (H100 and H200 SXM): the default of :func:`gluon_launch_config`.
+HOPPER_SMS = 132
+
+
+def gluon_launch_config(m: int, n: int, leaves: int, sms: int = HOPPER_SMS) -> GluonConfig:
+    """The Gluon kernel's tile for an ``m x n`` output on ``sms`` SMs: a speed choice only.
+
+    One leaf cannot split K, so a small M takes tiles that give every SM one: from 129 to 256
+    rows, 128x64 tiles where they fit in one wave (``cdiv(m, 128) * cdiv(n, 64) <= sms``), else
+    128x128 tiles with a deep ring (the H200 sweeps of docs/benchmarks.md, 2026-11-26: o_proj
+    and down_proj 0.99-1.03x cuBLAS, gate_up 0.86-0.91x, qkv 0.79-0.81x, where the old 64x128
+    tile gave 0.64-0.93x)."""
     if m <= 64:
         return GluonConfig(64, 64, 4, 8)
-    if m <= 256:
+    if m <= 128:
         return GluonConfig(64, 128, 4, 6)
+    if m <= 256:
+        if -(-m // 128) * -(-n // 64) <= sms:
+            return GluonConfig(128, 64, 8, 8 if leaves == 1 else 7)
+        return GluonConfig(128, 128, 8, 7 if leaves == 1 else 5)
     if leaves == 1:
         return GluonConfig(128, 256, 8, 4)
     return GluonConfig(128, 128, 8, 4)

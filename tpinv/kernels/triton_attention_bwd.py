@@ -18,6 +18,18 @@ With ``p = exp(s - lse)`` recomputed from the forward's score ``s = dot(q, k) * 
   in slot order from absolute slot 0: ``dQ += dS k`` (times ``scale``), so a query's
   gradient does not depend on what else is in the call.
 
+Launch shapes (:class:`BackwardConfig`, one per dtype and padded head dim, never a function of
+B, S or T).  Every sum here reduces over rows (dK, dV) or over key slots (dQ) with a fixed
+per-row ``p = exp(s - lse)`` -- no running max -- through dots that accumulate into the running
+fp32 tile, and the tensor cores chain a dot's k16 steps in increasing k whatever the tile (the
+``BLOCK_K`` probe of ``docs/gpu-matmul-notes.md``); rows or slots outside the visible span add
+exact zeros.  So the slots a dK/dV program owns, the rows it takes per step, the rows a dQ
+program owns and the slots it takes per step are meant as speed choices -- but that rests on
+how Triton lowers each tile, so only shapes checked on the device to give the table's bytes
+are listed (:data:`BACKWARD_CANDIDATES`, all run by ``tests/gpu/test_triton_attention.py``;
+one shape tried on an H200, 128 slots, 32 rows, 8 warps, 3 stages, gave other bytes and is
+not used: ``docs/benchmarks.md``).
+
 Slots no row of a dQ tile may see are zeroed before ``dS k`` (``0 * NaN`` cannot leak);
 the dK/dV kernel masks ``p`` and ``dS`` so junk in a slot reaches only that slot's zero
 gradient.  ``q`` and ``grad_out`` must be finite on every row.  Semantics are those of
@@ -25,6 +37,7 @@ gradient.  ``q`` and ``grad_out`` must be finite on every row.  Semantics are th
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,17 +47,57 @@ import triton.language as tl
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 from tpinv.kernels.reference_attention_bwd import check_backward_inputs
-from tpinv.kernels.triton_attention import (block_ranges, clean_kv, forward_config,
+from tpinv.kernels.triton_attention import (block_ranges, clean_kv,
                                             last_dim_contiguous, load_kv_block, load_kv_blocks, mask_args,
                                             padded_head_dim, poison_rows, resolve_scale,
                                             row_tile, visibility)
 
-__all__ = ["attention_backward_cuda", "DKDV_TILE", "DKDV_TILE_FP32", "DELTA_ROWS", "POS_SCAN"]
+__all__ = ["attention_backward_cuda", "BackwardConfig", "backward_config", "BACKWARD_CANDIDATES",
+           "DELTA_ROWS", "POS_SCAN"]
 
-#: Query rows per step of the dK/dV walk, and its warps, per padded head dim (fixed).
-DKDV_TILE = {16: (64, 4), 32: (64, 4), 64: (64, 4), 128: (64, 8), 256: (64, 8)}
-#: The same for fp32 (exact FMA dots, no pipeline: shared memory).
-DKDV_TILE_FP32 = (32, 4)
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Launch shapes of the dK/dV and dQ kernels (speed only, each checked on the device: module docstring)."""
+
+    dkdv_slots: int     # key slots a dK/dV program owns
+    dkdv_rows: int      # query rows per step of its walk
+    dkdv_warps: int
+    dkdv_stages: int
+    dq_rows: int        # query rows a dQ program owns
+    dq_slots: int       # key slots per step of its walk
+    dq_warps: int
+    dq_stages: int
+
+
+#: fp32 runs the exact FMA dots (no tensor cores, no pipeline: shared memory).
+_FP32_BACKWARD = BackwardConfig(KV_BLOCK, 32, 4, 1, 32, KV_BLOCK, 4, 1)
+#: 16-bit inputs, per padded head dim.
+_BACKWARD_TABLE = {
+    16: BackwardConfig(KV_BLOCK, 64, 4, 2, 64, KV_BLOCK, 4, 3),
+    32: BackwardConfig(KV_BLOCK, 64, 4, 2, 64, KV_BLOCK, 4, 3),
+    64: BackwardConfig(KV_BLOCK, 64, 4, 2, 64, KV_BLOCK, 4, 3),
+    128: BackwardConfig(KV_BLOCK, 32, 4, 3, 64, 32, 4, 3),    # 1.33-1.38x the shape before (H200)
+    256: BackwardConfig(KV_BLOCK, 64, 8, 2, 64, KV_BLOCK, 8, 2),
+}
+#: Launch shapes for 16-bit inputs checked on the device (an H200, bf16, head dim 128, GQA 2 and 4)
+#: to give the table's bytes; the GPU tests run each beside the table's.  The first is the
+#: head-dim-128 table shape before 2026-11-26.
+BACKWARD_CANDIDATES = (
+    BackwardConfig(KV_BLOCK, 64, 8, 2, 64, KV_BLOCK, 4, 3),
+    BackwardConfig(KV_BLOCK, 32, 4, 2, 64, KV_BLOCK, 4, 3),
+    BackwardConfig(KV_BLOCK, 16, 4, 3, 64, KV_BLOCK, 4, 3),
+    BackwardConfig(128, 32, 8, 2, 64, KV_BLOCK, 4, 3),
+    BackwardConfig(KV_BLOCK, 32, 4, 3, 128, 32, 8, 3),
+    BackwardConfig(KV_BLOCK, 32, 4, 3, 64, 16, 4, 3),
+)
+
+
+def backward_config(dtype: torch.dtype, DP: int) -> BackwardConfig:
+    """The table's launch shapes for ``dtype`` and padded head dim ``DP`` (nothing else)."""
+    return _FP32_BACKWARD if dtype == torch.float32 else _BACKWARD_TABLE[DP]
+
+
 #: Rows per program of the Delta kernel (speed only: each row is reduced on its own).
 DELTA_ROWS = 32
 #: Positions read per step when the dK/dV kernel looks for the rows that may see its block.
@@ -236,11 +289,13 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
                             lse: torch.Tensor, q_pos: torch.Tensor,
                             mask: Optional[torch.Tensor] = None, causal: bool = True,
                             window: Optional[int] = None, scale: Optional[float] = None, *,
-                            grad_kv_dtype: Optional[torch.dtype] = None
+                            grad_kv_dtype: Optional[torch.dtype] = None,
+                            config: Optional[BackwardConfig] = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``tpinv::attention`` (dtypes of ``q, k, v``); ``grad_lse`` may be
     None (zeros).  ``grad_kv_dtype`` stores dK and dV in that dtype instead (the same fp32
-    sums, rounded once to it: fp32 keeps them unrounded for a caller that adds them up)."""
+    sums, rounded once to it: fp32 keeps them unrounded for a caller that adds them up).
+    ``config``: launch shapes other than the table's (the same bits; 16-bit inputs only)."""
     g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     _check_backward_inputs(grad_out, grad_lse, q, out, lse)
     B, Hq, S, D = q.shape
@@ -263,20 +318,21 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
         delta.stride(0), delta.stride(1), S, D, Hq,
         HAS_DLSE=grad_lse is not None, ROWS=DELTA_ROWS, DP=DP,
         LOG2_DP=DP.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
-    common = dict(G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None,
-                  KB=KV_BLOCK, DP=DP)
+    if config is None:
+        config = backward_config(q.dtype, DP)
+    elif q.dtype == torch.float32:
+        raise ValueError("attention_backward_cuda: config= is for bf16/fp16 inputs (fp32 has one shape)")
+    common = dict(G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None, DP=DP)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
                *lse.stride(), delta.stride(0), delta.stride(1), *q_pos.stride(), s_mb, s_ms, s_mt)
-    block_m, warps = DKDV_TILE_FP32 if q.dtype == torch.float32 else DKDV_TILE[DP]
-    launch(_dkdv_kernel, (cdiv(T, KV_BLOCK), B * Hkv),
+    launch(_dkdv_kernel, (cdiv(T, config.dkdv_slots), B * Hkv),
         q, k, v, grad_out, lse, delta, q_pos, m, dk, dv, *strides, *dk.stride()[:3],
-        *dv.stride()[:3], S, T, D, Hkv, int(window or 0), scale, BLOCK_M=block_m,
-        SCAN=POS_SCAN, num_warps=warps, num_stages=2 if q.dtype != torch.float32 else 1,
-        enable_fp_fusion=False, **common)
-    cfg = forward_config(q.dtype, DP)
-    n_tiles = cdiv(S * g, cfg.block_m)
+        *dv.stride()[:3], S, T, D, Hkv, int(window or 0), scale, BLOCK_M=config.dkdv_rows,
+        KB=config.dkdv_slots, SCAN=POS_SCAN, num_warps=config.dkdv_warps,
+        num_stages=config.dkdv_stages, enable_fp_fusion=False, **common)
+    n_tiles = cdiv(S * g, config.dq_rows)
     launch(_dq_kernel, (n_tiles, B * Hkv),
         q, k, v, grad_out, lse, delta, q_pos, m, dq, *strides, *dq.stride()[:3],
-        S, T, D, Hkv, n_tiles, int(window or 0), scale, BLOCK_M=cfg.block_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, **common)
+        S, T, D, Hkv, n_tiles, int(window or 0), scale, BLOCK_M=config.dq_rows, KB=config.dq_slots,
+        num_warps=config.dq_warps, num_stages=config.dq_stages, enable_fp_fusion=False, **common)
     return dq, dk, dv
