@@ -39,15 +39,20 @@ def test_every_gluon_table_entry_fits_the_kernel(leaves):
                     tiles.check_gluon_config(cfg, leaves, tiles.block_k(torch.bfloat16, leaf_len))
 
 
-def test_gluon_tiles_fill_one_wave_from_129_to_256_rows():
-    """128x64 tiles where they fit in one wave of the SMs, else 128x128 (Qwen3-8B's shapes at 256
-    rows on 132 SMs: o_proj and down_proj N = 4096 fit, qkv N = 6144 and gate_up do not)."""
-    pick = lambda m, n, leaves=1: tiles.gluon_launch_config(m, n, leaves, 132)  # noqa: E731
-    assert (pick(256, 4096).block_m, pick(256, 4096).block_n) == (128, 64)
-    assert (pick(256, 6144).block_m, pick(256, 6144).block_n) == (128, 128)
-    assert (pick(256, 24576, 8).block_m, pick(256, 24576, 8).block_n) == (128, 128)
-    assert pick(256, 64 * 132 // 2).block_n == 64 and pick(256, 64 * 132 // 2 + 1).block_n == 128
-    assert pick(128, 6144).block_m == 64 and pick(4096, 6144).block_n == 256
+def test_gluon_tiles_follow_the_wave_model():
+    """The table's picks on 132 SMs: the widest tile for large products (Qwen3-8B at 4096 rows), one
+    wave of 128x64 where it fits (o_proj and down_proj at 256 rows, a 1024 x 1024 weight gradient),
+    128x128 where 128x64 would need more waves (qkv, gate_up at 256 rows)."""
+    def tile(m, n, leaves=1):
+        cfg = tiles.gluon_launch_config(m, n, leaves, 132)
+        return cfg.block_m, cfg.block_n
+    for n in (6144, 4096, 24576):
+        assert tile(4096, n) == (128, 256) and tile(4096, n, 8) == (128, 128)
+    assert tile(256, 4096) == (128, 64) and tile(256, 4096, 8) == (128, 64)
+    assert tile(256, 6144) == (128, 128) and tile(256, 24576, 8) == (128, 128)
+    assert tile(1024, 1024) == (128, 64)
+    assert tile(256, 64 * 132 // 2) == (128, 64) and tile(256, 64 * 132 // 2 + 1) == (128, 128)
+    assert tile(128, 6144) == (64, 128) and tile(64, 6144) == (64, 64)
 
 
 def test_gluon_checks_refuse_what_does_not_fit():

@@ -142,26 +142,35 @@ class GluonConfig:
 #: SMs a lent Hopper GPU has (H100 and H200 SXM): the default of :func:`gluon_launch_config`.
 HOPPER_SMS = 132
 
+#: The tiles of more than 128 rows the Gluon table picks from (one leaf; a tree), and the relative
+#: speed of an SM on each tile width (output elements per second, the 128x256 tile's = 1; from the
+#: H200 sweeps of docs/benchmarks.md, 2026-11-26).
+_GLUON_ONE_LEAF = (GluonConfig(128, 256, 8, 4), GluonConfig(128, 128, 8, 7), GluonConfig(128, 64, 8, 8))
+_GLUON_TREE = (GluonConfig(128, 128, 8, 5), GluonConfig(128, 64, 8, 7))
+_TILE_RATE = {256: 1.0, 128: 0.96, 64: 0.8}
+
 
 def gluon_launch_config(m: int, n: int, leaves: int, sms: int = HOPPER_SMS) -> GluonConfig:
     """The Gluon kernel's tile for an ``m x n`` output on ``sms`` SMs: a speed choice only.
 
-    One leaf cannot split K, so a small M takes tiles that give every SM one: from 129 to 256
-    rows, 128x64 tiles where they fit in one wave (``cdiv(m, 128) * cdiv(n, 64) <= sms``), else
-    128x128 tiles with a deep ring (the H200 sweeps of docs/benchmarks.md, 2026-11-26: o_proj
-    and down_proj 0.99-1.03x cuBLAS, gate_up 0.86-0.91x, qkv 0.79-0.81x, where the old 64x128
-    tile gave 0.64-0.93x)."""
+    One leaf cannot split K, so the grid of output tiles is all the parallelism there is.  Above
+    128 rows the table takes the tile that finishes first by a wave model: ``ceil(tiles / sms)``
+    waves, each as long as a tile's width over its rate (:data:`_TILE_RATE`).  Large products
+    keep the widest tile (Qwen3-8B's shapes at 4096 rows: 128x256, 128x128 for a tree); at 256
+    rows o_proj and down_proj take 128x64 (one wave of 128 tiles: 0.97-1.07x cuBLAS on an
+    H200), qkv and gate_up 128x128; a weight gradient of few output tiles (1024 x 1024: 32 tiles
+    of 128x256) takes 128 tiles of 128x64."""
     if m <= 64:
         return GluonConfig(64, 64, 4, 8)
     if m <= 128:
         return GluonConfig(64, 128, 4, 6)
-    if m <= 256:
-        if -(-m // 128) * -(-n // 64) <= sms:
-            return GluonConfig(128, 64, 8, 8 if leaves == 1 else 7)
-        return GluonConfig(128, 128, 8, 7 if leaves == 1 else 5)
-    if leaves == 1:
-        return GluonConfig(128, 256, 8, 4)
-    return GluonConfig(128, 128, 8, 4)
+    row_tiles = -(-m // 128)
+
+    def finish(cfg: GluonConfig) -> float:
+        waves = -(-(row_tiles * -(-n // cfg.block_n)) // sms)
+        return waves * cfg.block_n / _TILE_RATE[cfg.block_n]
+
+    return min(_GLUON_ONE_LEAF if leaves == 1 else _GLUON_TREE, key=finish)
 
 
 def check_gluon_config(cfg: GluonConfig, leaves: int, bk: int) -> None:
