@@ -28,10 +28,10 @@ HQ, HKV, D = 32, 8, 128
 DT = torch.bfloat16
 
 
-def _inputs(B, S, T, seed=0):
+def _inputs(B, S, T, seed=0, hq=HQ, hkv=HKV):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     mk = lambda *s: torch.randn(*s, device="cuda", dtype=DT, generator=gen)  # noqa: E731
-    return mk(B, HQ, S, D), mk(B, HKV, T, D), mk(B, HKV, T, D)
+    return mk(B, hq, S, D), mk(B, hkv, T, D), mk(B, hkv, T, D)
 
 
 def _sdpa_backend():
@@ -183,9 +183,8 @@ def sweep_backward() -> list[dict]:
                                                     backward_config)
     out = []
     for B, S, hq, hkv in ((4, 1024, 16, 8), (1, 4096, 32, 8)):
-        gen = torch.Generator(device="cuda").manual_seed(S)
-        mk = lambda *s: torch.randn(*s, device="cuda", dtype=DT, generator=gen)  # noqa: E731
-        q, k, v, dout = mk(B, hq, S, D), mk(B, hkv, S, D), mk(B, hkv, S, D), mk(B, hq, S, D)
+        q, k, v = _inputs(B, S, S, seed=S, hq=hq, hkv=hkv)
+        dout = torch.randn_like(q)
         pos = torch.arange(S, device="cuda").expand(B, S).contiguous()
         o, lse = fwd(q, k, v, pos, None, True, None, None)
         args = (dout, None, q, k, v, o, lse, pos, None, True, None, None)

@@ -103,8 +103,7 @@ def kernel_name(x: torch.Tensor, w: torch.Tensor, leaves: int) -> str:
     """Which kernel ``matmul_cuda`` runs for this product, and its launch shape."""
     gluon = gluon_kernel_for(x, w, leaves, x.dtype)
     if gluon is not None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        c = tiles.gluon_launch_config(x.shape[0], w.shape[0], leaves, sms)
+        c = gluon.table_config(x, w, leaves)
         return f"gluon {c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}"
     return f"triton {tiles.launch_config(x.shape[0], leaves).name()}"
 

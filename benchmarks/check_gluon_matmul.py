@@ -33,8 +33,8 @@ import triton
 
 from benchmarks import bench_matmul as bm  # timing helpers and shapes
 from tpinv.kernels import tiles
-from tpinv.kernels.gluon_matmul import gluon_matmul_cuda
-from tpinv.kernels.tiles import GluonConfig, gluon_launch_config as launch_config
+from tpinv.kernels.gluon_matmul import gluon_matmul_cuda, table_config
+from tpinv.kernels.tiles import GluonConfig
 from tpinv.kernels.triton_matmul import matmul_cuda, matmul_partial_cuda
 
 
@@ -120,7 +120,7 @@ def make(m, n, k, dtype, seed=0, x_t=False, w_kn=False):
 
 def check_case(name, m, n, k, leaves, dtype, x_t=False, w_kn=False):
     x, w = make(m, n, k, dtype, x_t=x_t, w_kn=w_kn)
-    cfg = launch_config(m, n, leaves, torch.cuda.get_device_properties(0).multi_processor_count)
+    cfg = table_config(x, w, leaves)
     rounded = compare(gluon_matmul_cuda(x, w, leaves), triton_mm(x, w, leaves))
     partial = compare(gluon_matmul_cuda(x, w, leaves, torch.float32),
                       triton_mm(x, w, leaves, torch.float32))
@@ -166,7 +166,7 @@ def time_case(name, m, n, k, leaves, peak, l2_bytes, configs=None):
     if configs is None:
         rec["triton_config"] = tiles.launch_config(m, leaves).name()
         timed("triton", lambda i: triton_mm(xs[i], ws[i], leaves))
-        rec["gluon_config"] = str(launch_config(m, n, leaves, torch.cuda.get_device_properties(0).multi_processor_count))
+        rec["gluon_config"] = str(table_config(xs[0], ws[0], leaves))
         timed("gluon", lambda i: gluon_matmul_cuda(xs[i], ws[i], leaves))
     else:
         ref = triton_mm(xs[0], ws[0], leaves)

@@ -2,9 +2,10 @@
 kernels accept, and no table entry depends on anything but what the contract allows.
 
 ``block_k`` (the k tile, so the order of every fp32 add) follows the dtype and the leaf length
-only; the Triton and Gluon launch shapes follow M (speed only; their bits are checked equal on
-a GPU in tests/gpu/test_triton_matmul.py and tests/gpu/test_gluon_matmul.py).  The Gluon
-dispatch never takes CPU tensors, fp32 or fewer than ``GLUON_MIN_ROWS`` rows.
+only; the Triton launch shapes follow M, the Gluon ones M, N and the SM count (speed only; their
+bits are checked equal on a GPU in tests/gpu/test_triton_matmul.py and
+tests/gpu/test_gluon_matmul.py).  The Gluon dispatch never takes CPU tensors, fp32 or fewer than
+``GLUON_MIN_ROWS`` rows.
 """
 from __future__ import annotations
 

@@ -284,12 +284,17 @@ def plan_for(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
     strides, dtypes, alignment, leaves and config (:func:`launch_plan` runs it).  The dispatch
     in :mod:`tpinv.kernels.triton_matmul` keeps it per call shape: a repeated shape looks up
     one plan."""
-    cfg = config or gluon_launch_config(x.shape[0], w.shape[0], leaves, sm_count(x.device))
+    cfg = config or table_config(x, w, leaves)
     key = (operands or operands_key(x, w), leaves, out_dtype, cfg)
     plan = _PLANS.get(key)
     if plan is None:
         plan = remember(_PLANS, key, _plan(x, w, leaves, cfg))
     return plan
+
+
+def table_config(x: torch.Tensor, w: torch.Tensor, leaves: int) -> GluonConfig:
+    """The tile table's launch shape for ``x @ w.T`` on ``x``'s device (a speed choice only)."""
+    return gluon_launch_config(x.shape[0], w.shape[0], leaves, sm_count(x.device))
 
 
 def launch_plan(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, plan: tuple) -> torch.Tensor:

@@ -139,9 +139,6 @@ class GluonConfig:
     zero_acc: bool = True
 
 
-#: SMs a lent Hopper GPU has (H100 and H200 SXM): the default of :func:`gluon_launch_config`.
-HOPPER_SMS = 132
-
 #: The tiles of more than 128 rows the Gluon table picks from (one leaf; a tree), and the relative
 #: speed of an SM on each tile width (output elements per second, the 128x256 tile's = 1; from the
 #: H200 sweeps of docs/benchmarks.md, 2026-11-26).
@@ -150,7 +147,7 @@ _GLUON_TREE = (GluonConfig(128, 128, 8, 5), GluonConfig(128, 64, 8, 7))
 _TILE_RATE = {256: 1.0, 128: 0.96, 64: 0.8}
 
 
-def gluon_launch_config(m: int, n: int, leaves: int, sms: int = HOPPER_SMS) -> GluonConfig:
+def gluon_launch_config(m: int, n: int, leaves: int, sms: int) -> GluonConfig:
     """The Gluon kernel's tile for an ``m x n`` output on ``sms`` SMs: a speed choice only.
 
     One leaf cannot split K, so the grid of output tiles is all the parallelism there is.  Above
