@@ -104,7 +104,7 @@ def kernel_name(x: torch.Tensor, w: torch.Tensor, leaves: int) -> str:
     gluon = gluon_kernel_for(x, w, leaves, x.dtype)
     if gluon is not None:
         c = gluon.table_config(x, w, leaves)
-        return f"gluon {c.block_m}x{c.block_n}w{c.num_warps}s{c.num_stages}"
+        return f"gluon {c.name()}"
     return f"triton {tiles.launch_config(x.shape[0], leaves).name()}"
 
 

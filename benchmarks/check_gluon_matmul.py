@@ -9,7 +9,7 @@
 2. Timing (CUDA-graph replays, helpers of benchmarks/bench_matmul.py): cuBLAS, the Triton kernel
    (table config) and the Gluon kernel, leaves 1 and 8, M in (256, 4096) and 8192^3.
 3. ``--sweep``: a few other Gluon launch shapes at M=4096 and M=256 (bits checked, then timed);
-   ``--sweep-only`` runs just that, on all four shapes.
+   ``--sweep-only`` runs just that, on all four shapes (``--sweep-rows 256``: those M only).
 
 Every case runs in its own try/except and prints a line before it starts (a per-case watchdog
 dumps the stack and exits if one hangs); ``--budget`` seconds after the start no new case
@@ -51,10 +51,11 @@ SWEEP = {(4096, 1): (GluonConfig(128, 256, 8, 4), GluonConfig(128, 256, 8, 4, gr
                      GluonConfig(128, 256, 8, 4, group_m=16), GluonConfig(128, 128, 8, 5)),
          (4096, 8): (GluonConfig(128, 128, 8, 4), GluonConfig(128, 128, 8, 5),
                      GluonConfig(128, 128, 8, 4, group_m=4), GluonConfig(128, 128, 8, 4, group_m=16)),
-         (256, 1): (GluonConfig(64, 128, 4, 6), GluonConfig(128, 128, 8, 6),
-                    GluonConfig(128, 128, 8, 7), GluonConfig(128, 64, 8, 8), GluonConfig(128, 64, 8, 9)),
-         (256, 8): (GluonConfig(64, 128, 4, 6), GluonConfig(128, 128, 8, 4),
-                    GluonConfig(128, 128, 8, 5), GluonConfig(128, 64, 8, 6), GluonConfig(128, 64, 8, 7))}
+         (256, 1): (GluonConfig(128, 128, 8, 7), GluonConfig(128, 64, 8, 8),
+                    GluonConfig(128, 64, 8, 6, block_n2=32), GluonConfig(128, 64, 8, 8, block_n2=32),
+                    GluonConfig(128, 128, 8, 5, block_n2=64)),
+         (256, 8): (GluonConfig(128, 128, 8, 5), GluonConfig(128, 64, 8, 7),
+                    GluonConfig(128, 64, 8, 5, block_n2=32), GluonConfig(128, 64, 8, 6, block_n2=32))}
 CASE_TIMEOUT_S = 150
 
 
@@ -171,8 +172,7 @@ def time_case(name, m, n, k, leaves, peak, l2_bytes, configs=None):
     else:
         ref = triton_mm(xs[0], ws[0], leaves)
         for cfg in configs:
-            key = (f"gluon {cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
-                   + ("" if cfg.group_m == 8 else f"g{cfg.group_m}") + ("" if cfg.zero_acc else " scale-d0"))
+            key = f"gluon {cfg.name()}"
             try:
                 rec[key + " bits"] = compare(
                     gluon_matmul_cuda(xs[0], ws[0], leaves, config=cfg), ref)
@@ -236,6 +236,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time other Gluon launch shapes")
     ap.add_argument("--sweep-only", action="store_true",
                     help="only the sweep, on every Qwen3-8B shape (bits checked per config)")
+    ap.add_argument("--sweep-rows", type=int, nargs="*", default=None,
+                    help="sweep only these M (default: every M of the sweep table)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("check_gluon_matmul needs a CUDA device")
@@ -248,6 +250,8 @@ def main() -> None:
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     if args.sweep_only:
         for (m, leaves), configs in sorted(SWEEP.items()):     # M = 256 first
+            if args.sweep_rows is not None and m not in args.sweep_rows:
+                continue
             for name, n, k in shapes:
                 r.run("sweep", f"sweep {name} M={m} leaves={leaves}",
                       lambda: time_case(name, m, n, k, leaves, None, l2, configs))

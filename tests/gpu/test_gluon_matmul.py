@@ -44,13 +44,34 @@ def triton_only(x, w, leaves, out_dtype=None):
 
 @pytest.mark.parametrize("leaves", [1, 2, 4, 8])
 @pytest.mark.parametrize("m,n,k", [(4096, 1024, 2048), (1000, 200, 1024), (300, 3072, 1024), (70, 64, 512),
-                                   (256, 640, 1024), (200, 9216, 512)])   # 129-256 rows: 128x64, 128x128
+                                   (256, 640, 1024), (200, 9216, 512),    # 129-256 rows: 128x64, 128x128
+                                   (256, 6144, 512)])                     # 128x(64+32)
 def test_gluon_equals_the_triton_kernel(m, n, k, leaves):
     x, w = make(m, n, k)
     assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves),
                      'gm().gluon_matmul_cuda(x, w, leaves)')
     assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), triton_only(x, w, leaves, torch.float32),
                      'gm().gluon_matmul_cuda(x, w, leaves, torch.floa...')
+
+
+def _table_tiles():
+    from tpinv.kernels.tiles import GLUON_TABLE_TILES
+    return [pytest.param(cfg, leaves, id=f"{cfg.name()}-L{leaves}") for cfg, leaves in GLUON_TABLE_TILES]
+
+
+@pytest.mark.parametrize("cfg,leaves", _table_tiles())
+@pytest.mark.parametrize("n", [328, 360, 640])   # last 96-wide tile: first part; second part; first whole
+def test_every_table_tile_gives_the_same_bits(cfg, leaves, n):
+    """Each tile the table may launch above 128 rows (two accumulators side by side included),
+    at ragged M and N and in the backward's layouts, == the Triton kernel, rounded and fp32."""
+    for x_t, w_kn in ((False, False), (True, False), (False, True)):
+        x, w = make(264, n, 1024, x_t=x_t, w_kn=w_kn)
+        ref = triton_only(x.contiguous(), w.contiguous(), leaves, torch.float32)
+        got = gm().gluon_matmul_cuda(x, w, leaves, torch.float32, config=cfg)
+        assert_same_bits(got, ref, f'gluon {cfg.name()} fp32 x_t={x_t} w_kn={w_kn}')
+    x, w = make(264, n, 1024)
+    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, config=cfg), triton_only(x, w, leaves),
+                     f'gluon {cfg.name()} rounded')
 
 
 @pytest.mark.parametrize("x_t,w_kn", [(True, False), (False, True), (True, True)])

@@ -19,6 +19,11 @@ partition barrier), one thread arrives on its ``empty`` barrier (count 1).  Ring
 position p (counted over the whole kernel, identically by both sides) uses slot
 p % STAGES with phase (p // STAGES) & 1: each barrier's phase flips once per wrap.
 
+A tile may be ``BN + BN2`` wide (``GluonConfig.block_n2``): two accumulators side by side,
+each fed by its own wgmma on the same x tile, w loaded as two TMA boxes into two rings under
+one barrier -- a 96- or 192-wide tile without a non-power-of-two tensor.  Each element's chain
+is the same either way.
+
 The leaf loop is unrolled (``LEAVES`` is a compile-time constant), so every tree step
 is fixed at compile time: after leaf i the binary counter either parks the value in the
 saved level of its lowest 0 bit or, for the last leaf, climbs to the root.  Levels 0
@@ -60,18 +65,20 @@ def _tile_offsets(tile, num_pid_m, num_pid_n, BM: gl.constexpr, BN: gl.constexpr
 
 
 @gluon.jit
-def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, k_tiles,
-              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr):
-    """One warp: TMA loads of every k tile of every tile of this CTA, in ring order."""
+def _producer(x_desc, w_desc, w2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, k_tiles,
+              BM: gl.constexpr, BN: gl.constexpr, BN2: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, GROUP_M: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr):
+    """One warp: TMA loads of every k tile of every tile of this CTA, in ring order (a tile
+    ``BN + BN2`` wide loads its w rows as two boxes, ``BN`` then ``BN2``)."""
     num_pid_m = gl.cdiv(M, BM)
-    num_pid_n = gl.cdiv(N, BN)
+    num_pid_n = gl.cdiv(N, BN + BN2)
     num_tiles = num_pid_m * num_pid_n
-    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    nbytes: gl.constexpr = (x_desc.block_type.nbytes + w_desc.block_type.nbytes
+                            + (w2_desc.block_type.nbytes if BN2 > 0 else 0))
     slot = 0
     phase = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, BM, BN, GROUP_M)
+        off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, BM, BN + BN2, GROUP_M)
         for kt in range(k_tiles):
             # A fresh barrier counts as having completed the phase before phase 0, so
             # the first wrap passes at once; later wraps wait for the consumers' release.
@@ -84,8 +91,14 @@ def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, k_tiles,
                 tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, a_bufs.index(slot))
             if W_KN:  # w given as its [K, N] row-major transpose
                 tma.async_copy_global_to_shared(w_desc, [kt * BK, off_n], bar, b_bufs.index(slot))
+                if BN2 > 0:
+                    tma.async_copy_global_to_shared(w2_desc, [kt * BK, off_n + BN], bar,
+                                                    b2_bufs.index(slot))
             else:
                 tma.async_copy_global_to_shared(w_desc, [off_n, kt * BK], bar, b_bufs.index(slot))
+                if BN2 > 0:
+                    tma.async_copy_global_to_shared(w2_desc, [off_n + BN, kt * BK], bar,
+                                                    b2_bufs.index(slot))
             slot += 1
             if slot == STAGES:
                 slot = 0
@@ -93,32 +106,45 @@ def _producer(x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, k_tiles,
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, s2_buf, out_ptr, M, N, stride_om, tiles_per_leaf,
-              LEAVES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-              GROUP_M: gl.constexpr, ZERO_ACC: gl.constexpr, X_T: gl.constexpr,
-              W_KN: gl.constexpr, num_warps: gl.constexpr):
-    """The consumer warpgroups: the leaf chains, the tree, the epilogue."""
+def _consumer(a_bufs, b_bufs, b2_bufs, ready, empty, s2_buf, t2_buf, out_ptr, M, N, stride_om,
+              tiles_per_leaf, LEAVES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              BN2: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+              ZERO_ACC: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr,
+              num_warps: gl.constexpr):
+    """The consumer warpgroups: the leaf chains, the tree, the epilogue.  A tile ``BN + BN2``
+    wide (``BN2 > 0``) keeps two accumulators side by side, columns ``[0, BN)`` and
+    ``[BN, BN + BN2)``, each fed by its own wgmma from the same x tile: every element's chain
+    is the same k sequence either way."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
     num_pid_m = gl.cdiv(M, BM)
-    num_pid_n = gl.cdiv(N, BN)
+    num_pid_n = gl.cdiv(N, BN + BN2)
     num_tiles = num_pid_m * num_pid_n
     rows0 = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
     cols0 = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     # A leaf's chain reuses the registers of whatever tile just died (the previous leaf's
     # chain, or the previous tile's result), so no extra fp32 tile is ever live.
     acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
+    if BN2 > 0:
+        acc2_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN2, 16])
+        rows2 = gl.arange(0, BM, layout=gl.SliceLayout(1, acc2_layout))
+        cols2 = gl.arange(0, BN2, layout=gl.SliceLayout(0, acc2_layout))
+        acc2 = gl.zeros([BM, BN2], gl.float32, layout=acc2_layout)
     slot = 0
     phase = 0
     prev = STAGES - 1  # the slot read by the previous wgmma
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, BM, BN, GROUP_M)
+        off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, BM, BN + BN2, GROUP_M)
         for leaf in gl.static_range(LEAVES):
             if ZERO_ACC:
                 # +0 in place of the dead tile: an opaque move, so no constant zero tile is
                 # hoisted and kept live beside the saved levels
                 acc = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [acc], dtype=gl.float32,
                                                 is_pure=False, pack=1)
+                if BN2 > 0:
+                    acc2 = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [acc2],
+                                                     dtype=gl.float32, is_pure=False, pack=1)
             for kk in range(tiles_per_leaf):
                 mbarrier.wait(ready.index(slot), phase)
                 # the leaf's chain starts from zero: a +0 tile, or (kk == 0, scale-d 0) none
@@ -132,8 +158,17 @@ def _consumer(a_bufs, b_bufs, ready, empty, s2_buf, out_ptr, M, N, stride_om, ti
                 else:
                     b = b_bufs.index(slot).permute((1, 0))
                 acc = warpgroup_mma(a, b, acc, use_acc=(kk > 0) | ZERO_ACC, is_async=True)
-                # at most this wgmma in flight: the previous one is done with its slot
-                acc = warpgroup_mma_wait(1, deps=(acc, ))
+                if BN2 > 0:
+                    if W_KN:
+                        b2 = b2_bufs.index(slot)
+                    else:
+                        b2 = b2_bufs.index(slot).permute((1, 0))
+                    acc2 = warpgroup_mma(a, b2, acc2, use_acc=(kk > 0) | ZERO_ACC, is_async=True)
+                    # at most this k tile's two wgmmas in flight: the previous ones are done
+                    acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
+                else:
+                    # at most this wgmma in flight: the previous one is done with its slot
+                    acc = warpgroup_mma_wait(1, deps=(acc, ))
                 gl.thread_barrier()  # both warpgroups are past their wait: one thread arrives
                 mbarrier.arrive(empty.index(prev), pred=kk > 0)
                 prev = slot
@@ -141,44 +176,74 @@ def _consumer(a_bufs, b_bufs, ready, empty, s2_buf, out_ptr, M, N, stride_om, ti
                 if slot == STAGES:
                     slot = 0
                     phase ^= 1
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            if BN2 > 0:
+                acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
             gl.thread_barrier()
             mbarrier.arrive(empty.index(prev))
-            # the binary counter after leaf `leaf` (all compile-time)
+            # the binary counter after leaf `leaf` (all compile-time); the second
+            # accumulator (t*, result2) takes the same steps
             if leaf % 2 == 0:
                 if leaf == LEAVES - 1:
                     result = acc
+                    if BN2 > 0:
+                        result2 = acc2
                 else:
                     s0 = acc
+                    if BN2 > 0:
+                        t0 = acc2
             else:
                 v = s0 + acc
+                if BN2 > 0:
+                    v2 = t0 + acc2
                 if leaf % 4 == 1:
                     if leaf == LEAVES - 1:
                         result = v
+                        if BN2 > 0:
+                            result2 = v2
                     else:
                         s1 = v
+                        if BN2 > 0:
+                            t1 = v2
                 else:
                     v = s1 + v
+                    if BN2 > 0:
+                        v2 = t1 + v2
                     if leaf % 8 == 3:
                         if leaf == LEAVES - 1:
                             result = v
+                            if BN2 > 0:
+                                result2 = v2
                         else:
                             s2_buf.store(v)
+                            if BN2 > 0:
+                                t2_buf.store(v2)
                     else:
                         result = s2_buf.load(acc_layout) + v
+                        if BN2 > 0:
+                            result2 = t2_buf.load(acc2_layout) + v2
         rows = off_m + rows0
         cols = off_n + cols0
         ptrs = out_ptr + rows[:, None].to(gl.int64) * stride_om + cols[None, :]
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         gl.store(ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
         acc = result
+        if BN2 > 0:
+            r2 = off_m + rows2
+            c2 = off_n + BN + cols2
+            ptrs2 = out_ptr + r2[:, None].to(gl.int64) * stride_om + c2[None, :]
+            mask2 = (r2[:, None] < M) & (c2[None, :] < N)
+            gl.store(ptrs2, result2.to(out_ptr.dtype.element_ty), mask=mask2)
+            acc2 = result2
 
 
 @gluon.jit(do_not_specialize=["M", "tiles_per_leaf"])
-def _contract_mm_ws_kernel(x_desc, w_desc, out_ptr, M, N, stride_om, tiles_per_leaf,
+def _contract_mm_ws_kernel(x_desc, w_desc, w2_desc, out_ptr, M, N, stride_om, tiles_per_leaf,
                            LEAVES: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                            PRODUCER_REGS: gl.constexpr, ZERO_ACC: gl.constexpr,
-                           X_T: gl.constexpr, W_KN: gl.constexpr, num_warps: gl.constexpr):
+                           X_T: gl.constexpr, W_KN: gl.constexpr, BN2: gl.constexpr,
+                           num_warps: gl.constexpr):
     X0: gl.constexpr = x_desc.block_type.shape[0]
     X1: gl.constexpr = x_desc.block_type.shape[1]
     W0: gl.constexpr = w_desc.block_type.shape[0]
@@ -189,24 +254,36 @@ def _contract_mm_ws_kernel(x_desc, w_desc, out_ptr, M, N, stride_om, tiles_per_l
     dtype: gl.constexpr = x_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, X0, X1], x_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, W0, W1], w_desc.layout)
+    # the second accumulator's w rows (a token ring when there is none)
+    if BN2 > 0:
+        b2_bufs = gl.allocate_shared_memory(
+            dtype, [STAGES, w2_desc.block_type.shape[0], w2_desc.block_type.shape[1]],
+            w2_desc.layout)
+    else:
+        b2_bufs = b_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    # the third saved tree level: one fp32 tile, only for 8 leaves
+    # the third saved tree level: one fp32 tile per accumulator, only for 8 leaves
     S2_ROWS: gl.constexpr = BM if LEAVES == 8 else 8
     S2_COLS: gl.constexpr = BN if LEAVES == 8 else 8
     s2_buf = gl.allocate_shared_memory(
         gl.float32, [S2_ROWS, S2_COLS],
         gl.NVMMASharedLayout.get_default_for([S2_ROWS, S2_COLS], gl.float32))
+    T2_ROWS: gl.constexpr = BM if LEAVES == 8 and BN2 > 0 else 8
+    T2_COLS: gl.constexpr = BN2 if LEAVES == 8 and BN2 > 0 else 8
+    t2_buf = gl.allocate_shared_memory(
+        gl.float32, [T2_ROWS, T2_COLS],
+        gl.NVMMASharedLayout.get_default_for([T2_ROWS, T2_COLS], gl.float32))
     k_tiles = LEAVES * tiles_per_leaf
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready, empty, s2_buf, out_ptr, M, N, stride_om,
-                     tiles_per_leaf, LEAVES, BM, BN, STAGES, GROUP_M, ZERO_ACC, X_T, W_KN,
-                     num_warps)),
-        (_producer, (x_desc, w_desc, a_bufs, b_bufs, ready, empty, M, N, k_tiles,
-                     BM, BN, BK, STAGES, GROUP_M, X_T, W_KN)),
+        (_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, s2_buf, t2_buf, out_ptr, M, N,
+                     stride_om, tiles_per_leaf, LEAVES, BM, BN, BN2, STAGES, GROUP_M, ZERO_ACC,
+                     X_T, W_KN, num_warps)),
+        (_producer, (x_desc, w_desc, w2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N,
+                     k_tiles, BM, BN, BN2, BK, STAGES, GROUP_M, X_T, W_KN)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -302,14 +379,17 @@ def launch_plan(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.
     launch is bound, descriptors are reused per address (:func:`~tpinv.kernels.launch.reused_descriptor`)."""
     m, k = x.shape
     n = w.shape[0]
-    x_t, w_kn, x_block, w_block, grid, consts, bound, x_descs, w_descs = plan
+    x_t, w_kn, x_block, w_block, w2_block, grid, consts, bound, x_descs, w_descs, w2_descs = plan
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
     reuse = is_bound(bound)
     x_desc = reused_descriptor(x_descs if reuse else None, x,
                                lambda: TensorDescriptor.from_tensor(x.t() if x_t else x, *x_block))
     w_desc = reused_descriptor(w_descs if reuse else None, w,
                                lambda: TensorDescriptor.from_tensor(w.t() if w_kn else w, *w_block))
-    launch_with(_contract_mm_ws_kernel, grid, (x_desc, w_desc, out, m, n, out.stride(0), k // leaves // consts["BK"]),
+    w2_desc = w_desc if w2_block is None else reused_descriptor(
+        w2_descs if reuse else None, w, lambda: TensorDescriptor.from_tensor(w.t() if w_kn else w, *w2_block))
+    launch_with(_contract_mm_ws_kernel, grid,
+                (x_desc, w_desc, w2_desc, out, m, n, out.stride(0), k // leaves // consts["BK"]),
                 consts["kw"], bound)
     return out
 
@@ -329,13 +409,17 @@ def _plan(x, w, leaves: int, cfg: GluonConfig) -> tuple:
     x_t, w_kn = _major(x) == "col", _major(w) == "col"
     x_block = [bk, cfg.block_m] if x_t else [cfg.block_m, bk]
     w_block = [bk, cfg.block_n] if w_kn else [cfg.block_n, bk]
-    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    w2_block = None
+    if cfg.block_n2:
+        w2_block = [bk, cfg.block_n2] if w_kn else [cfg.block_n2, bk]
+        w2_block = (w2_block, _layout(w2_block, gdt))
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.tile_n)
     grid = (min(sm_count(x.device), tiles), )
     kw = dict(LEAVES=leaves, STAGES=cfg.num_stages, GROUP_M=cfg.group_m,
               PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
-              num_warps=cfg.num_warps)
-    return (x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), grid,
-            {"BK": bk, "kw": kw}, {}, {}, {})
+              BN2=cfg.block_n2, num_warps=cfg.num_warps)
+    return (x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), w2_block,
+            grid, {"BK": bk, "kw": kw}, {}, {}, {}, {})
 
 
 _LAYOUTS: dict = {}

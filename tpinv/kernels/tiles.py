@@ -137,14 +137,35 @@ class GluonConfig:
     # 1), the instruction sequence of the Triton kernel.  False: the leaf's first wgmma
     # ignores the accumulator (scale-d 0), one tile of zeroing moves fewer per leaf.
     zero_acc: bool = True
+    # A second accumulator beside the first, block_n2 columns wide (0: none): tiles whose
+    # width is not a power of two (128x96 = 64 + 32) fill the SMs in one wave where the
+    # power-of-two widths leave a quarter of them idle or take a second wave.
+    block_n2: int = 0
+
+    @property
+    def tile_n(self) -> int:
+        """The output tile's width: ``block_n + block_n2`` columns."""
+        return self.block_n + self.block_n2
+
+    def name(self) -> str:
+        width = f"{self.block_n}+{self.block_n2}" if self.block_n2 else f"{self.block_n}"
+        return (f"{self.block_m}x{width}w{self.num_warps}s{self.num_stages}"
+                + ("" if self.group_m == 8 else f"g{self.group_m}")
+                + ("" if self.zero_acc else " scale-d0"))
 
 
 #: The tiles of more than 128 rows the Gluon table picks from (one leaf; a tree), and the relative
 #: speed of an SM on each tile width (output elements per second, the 128x256 tile's = 1; from the
 #: H200 sweeps of docs/benchmarks.md, 2026-11-26).
-_GLUON_ONE_LEAF = (GluonConfig(128, 256, 8, 4), GluonConfig(128, 128, 8, 7), GluonConfig(128, 64, 8, 8))
-_GLUON_TREE = (GluonConfig(128, 128, 8, 5), GluonConfig(128, 64, 8, 7))
-_TILE_RATE = {256: 1.0, 128: 0.96, 64: 0.8}
+_GLUON_ONE_LEAF = (GluonConfig(128, 256, 8, 4), GluonConfig(128, 128, 8, 5, block_n2=64),
+                   GluonConfig(128, 128, 8, 7), GluonConfig(128, 64, 8, 8, block_n2=32),
+                   GluonConfig(128, 64, 8, 8))
+_GLUON_TREE = (GluonConfig(128, 128, 8, 5), GluonConfig(128, 64, 8, 6, block_n2=32),
+               GluonConfig(128, 64, 8, 7))
+_TILE_RATE = {256: 1.0, 192: 1.0, 128: 0.96, 96: 0.74, 64: 0.8}
+#: Every (config, leaves) the table above 128 rows may launch (the GPU tests run each one).
+GLUON_TABLE_TILES = tuple((cfg, leaves) for cfg in _GLUON_ONE_LEAF for leaves in (1,)) + tuple(
+    (cfg, leaves) for cfg in _GLUON_TREE for leaves in (2, 4, 8))
 
 
 def gluon_launch_config(m: int, n: int, leaves: int, sms: int) -> GluonConfig:
@@ -152,11 +173,14 @@ def gluon_launch_config(m: int, n: int, leaves: int, sms: int) -> GluonConfig:
 
     One leaf cannot split K, so the grid of output tiles is all the parallelism there is.  Above
     128 rows the table takes the tile that finishes first by a wave model: ``ceil(tiles / sms)``
-    waves, each as long as a tile's width over its rate (:data:`_TILE_RATE`).  Large products
-    keep the widest tile (Qwen3-8B's shapes at 4096 rows: 128x256, 128x128 for a tree); at 256
-    rows o_proj and down_proj take 128x64 (one wave of 128 tiles: 0.97-1.07x cuBLAS on an
-    H200), qkv and gate_up 128x128; a weight gradient of few output tiles (1024 x 1024: 32 tiles
-    of 128x256) takes 128 tiles of 128x64."""
+    waves, each as long as a tile's width over its rate (:data:`_TILE_RATE`; a tie goes to the
+    tile listed first).  Large products keep the widest tile (Qwen3-8B's shapes at 4096 rows:
+    128x256, 128x128 for a tree); at 256 rows o_proj and down_proj take 128x64 (one wave of 128
+    tiles), qkv takes 128x(64+32) (one wave of 128 tiles where 128x128 leaves 36 SMs idle) and
+    gate_up 128x(128+64) (two waves where 128x128 needs three, 128x128 for a tree); a weight
+    gradient of few output tiles (1024 x 1024: 32 tiles of 128x256) takes 128 tiles of 128x64.
+    Rates are from H200 sweeps at 256 rows (2026-11-26): the two-accumulator tiles run their
+    wgmmas narrower, so 96 columns go at 0.74 of 128x256's rate, 192 at about its rate."""
     if m <= 64:
         return GluonConfig(64, 64, 4, 8)
     if m <= 128:
@@ -164,8 +188,8 @@ def gluon_launch_config(m: int, n: int, leaves: int, sms: int) -> GluonConfig:
     row_tiles = -(-m // 128)
 
     def finish(cfg: GluonConfig) -> float:
-        waves = -(-(row_tiles * -(-n // cfg.block_n)) // sms)
-        return waves * cfg.block_n / _TILE_RATE[cfg.block_n]
+        waves = -(-(row_tiles * -(-n // cfg.tile_n)) // sms)
+        return waves * cfg.tile_n / _TILE_RATE[cfg.tile_n]
 
     return min(_GLUON_ONE_LEAF if leaves == 1 else _GLUON_TREE, key=finish)
 
@@ -176,11 +200,13 @@ def check_gluon_config(cfg: GluonConfig, leaves: int, bk: int) -> None:
         raise ValueError(f"{cfg}: block_m must be 16 * num_warps with 4 or 8 warps")
     if cfg.block_n not in (64, 128, 256) or cfg.num_stages < 2:
         raise ValueError(f"{cfg}: block_n must be 64, 128 or 256 and num_stages >= 2")
+    if cfg.block_n2 not in (0, 32, 64) or (cfg.block_n2 and cfg.block_n2 >= cfg.block_n):
+        raise ValueError(f"{cfg}: block_n2 must be 0, 32 or 64 and narrower than block_n")
     tiles_live = {1: 1, 2: 2}.get(leaves, 3)
-    regs = tiles_live * cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+    regs = tiles_live * cfg.block_m * cfg.tile_n // (32 * cfg.num_warps)
     if regs > 192:
         raise ValueError(f"{cfg}: {tiles_live} live fp32 tiles need {regs} registers a thread")
-    smem = cfg.num_stages * (cfg.block_m + cfg.block_n) * bk * 2
-    smem += cfg.block_m * cfg.block_n * 4 if leaves == 8 else 0
+    smem = cfg.num_stages * (cfg.block_m + cfg.tile_n) * bk * 2
+    smem += cfg.block_m * cfg.tile_n * 4 if leaves == 8 else 0
     if smem > 227 * 1024 - 1024:
         raise ValueError(f"{cfg}: {smem} bytes of shared memory is over the 227 KB limit")
