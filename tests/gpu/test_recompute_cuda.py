@@ -1,6 +1,8 @@
 """Activation recompute on CUDA: the same bits as without it, and less memory.
 
-A Qwen3-0.6B-shaped model cut to four layers, bf16 on CUDA (Triton kernels): selective and full
+A Qwen3-0.6B-shaped model cut to four layers and a 16k vocabulary, 8192 tokens, bf16 on CUDA
+(Triton kernels; the layers' activations, not the output layer or the parameters' gradients,
+set this step's peak, as in a real training step): selective and full
 recompute give the loss and every gradient of the run without recompute; a forward drawing from
 the CUDA generator (``F.dropout``) keeps its bits under recompute because the generator is
 restored, and with ``preserve_rng_state=False`` the gradients differ (control).  The peak CUDA
@@ -21,7 +23,7 @@ from tpinv.testing import assert_bits_differ, assert_same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = torch.device("cuda")
-LAYERS, B, S = 4, 2, 512
+LAYERS, B, S, VOCAB = 4, 4, 2048, 16384
 SETTINGS = {"selective": dict(granularity="selective"),
             "full-uniform-1": dict(granularity="full", method="uniform", num_layers=1),
             "full-block-2": dict(granularity="full", method="block", num_layers=2)}
@@ -29,7 +31,8 @@ SETTINGS = {"selective": dict(granularity="selective"),
 
 def _model(recompute=None, torch_dropout=False):
     torch.manual_seed(0)
-    model = Transformer(get_config("qwen3-0.6b", num_layers=LAYERS, dtype=torch.bfloat16)).to(DEV).train()
+    args = get_config("qwen3-0.6b", num_layers=LAYERS, vocab_size=VOCAB, dtype=torch.bfloat16)
+    model = Transformer(args).to(DEV).train()
     if torch_dropout:
         for layer in model.layers:
             layer.mlp.forward = functools.partial(lambda real, x: F.dropout(real(x), 0.5, True), layer.mlp.forward)

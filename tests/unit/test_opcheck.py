@@ -113,7 +113,9 @@ def _cases() -> dict[str, list[tuple]]:
         "tpinv::cross_entropy_lse": [(total, total.log())],
         "tpinv::cross_entropy_grad": [(ce_x, ce_lse, target.masked_fill(outside, 0), outside, _randn(2, 3, seed=35)),
                                       (ce_x.transpose(0, 1), ce_lse.t(), target.t(), outside.t(),
-                                       torch.ones(1).expand(3, 2))],
+                                       torch.ones(1).expand(3, 2)),
+                                      (ce_x.bfloat16(), ce_lse, target.masked_fill(outside, 0), outside,
+                                       _randn(2, 3, seed=36))],
     }
 
 

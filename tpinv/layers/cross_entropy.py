@@ -4,7 +4,9 @@
 order (an all-reduce MAX); the sum of ``exp(logit - max)`` follows the contract: each rank
 reduces its ``L/C`` vocabulary leaves to an fp32 sub-tree and the tree reducer combines
 them.  The target logit lives on one rank (the sum of it and zeros is exact).  The
-gradient ``softmax - onehot`` is elementwise, hence invariant.  Logits are promoted to fp32.
+gradient ``softmax - onehot`` is elementwise, hence invariant.  Every value is computed in fp32
+from the logits in their own dtype (the promotion is exact, so no fp32 copy of the logits is
+made or saved); the gradient is rounded once to the logits' dtype.
 """
 from __future__ import annotations
 
@@ -22,24 +24,26 @@ from tpinv.distributed.reduce import tree_all_reduce
 
 
 def logsumexp_and_target(logits: torch.Tensor, target: torch.Tensor, group, leaves: int):
-    """``(fp32 logits, logsumexp, target logit, local target index, target off this shard)`` per row."""
+    """``(logits, logsumexp, target logit, local target index, target off this shard)`` per row, the
+    last four in fp32 (the max and the target pick are exact in the logits' dtype, and the sum of
+    exponentials promotes each logit exactly: the bits of an fp32 copy, without one)."""
     tp, rank = group_size_rank(group)
     check_tp_size(tp, leaves)
     v = logits.shape[-1]
     check_divisible("vocab shard", v * tp, leaves)
-    x = logits.float()
-    m = x.amax(dim=-1)
+    m = logits.amax(dim=-1).float()
     if tp > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    s = sum_exp_partial(x, m, leaves // tp)
+    s = sum_exp_partial(logits, m, leaves // tp)
     local = target - rank * v
     outside = (local < 0) | (local >= v)
-    picked = x.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    picked = logits.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1).float()
+    picked = picked.masked_fill(outside, 0.0)
     if tp > 1:
         both = tree_all_reduce(torch.stack([s, picked], dim=-1), group, leaves=leaves)
         s, picked = both[..., 0], both[..., 1]
     lse = cross_entropy_lse(s, m)   # an op: compiled, the same log as eager
-    return x, lse, picked, local, outside
+    return logits, lse, picked, local, outside
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -47,21 +51,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, target, group, leaves):
         x, lse, picked, local, _ = logsumexp_and_target(logits, target, group, leaves)
         ctx.save_for_backward(x, lse, local)
-        ctx.dtype = logits.dtype
         return lse - picked
 
     @staticmethod
     def backward(ctx, dloss):
         x, lse, local = ctx.saved_tensors
-        return logits_grad(x, lse, local, dloss).to(ctx.dtype), None, None, None
+        return logits_grad(x, lse, local, dloss), None, None, None
 
 
 def logits_grad(x: torch.Tensor, lse: torch.Tensor, local: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:
-    """fp32 ``(softmax - onehot) * dloss`` of the fp32 logits ``x [..., v]`` (columns ``0..v-1`` of
-    the vocabulary, relative to which ``local`` indexes the targets; any other index hits none).
-    Elementwise given the row's ``lse``: the bits of an entry do not depend on which columns or
-    rows are computed with it.  The arithmetic is the op ``tpinv::cross_entropy_grad`` (compiled
-    code runs the eager ``exp``), one full-size buffer."""
+    """``(softmax - onehot) * dloss`` of the logits ``x [..., v]`` (columns ``0..v-1`` of the
+    vocabulary, relative to which ``local`` indexes the targets; any other index hits none), in
+    fp32 and rounded once to ``x.dtype``.  Elementwise given the row's ``lse``: the bits of an
+    entry do not depend on which columns or rows are computed with it.  The arithmetic is the op
+    ``tpinv::cross_entropy_grad`` (compiled code runs the eager ``exp``; on CUDA one pass)."""
     outside = (local < 0) | (local >= x.shape[-1])
     return cross_entropy_grad(x, lse, local, outside, dloss)
 

@@ -15,9 +15,9 @@ holding the ``[tokens, V/C]`` logits.  Why the chunking cannot change a bit:
   itself, on a ``[tokens, slice]`` block whose logits are recomputed (each logit has the bits
   of the full matrix's).  The slice holds about as many elements as a token chunk.
 
-Memory: at most ``chunk_tokens * V/C`` logits live at once (about 12 bytes each at the
-backward's peak: the rounded logits, their fp32 copy, the fp32 gradient and its rounding),
-besides the saved hidden states and one fp32 value per token.  The cost: none in a forward
+Memory: at most ``chunk_tokens * V/C`` logits live at once (at the backward's peak, with 16-bit
+logits, 4 bytes each on CUDA -- the rounded logits and their rounded gradient, computed in fp32
+in one pass -- and 8 on the CPU, whose kernel keeps an fp32 buffer of the gradient), besides the saved hidden states and one fp32 value per token.  The cost: none in a forward
 without grad; with a backward the output layer's product runs twice more (the logits are
 recomputed for ``dX`` and for ``dW``).
 """
@@ -80,7 +80,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for s in range(0, tokens, chunk):
                 rows = slice(s, s + chunk)
                 logits = rounded_matmul(x[rows], weight, 1)
-                dy = logits_grad(logits.float(), lse[rows], local[rows], dloss[rows]).to(x.dtype)
+                dy = logits_grad(logits, lse[rows], local[rows], dloss[rows])
                 dx[rows] = column_input_grad(dy, weight, group, leaves)
             dx = dx.reshape(hidden.shape)
         if ctx.needs_input_grad[1]:   # per vocabulary row: slices of the vocabulary, every token
@@ -89,7 +89,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for v in range(0, vocab, width):
                 cols = slice(v, v + width)
                 logits = rounded_matmul(x, weight[cols], 1)
-                dy = logits_grad(logits.float(), lse, local - v, dloss).to(x.dtype)
+                dy = logits_grad(logits, lse, local - v, dloss)
                 dw[cols] = weight_grad(dy, x, weight.dtype)
         return dx, dw, None, None, None, None
 

@@ -4,7 +4,10 @@ vocab-parallel cross-entropy (:mod:`tpinv.layers.cross_entropy`) as ops.
 Their arithmetic is elementwise (no reduction), but it calls ``log`` and ``exp``: as ops,
 torch.compile runs the eager kernel's ``log``/``exp`` instead of generating its own (inductor's
 vectorized ``exp`` is not ATen's, so a compiled gradient would differ in the last bits).  The
-kernels are the layer's own torch code, on CPU and, unchanged, on CUDA.
+lse kernel is the layer's own torch code, on CPU and on CUDA; the gradient's CUDA kernel is one
+Triton pass (:mod:`tpinv.kernels.triton_cross_entropy`) with the reference's arithmetic and
+libdevice's ``exp``: the reference's bits wherever ``exp`` is a normal float (checked on the
+device by raw bytes), and the one kernel every CUDA path runs.
 """
 from __future__ import annotations
 
@@ -30,7 +33,10 @@ def _check_lse(total, row_max) -> None:
 
 
 def _check_grad(x, lse, target, outside, dloss) -> None:
-    _check_fp32(x=x, lse=lse, dloss=dloss)
+    _check_fp32(lse=lse, dloss=dloss)
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"cross-entropy logits x must be fp32, bf16 or fp16, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
     rows = tuple(x.shape[:-1])
     for name, t in (("lse", lse), ("target", target), ("outside", outside), ("dloss", dloss)):
         if tuple(t.shape) != rows:
@@ -50,15 +56,23 @@ def _lse_fake(total, row_max):
     return torch.empty_like(total)
 
 
-@define_op("cross_entropy_grad", cuda=REFERENCE, check=_check_grad)
-def cross_entropy_grad_op(x: Tensor, lse: Tensor, target: Tensor, outside: Tensor, dloss: Tensor) -> Tensor:
-    """fp32 ``(exp(x - lse) - onehot(target)) * dloss`` over this rank's vocabulary slice ``x [..., V/C]``;
-    ``target`` is local to the slice, ``outside`` marks the rows whose target another rank holds."""
-    grad = (x - lse.unsqueeze(-1)).exp_()   # one full-size buffer, updated in place below
+def cross_entropy_grad_reference(x: Tensor, lse: Tensor, target: Tensor, outside: Tensor,
+                                  dloss: Tensor) -> Tensor:
+    """The gradient by torch code: fp32 ``(exp(float(x) - lse) - onehot(target)) * dloss``, rounded
+    once to ``x.dtype``."""
+    grad = (x.to(torch.float32) - lse.unsqueeze(-1)).exp_()   # one fp32 buffer, updated in place below
     # minus the one-hot, in place: g + (-1) is g - 1 and g + (-0.0) is g (IEEE), one entry per row
     minus_hit = (~outside).to(grad.dtype).neg_().unsqueeze(-1)
     grad.scatter_add_(-1, target.masked_fill(outside, 0).unsqueeze(-1), minus_hit)
-    return grad.mul_(dloss.unsqueeze(-1))
+    return grad.mul_(dloss.unsqueeze(-1)).to(x.dtype)
+
+
+@define_op("cross_entropy_grad", cuda="triton_cross_entropy.cross_entropy_grad_cuda", check=_check_grad)
+def cross_entropy_grad_op(x: Tensor, lse: Tensor, target: Tensor, outside: Tensor, dloss: Tensor) -> Tensor:
+    """``(exp(x - lse) - onehot(target)) * dloss`` over this rank's vocabulary slice ``x [..., V/C]``
+    of logits (bf16, fp16 or fp32), computed in fp32 and rounded once to ``x.dtype``; ``target``
+    is local to the slice, ``outside`` marks the rows whose target another rank holds."""
+    return cross_entropy_grad_reference(x, lse, target, outside, dloss)
 
 
 @register_fake(cross_entropy_grad_op)
