@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tpinv.kernels.launch import cdiv, launch
-from tpinv.kernels.triton_elementwise import _EXACT_OPTIONS, _exp_f32, _interpreting
+from tpinv.kernels.triton_elementwise import EXACT_OPTIONS, exp_f32, interpreting
 
 __all__ = ["cross_entropy_grad_cuda", "GRAD_BLOCK"]
 
@@ -42,7 +42,7 @@ def _ce_grad_kernel(x_ptr, lse_ptr, target_ptr, outside_ptr, dloss_ptr, out_ptr,
     lse = tl.load(lse_ptr + row)
     target = tl.load(target_ptr + row)
     held = tl.load(outside_ptr + row) == 0
-    g = _exp_f32(x - lse, PRECISE_EXP)
+    g = exp_f32(x - lse, PRECISE_EXP)
     g = tl.where((cols == target) & held, g + (-1.0), g)
     g = g * tl.load(dloss_ptr + row)
     tl.store(out_ptr + row * stride_o + cols, g.to(out_ptr.dtype.element_ty), mask=ok)
@@ -55,7 +55,7 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 def cross_entropy_grad_cuda(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, outside: torch.Tensor,
                             dloss: torch.Tensor) -> torch.Tensor:
     """``(exp(x - lse) - onehot(target)) * dloss`` in ``x.dtype`` (inputs checked by the op)."""
-    if "enable_reflect_ftz" not in _EXACT_OPTIONS and not _interpreting():
+    if "enable_reflect_ftz" not in EXACT_OPTIONS and not interpreting():
         from tpinv.ops.cross_entropy import cross_entropy_grad_reference
         return cross_entropy_grad_reference(x, lse, target, outside, dloss)
     v = x.shape[-1]
@@ -66,5 +66,5 @@ def cross_entropy_grad_cuda(x: torch.Tensor, lse: torch.Tensor, target: torch.Te
     x2, o2 = _rows(x, v), out.view(-1, v)
     flat = [t.reshape(-1).contiguous() for t in (lse, target, outside.view(torch.uint8), dloss)]
     launch(_ce_grad_kernel, (rows, cdiv(v, GRAD_BLOCK)), x2, *flat, o2, v, x2.stride(0), o2.stride(0),
-           BLOCK=GRAD_BLOCK, PRECISE_EXP=not _interpreting(), num_warps=8, **_EXACT_OPTIONS)
+           BLOCK=GRAD_BLOCK, PRECISE_EXP=not interpreting(), num_warps=8, **EXACT_OPTIONS)
     return out

@@ -58,15 +58,19 @@ def _exact_options() -> dict:
     return dict(enable_fp_fusion=False, **({"enable_reflect_ftz": False} if has_ftz_option else {}))
 
 
-_EXACT_OPTIONS = _exact_options()
+#: Launch options of the elementwise kernels (here and :mod:`tpinv.kernels.triton_cross_entropy`).
+EXACT_OPTIONS = _exact_options()
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """True under Triton's interpreter (CPU tensors, numpy's ``exp``: no libdevice)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _exp_f32(x, PRECISE_EXP: tl.constexpr):
+def exp_f32(x, PRECISE_EXP: tl.constexpr):
+    """fp32 ``exp``: libdevice's (``PRECISE_EXP``; IEEE subnormals under :data:`EXACT_OPTIONS`) or
+    Triton's approximate one (the interpreter, and the GPU tests' negative controls)."""
     if PRECISE_EXP:
         y = libdevice.exp(x)
     else:
@@ -82,7 +86,7 @@ def _silu_mul_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr, PREC
     ok = offs < n
     g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    denom = _exp_f32(-g, PRECISE_EXP) + 1.0
+    denom = exp_f32(-g, PRECISE_EXP) + 1.0
     y = tl.math.div_rn(g, denom) * u
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -95,7 +99,7 @@ def _silu_mul_bwd_kernel(grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, n, BL
     dy = tl.load(grad_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    denom = _exp_f32(-g, PRECISE_EXP) + 1.0
+    denom = exp_f32(-g, PRECISE_EXP) + 1.0
     sig = tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), denom)
     dsilu = sig * ((g * (1.0 - sig)) + 1.0)
     d_gate = (dy * u) * dsilu
@@ -113,7 +117,7 @@ def _check_device(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"expected all tensors on one device, got {sorted(map(str, devices))}")
-    if not tensors[0].is_cuda and not _interpreting():
+    if not tensors[0].is_cuda and not interpreting():
         raise ValueError(f"the Triton elementwise kernels need CUDA tensors, got {tensors[0].device} "
                          "(use tpinv.kernels.reference_activation / reference_rope on CPU)")
 
@@ -128,8 +132,8 @@ def _launch_silu_fwd(gate, up, config=None):
     if n:
         block, warps = config or silu_config(n)
         launch(_silu_mul_fwd_kernel, (cdiv(n, block),),
-            _flat(gate), _flat(up), out.view(-1), n, BLOCK=block, PRECISE_EXP=not _interpreting(),
-            num_warps=warps, **_EXACT_OPTIONS)
+            _flat(gate), _flat(up), out.view(-1), n, BLOCK=block, PRECISE_EXP=not interpreting(),
+            num_warps=warps, **EXACT_OPTIONS)
     return out
 
 
@@ -141,7 +145,7 @@ def _launch_silu_bwd(grad, gate, up, config=None):
         block, warps = config or silu_config(n)
         launch(_silu_mul_bwd_kernel, (cdiv(n, block),),
             _flat(grad), _flat(gate), _flat(up), d_gate.view(-1), d_up.view(-1), n, BLOCK=block,
-            PRECISE_EXP=not _interpreting(), num_warps=warps, **_EXACT_OPTIONS)
+            PRECISE_EXP=not interpreting(), num_warps=warps, **EXACT_OPTIONS)
     return d_gate, d_up
 
 
@@ -250,7 +254,7 @@ def _launch_rope(x, cos, sin, sign, config=None):
                        x.stride(0), x.stride(1), x.stride(2), sc_b, sc_s, ss_b, ss_s,
                        out.stride(0), out.stride(1), out.stride(2), n_hgroups, n_dchunks, n_sblocks,
                        HALF=half, SIGN=sign, BLOCK_H=block_h, BLOCK_S=block_s, BLOCK_HALF=block_half,
-                       num_warps=warps, **_EXACT_OPTIONS)
+                       num_warps=warps, **EXACT_OPTIONS)
     return out
 
 
