@@ -41,8 +41,9 @@ def _inputs(rows, v, dtype, seed=0):
 
 def _kernels():
     from tpinv.kernels import triton_cross_entropy
-    from tpinv.ops.cross_entropy import cross_entropy_grad_op, cross_entropy_grad_reference
-    return triton_cross_entropy, cross_entropy_grad_op, cross_entropy_grad_reference
+    from tpinv.kernels.reference_cross_entropy import cross_entropy_grad
+    from tpinv.ops.cross_entropy import cross_entropy_grad_op
+    return triton_cross_entropy, cross_entropy_grad_op, cross_entropy_grad
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -7,7 +7,7 @@ and upstream ``dloss``::
     g = g + (-1)    at the target column of a row whose target this slice holds
     g = g * dloss, rounded once to x's dtype
 
--- the arithmetic of the reference kernel (:func:`tpinv.ops.cross_entropy.cross_entropy_grad_op`),
+-- the arithmetic of the reference kernel (:mod:`tpinv.kernels.reference_cross_entropy`),
 one IEEE operation each, compiled without mul+add contraction, in one pass: the logits are
 read once in their own dtype and the gradient written once, no fp32 buffer of the logits' size.
 The reference run on CUDA gives the same bits wherever ``exp`` is a normal float; below 2**-126
@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpinv.kernels import reference_cross_entropy
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.triton_elementwise import EXACT_OPTIONS, exp_f32, interpreting
 
@@ -56,8 +57,7 @@ def cross_entropy_grad_cuda(x: torch.Tensor, lse: torch.Tensor, target: torch.Te
                             dloss: torch.Tensor) -> torch.Tensor:
     """``(exp(x - lse) - onehot(target)) * dloss`` in ``x.dtype`` (inputs checked by the op)."""
     if "enable_reflect_ftz" not in EXACT_OPTIONS and not interpreting():
-        from tpinv.ops.cross_entropy import cross_entropy_grad_reference
-        return cross_entropy_grad_reference(x, lse, target, outside, dloss)
+        return reference_cross_entropy.cross_entropy_grad(x, lse, target, outside, dloss)
     v = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = out.numel() // v if v else 0

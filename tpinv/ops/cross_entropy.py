@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tpinv.kernels import reference_cross_entropy
 from tpinv.ops.registry import REFERENCE, define_op, register_fake
 
 __all__ = ["cross_entropy_lse", "cross_entropy_grad", "cross_entropy_lse_op", "cross_entropy_grad_op"]
@@ -56,23 +57,12 @@ def _lse_fake(total, row_max):
     return torch.empty_like(total)
 
 
-def cross_entropy_grad_reference(x: Tensor, lse: Tensor, target: Tensor, outside: Tensor,
-                                  dloss: Tensor) -> Tensor:
-    """The gradient by torch code: fp32 ``(exp(float(x) - lse) - onehot(target)) * dloss``, rounded
-    once to ``x.dtype``."""
-    grad = (x.to(torch.float32) - lse.unsqueeze(-1)).exp_()   # one fp32 buffer, updated in place below
-    # minus the one-hot, in place: g + (-1) is g - 1 and g + (-0.0) is g (IEEE), one entry per row
-    minus_hit = (~outside).to(grad.dtype).neg_().unsqueeze(-1)
-    grad.scatter_add_(-1, target.masked_fill(outside, 0).unsqueeze(-1), minus_hit)
-    return grad.mul_(dloss.unsqueeze(-1)).to(x.dtype)
-
-
 @define_op("cross_entropy_grad", cuda="triton_cross_entropy.cross_entropy_grad_cuda", check=_check_grad)
 def cross_entropy_grad_op(x: Tensor, lse: Tensor, target: Tensor, outside: Tensor, dloss: Tensor) -> Tensor:
     """``(exp(x - lse) - onehot(target)) * dloss`` over this rank's vocabulary slice ``x [..., V/C]``
     of logits (bf16, fp16 or fp32), computed in fp32 and rounded once to ``x.dtype``; ``target``
     is local to the slice, ``outside`` marks the rows whose target another rank holds."""
-    return cross_entropy_grad_reference(x, lse, target, outside, dloss)
+    return reference_cross_entropy.cross_entropy_grad(x, lse, target, outside, dloss)
 
 
 @register_fake(cross_entropy_grad_op)
