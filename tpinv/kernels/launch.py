@@ -37,7 +37,7 @@ except ImportError:          # Triton without the 3.4+ runtime knobs: always lau
 
 __all__ = ["launch", "launch_with", "cdiv", "next_power_of_2", "sm_count", "bound_launches",
            "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
-           "reused_descriptor", "descriptor_reuses", "BIND", "REUSE_DESCRIPTORS", "DIRECT"]
+           "reused_descriptor", "descriptor_reuses", "rows_2d", "BIND", "REUSE_DESCRIPTORS", "DIRECT"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
 BIND = [True]
@@ -60,6 +60,13 @@ _DIRECT_COUNT = [0]
 
 
 _SM_COUNT: dict = {}     # CUDA device index -> its multiprocessor count
+
+
+def rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, t.shape[-1]]`` with a unit last stride: a view where one exists, else a
+    copy (exact) -- the row layout the row-wise kernels index by one row stride."""
+    flat = t.reshape(-1, t.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
 def sm_count(device: torch.device) -> int:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from tpinv.kernels import reference_cross_entropy
-from tpinv.kernels.launch import cdiv, launch
+from tpinv.kernels.launch import cdiv, launch, rows_2d
 from tpinv.kernels.triton_elementwise import EXACT_OPTIONS, exp_f32, interpreting
 
 __all__ = ["cross_entropy_grad_cuda", "GRAD_BLOCK"]
@@ -49,10 +49,6 @@ def _ce_grad_kernel(x_ptr, lse_ptr, target_ptr, outside_ptr, dloss_ptr, out_ptr,
     tl.store(out_ptr + row * stride_o + cols, g.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
-    return t.reshape(-1, width) if t.stride(-1) == 1 or width <= 1 else t.contiguous().reshape(-1, width)
-
-
 def cross_entropy_grad_cuda(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, outside: torch.Tensor,
                             dloss: torch.Tensor) -> torch.Tensor:
     """``(exp(x - lse) - onehot(target)) * dloss`` in ``x.dtype`` (inputs checked by the op)."""
@@ -60,10 +56,10 @@ def cross_entropy_grad_cuda(x: torch.Tensor, lse: torch.Tensor, target: torch.Te
         return reference_cross_entropy.cross_entropy_grad(x, lse, target, outside, dloss)
     v = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = out.numel() // v if v else 0
-    if rows == 0 or v == 0:
+    if out.numel() == 0:
         return out
-    x2, o2 = _rows(x, v), out.view(-1, v)
+    x2, o2 = rows_2d(x), out.view(-1, v)
+    rows = x2.shape[0]
     flat = [t.reshape(-1).contiguous() for t in (lse, target, outside.view(torch.uint8), dloss)]
     launch(_ce_grad_kernel, (rows, cdiv(v, GRAD_BLOCK)), x2, *flat, o2, v, x2.stride(0), o2.stride(0),
            BLOCK=GRAD_BLOCK, PRECISE_EXP=not interpreting(), num_warps=8, **EXACT_OPTIONS)

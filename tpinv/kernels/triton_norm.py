@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import launch, next_power_of_2
+from tpinv.kernels.launch import launch, next_power_of_2, rows_2d
 from tpinv.kernels.reference_norm import (check_per_head_inputs, check_rms_norm_backward_inputs, check_rms_norm_inputs,
                                     rms_norm_backward, rms_norm_backward_heads, rms_norm_forward,
                                     rms_norm_out_dtype, sum_over_tokens_per_head)
@@ -80,10 +80,6 @@ def _block_for(hidden: int) -> tuple[int, int]:
     return block, warps
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    flat = t.reshape(-1, t.shape[-1])
-    return flat if flat.stride(-1) == 1 else flat.contiguous()
-
 
 def rms_norm_forward_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``; one program per row."""
@@ -91,7 +87,7 @@ def rms_norm_forward_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> 
     hidden = x.shape[-1]
     if hidden > MAX_HIDDEN:
         return rms_norm_forward(x, weight, eps)
-    rows = _rows(x)
+    rows = rows_2d(x)
     out = torch.empty(rows.shape, dtype=rms_norm_out_dtype(x, weight), device=x.device)
     if rows.shape[0]:
         block, warps = _block_for(hidden)
@@ -106,7 +102,7 @@ def _backward_rows(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx`` (x's shape) and the fp32 ``[rows, H]`` weight-gradient contributions."""
     hidden = x.shape[-1]
-    rows, grads = _rows(x), _rows(grad)
+    rows, grads = rows_2d(x), rows_2d(grad)
     n_rows = rows.shape[0]
     grad_x = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     contrib = torch.empty((n_rows, hidden), dtype=torch.float32, device=x.device)

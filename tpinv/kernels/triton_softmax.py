@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import cdiv, launch, next_power_of_2, sm_count
+from tpinv.kernels.launch import cdiv, launch, next_power_of_2, rows_2d, sm_count
 from tpinv.core.contract import tree_combine
 from tpinv.kernels.reference_softmax import (check_partial_inputs, check_softmax_inputs,
                                        logsumexp_from_parts, safe_shift)
@@ -202,10 +202,6 @@ def _softmax_rows_kernel(x_ptr, y_ptr, max_ptr, total_ptr, n_rows, width, leaf_l
                 _write_chunk(x_row, y_row, start + offs, width, shift, total, MODE == 1, DROP)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
-    return flat if flat.stride(-1) == 1 else flat.contiguous()
-
 
 def _programs(n_rows: int, device: torch.device, per_sm: float) -> int:
     if device.type == "cuda":
@@ -247,7 +243,7 @@ def _fused(rows: torch.Tensor, leaves: int, mode: int, config: tuple | None = No
 def sum_exp_partial_cuda(x: torch.Tensor, max_: torch.Tensor, leaves: int) -> torch.Tensor:
     """fp32 sub-tree of ``exp(x - max)`` over this slice's ``leaves`` leaves, ``x.shape[:-1]``."""
     check_partial_inputs(x, max_, leaves)
-    rows = _rows(x)
+    rows = rows_2d(x)
     shift = safe_shift(max_).reshape(-1).contiguous()
     n_rows, width = rows.shape
     leaf_len = width // leaves
@@ -268,7 +264,7 @@ def max_and_sum_exp_cuda(x: torch.Tensor, leaves: int) -> tuple[torch.Tensor, to
     (each with ``leaves // C``) given the same ``m``.  Shapes ``x.shape[:-1]``.
     """
     check_softmax_inputs(x, leaves, "max_and_sum_exp")
-    _, max_, total = _fused(_rows(x), leaves, _MODE_STATS)
+    _, max_, total = _fused(rows_2d(x), leaves, _MODE_STATS)
     return max_.reshape(x.shape[:-1]), total.reshape(x.shape[:-1])
 
 
@@ -281,7 +277,7 @@ def _from_parts(x: torch.Tensor, max_: torch.Tensor, total: torch.Tensor, log: b
             raise ValueError(f"{name} {what} must have shape {tuple(x.shape[:-1])} (x.shape[:-1] "
                              f"for x of shape {tuple(x.shape)}), got {tuple(t.shape)}")
     check_softmax_inputs(x, 1, name)
-    rows = _rows(x)
+    rows = rows_2d(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.numel():
         shift = safe_shift(max_).reshape(-1).contiguous()
@@ -305,13 +301,13 @@ def softmax_from_parts_cuda(x: torch.Tensor, max_: torch.Tensor, total: torch.Te
 def softmax_forward_cuda(x: torch.Tensor, leaves: int) -> torch.Tensor:
     """``exp(x - m) / s`` over the last dim, rounded once to ``x.dtype``; one launch."""
     check_softmax_inputs(x, leaves, "softmax")
-    return _fused(_rows(x), leaves, _MODE_SOFTMAX)[0].reshape(x.shape)
+    return _fused(rows_2d(x), leaves, _MODE_SOFTMAX)[0].reshape(x.shape)
 
 
 def log_softmax_forward_cuda(x: torch.Tensor, leaves: int) -> torch.Tensor:
     """``(x - m) - log(s)`` over the last dim, rounded once to ``x.dtype``; one launch."""
     check_softmax_inputs(x, leaves, "log_softmax")
-    return _fused(_rows(x), leaves, _MODE_LOG)[0].reshape(x.shape)
+    return _fused(rows_2d(x), leaves, _MODE_LOG)[0].reshape(x.shape)
 
 
 def logsumexp_forward_cuda(x: torch.Tensor, leaves: int) -> torch.Tensor:
