@@ -22,7 +22,8 @@ from triton.testing import do_bench
 
 from benchmarks.common import copy_gbps as copy_bandwidth_gbps, write_json
 from tpinv.core.contract import DEFAULT_LEAVES
-from tpinv.kernels.triton_norm import rms_norm_backward_cuda, rms_norm_forward_cuda
+from tpinv.kernels.triton_norm import (rms_norm_backward_cuda, rms_norm_backward_heads_cuda,
+                                      rms_norm_forward_cuda, tile_for)
 from tpinv.kernels import triton_softmax
 from tpinv.kernels.triton_softmax import log_softmax_forward_cuda, logsumexp_forward_cuda
 from tpinv.models.vanilla import plain_rms_norm
@@ -39,21 +40,28 @@ def gbps(n_bytes: int, fn) -> tuple[float, float]:
 
 def run(copy_gbps: float) -> list[dict]:
     rows = []
-    for tokens in (4096, 16384):
-        for hidden in (4096, 8192):
-            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-            w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
-            n_bytes = 2 * x.numel() * 2 + hidden * 2
-            ms, bw = gbps(n_bytes, lambda: rms_norm_forward_cuda(x, w, 1e-6))
-            tms, tbw = gbps(n_bytes, lambda: plain_rms_norm(x, w, 1e-6))
-            g = torch.randn_like(x)
-            # dx, the fp32 [T, H] dweight contributions (written, then read by the token sum)
-            b_bytes = 3 * x.numel() * 2 + 2 * x.numel() * 4
-            bms, bbw = gbps(b_bytes, lambda: rms_norm_backward_cuda(g, x, w, 1e-6))
-            rows.append(dict(op="rms_norm", dtype="bf16", T=tokens, H=hidden, ms=ms, gbps=bw,
-                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
-                             bwd_ms=bms, bwd_gbps=bbw, bwd_frac_copy=bbw / copy_gbps))
-            del x, g
+    shapes = [(tokens, hidden) for tokens in (4096, 16384) for hidden in (1024, 4096, 8192)]
+    shapes += [(4096, 16, 128), (4096, 8, 128)]            # Qwen3 q/k norm: [T, heads, head_dim]
+    for shape in shapes:
+        tokens, hidden = shape[0], shape[-1]
+        heads = shape[1] if len(shape) == 3 else 1
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+        n_bytes = 2 * x.numel() * 2 + hidden * 2
+        ms, bw = gbps(n_bytes, lambda: rms_norm_forward_cuda(x, w, 1e-6))
+        tms, tbw = gbps(n_bytes, lambda: plain_rms_norm(x, w, 1e-6))
+        g = torch.randn_like(x)
+        # g and x read, dx written, and the fp32 dweight partials (one per tile of rows) written
+        # and read back by the token sum
+        _, tile_rows, _ = tile_for(hidden)
+        b_bytes = 3 * x.numel() * 2 + 2 * (x.numel() // tile_rows) * 4
+        backward = ((lambda: rms_norm_backward_heads_cuda(g, x, w, 1e-6)) if heads > 1 else
+                    (lambda: rms_norm_backward_cuda(g, x, w, 1e-6)))
+        bms, bbw = gbps(b_bytes, backward)
+        rows.append(dict(op="rms_norm", dtype="bf16", T=tokens, H=hidden, heads=heads, ms=ms, gbps=bw,
+                         frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
+                         bwd_ms=bms, bwd_gbps=bbw, bwd_frac_copy=bbw / copy_gbps))
+        del x, g
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         for tokens in (1024, 4096):
             x = torch.randn(tokens, VOCAB, device="cuda", dtype=dtype)
@@ -113,7 +121,8 @@ def table(rows: list[dict], copy_gbps: float) -> str:
              "| op | dtype | shape | tpinv ms | tpinv GB/s | % of copy | row kernel % of copy | torch ms | torch GB/s | bwd GB/s (% copy) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        shape = f"T={r['T']} H={r['H']}" if r["op"] == "rms_norm" else f"T={r['T']} V={r['V']}"
+        shape = (f"T={r['T']} H={r['H']}" + (f" heads={r['heads']}" if r.get("heads", 1) > 1 else "")
+                 if r["op"] == "rms_norm" else f"T={r['T']} V={r['V']}")
         bwd = f"{r['bwd_gbps']:.0f} ({100 * r['bwd_frac_copy']:.0f}%)" if "bwd_gbps" in r else "-"
         row_kernel = f"{100 * r['row_kernel_frac_copy']:.0f}%" if "row_kernel_frac_copy" in r else "-"
         lines.append(f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {r['gbps']:.0f} | "

@@ -118,6 +118,26 @@ def test_rms_norm_backward_heads_is_each_head_alone_and_control():
     assert_bits_differ(halving_sum(heads32.t()), all_rows, 'halving_sum(heads32.t())')
 
 
+@pytest.mark.parametrize("hidden,tokens,heads", [(128, 4096, 16), (128, 777, 8), (128, 5, 2), (1024, 4096, 1),
+                                                 (4096, 300, 1), (20000, 9, 1)])
+def test_rms_norm_dweight_is_the_halving_sum_of_the_forward_n(hidden, tokens, heads):
+    """fp32, unit weight: the forward's output is n, and dweight is exactly the contiguous halving
+    over the tokens of g * n (the first levels inside the backward's tiles, the rest over their
+    partials) -- the backward's n is the forward's.  Control: adjacent token pairs differ."""
+    from tpinv.kernels.reference_tree import halving_sum
+    x, g = rand(tokens, heads, hidden, seed=hidden), rand(tokens, heads, hidden, seed=tokens)
+    one = torch.ones(hidden, device=DEV)
+    n = tn().rms_norm_forward_cuda(x, one, 1e-6)
+    _, per_head = tn().rms_norm_backward_heads_cuda(g, x, one, 1e-6)
+    contrib = (g * n).permute(1, 2, 0)
+    assert_same_bits(per_head, halving_sum(contrib), f"H={hidden} T={tokens}")
+    if tokens >= 4:
+        adjacent = F.pad(contrib, (0, (1 << (tokens - 1).bit_length()) - tokens))
+        while adjacent.shape[-1] > 1:
+            adjacent = adjacent[..., 0::2] + adjacent[..., 1::2]
+        assert_bits_differ(per_head, adjacent[..., 0], "control: adjacent token pairs")
+
+
 def test_rms_norm_backward_fp32_parity_with_torch_code():
     x, g = rand(37, 777, seed=6), rand(37, 777, seed=7)
     w = torch.rand(777, device=DEV) + 0.5
