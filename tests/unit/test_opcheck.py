@@ -3,9 +3,10 @@
 
 The cases are keyed by qualified name and the first test compares them with
 :data:`tpinv.ops.registry.OPS`: an op defined without a case here fails the suite.  Inputs
-include non-contiguous views (a transposed ``q``, as the model passes it), whose layout a fake
-built with ``empty_like`` would copy while the kernel returns a contiguous tensor; the control
-test shows opcheck catching exactly that.
+include non-contiguous views (a transposed ``q``, as the model passes it): attention and rope
+declare outputs in their input's layout, every other op contiguous outputs, and opcheck holds
+the kernels to it; the control test shows opcheck catching a fake whose layout the kernel does
+not return.
 """
 from __future__ import annotations
 
@@ -140,8 +141,8 @@ def test_opcheck(qualname):
                            "on (2.6, 2.11 and 2.12 checked: theirs does not), so this control cannot fail here")
 def test_opcheck_control_fake_with_input_strides():
     """Control: a fake that copies its input's layout (``empty_like``) where the kernel returns a
-    contiguous tensor -- the defect of ``tpinv::attention``'s fake before the registry made every
-    output contiguous -- fails opcheck on the transposed ``q``."""
+    contiguous tensor -- the defect of ``tpinv::attention``'s fake before the registry put every
+    output in one declared layout -- fails opcheck on the transposed ``q``."""
 
     @torch.library.custom_op("tpinv_test::contiguous_copy", mutates_args=())
     def contiguous_copy(x: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from tpinv.kernels.launch import cdiv, launch, next_power_of_2
+from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 
 __all__ = ["attention_forward_cuda", "AttentionConfig", "forward_config", "padded_head_dim",
@@ -283,7 +284,7 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     Hkv, T = k.shape[1], k.shape[2]
     DP = padded_head_dim(D)
     scale = resolve_scale(scale, D)
-    out = torch.empty((B, Hq, S, D), dtype=q.dtype, device=q.device)
+    out = empty_in_layout_of(q)
     lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse

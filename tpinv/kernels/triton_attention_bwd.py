@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from tpinv.kernels.launch import cdiv, launch
+from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 from tpinv.kernels.reference_attention_bwd import check_backward_inputs
 from tpinv.kernels.triton_attention import (block_ranges, clean_kv,
@@ -302,9 +303,9 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
     Hkv, T = k.shape[1], k.shape[2]
     DP = padded_head_dim(D)
     scale = resolve_scale(scale, D)
-    dq = torch.zeros((B, Hq, S, D), dtype=q.dtype, device=q.device)
-    dk = torch.zeros((B, Hkv, T, D), dtype=grad_kv_dtype or k.dtype, device=q.device)
-    dv = torch.zeros((B, Hkv, T, D), dtype=grad_kv_dtype or v.dtype, device=q.device)
+    dq = empty_in_layout_of(q).zero_()
+    dk = empty_in_layout_of(k, grad_kv_dtype or k.dtype).zero_()
+    dv = empty_in_layout_of(v, grad_kv_dtype or v.dtype).zero_()
     if dq.numel() == 0 or dk.numel() == 0:
         return dq, dk, dv
     if B * Hq > 65535:

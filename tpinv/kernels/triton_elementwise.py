@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tpinv.kernels.launch import cdiv, launch, next_power_of_2
+from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.core.contract import InvarianceError
 from tpinv.kernels.reference_activation import check_silu_mul_inputs
 from tpinv.kernels.reference_rope import check_rope_inputs
@@ -238,7 +239,7 @@ def _table(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 def _launch_rope(x, cos, sin, sign, config=None):
     batch, heads, seq, dim = x.shape
-    out = torch.empty((batch, heads, seq, dim), dtype=x.dtype, device=x.device)
+    out = empty_in_layout_of(x)
     if out.numel() == 0:
         return out
     if x.stride(-1) != 1:

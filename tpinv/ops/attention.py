@@ -36,7 +36,8 @@ def _check_attention_backward(grad_out, grad_lse, q, k, v, out, lse, q_pos, mask
     check_attention_inputs(q, k, v, q_pos, mask, causal, window)
 
 
-@define_op("attention", cuda="triton_attention.attention_forward_cuda", check=_check_attention)
+@define_op("attention", cuda="triton_attention.attention_forward_cuda", check=_check_attention,
+           outputs_like=("q", None))
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                  mask: Optional[torch.Tensor], causal: bool, window: Optional[int],
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +46,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch
 
 
 @define_op("attention_backward", cuda="triton_attention_bwd.attention_backward_cuda",
-           check=_check_attention_backward)
+           check=_check_attention_backward, outputs_like=("q", "k", "v"))
 def attention_backward_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
                           q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, q_pos: torch.Tensor, mask: Optional[torch.Tensor],

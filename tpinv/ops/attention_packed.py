@@ -69,7 +69,7 @@ def packed_backward_cuda(grad_out, grad_lse, q, k, v, out, lse, q_pos, k_pos, ma
     return documents_backward_cuda(docs, grad_out, grad_lse, q, k, v, out, lse, causal, window, scale)
 
 
-@define_op("attention_packed", cuda=packed_forward_cuda, check=_check_packed)
+@define_op("attention_packed", cuda=packed_forward_cuda, check=_check_packed, outputs_like=("q", None))
 def attention_packed_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                         k_pos: torch.Tensor, mask: Optional[torch.Tensor], causal: bool,
                         window: Optional[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +77,8 @@ def attention_packed_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
     return packed_attention_forward(q, k, v, q_pos, k_pos, mask, causal, window, scale)
 
 
-@define_op("attention_packed_backward", cuda=packed_backward_cuda, check=_check_packed_backward)
+@define_op("attention_packed_backward", cuda=packed_backward_cuda, check=_check_packed_backward,
+           outputs_like=("q", "k", "v"))
 def attention_packed_backward_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor],
                                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                                  lse: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,

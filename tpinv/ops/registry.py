@@ -9,11 +9,15 @@ kernel's own fixed-order torch code -- or a placeholder that raises
 cuBLAS (or any order-changing fallback).  Nothing is registered by a side-effect import:
 importing an op's module defines it completely (:data:`OPS` lists every definition).
 
-Layout: every kernel slot and every fake returns **contiguous** (row-major) tensors -- the
-registry makes each kernel's outputs contiguous (a copy, exact, only where a kernel returned
-another layout) and each fake's too -- so the strides torch.compile plans with from the fake are
-the strides the kernel returns, whatever the layout of the inputs
-(``tests/unit/test_opcheck.py`` runs ``torch.library.opcheck`` on every op in :data:`OPS`).
+Layout: every kernel slot and every fake returns its outputs in one declared layout -- the
+registry puts each kernel's outputs and each fake's in it (a copy, exact, only where a kernel
+returned another layout) -- so the strides torch.compile plans with from the fake are the
+strides the kernel returns, whatever the layout of the inputs (``tests/unit/test_opcheck.py``
+runs ``torch.library.opcheck`` on every op in :data:`OPS`).  The layout is **contiguous**
+(row-major) unless the definition names an input per output (``outputs_like``): that output then
+has the input's layout where it has a unit last stride
+(:func:`tpinv.kernels.layout.empty_in_layout_of`) -- attention and rope hand a ``[B, S, H, D]``
+buffer seen as ``[B, H, S, D]`` back in that layout, and their kernels write it directly.
 
 Eager calls: an op called in plain eager code -- not under ``torch.compile``, no dispatch or
 function mode, no profiler, no functorch transform, plain tensors passed positionally -- runs
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from typing import Callable, Iterable, NamedTuple, Optional, Union
 
 import torch
@@ -35,6 +40,7 @@ except ImportError:                      # older torch keeps it private
     from torch._library.custom_ops import CustomOpDef
 
 from tpinv.core.autograd import PLAIN_TENSORS, observed
+from tpinv.kernels.layout import in_layout_of
 
 NAMESPACE = "tpinv"
 
@@ -80,12 +86,27 @@ def contiguous_outputs(value):
     return value
 
 
-def with_contiguous_outputs(kernel: Callable) -> Callable:
-    """``kernel`` whose outputs are made contiguous: the layout every tpinv op and fake returns."""
+def outputs_in_layout(value, args: tuple, likes: Optional[tuple]):
+    """``value`` (a tensor or a tuple of them) in the declared layout: output ``i`` in the layout of
+    ``args[likes[i]]`` (:func:`tpinv.kernels.layout.in_layout_of`) where ``likes[i]`` is an index,
+    contiguous where it is None or ``likes`` is None."""
+    if likes is None:
+        return contiguous_outputs(value)
+    single = isinstance(value, torch.Tensor)
+    outs = (value,) if single else value
+    placed = tuple(out if out is None else
+                   (out.contiguous() if like is None or like >= len(args) or args[like] is None
+                    else in_layout_of(out, args[like]))
+                   for out, like in zip(outs, likes))
+    return placed[0] if single else type(value)(placed)
+
+
+def with_outputs_in_layout(kernel: Callable, likes: Optional[tuple] = None) -> Callable:
+    """``kernel`` whose outputs are put in the declared layout (:func:`outputs_in_layout`)."""
 
     @functools.wraps(kernel)
     def run(*args, **kwargs):
-        return contiguous_outputs(kernel(*args, **kwargs))
+        return outputs_in_layout(kernel(*args, **kwargs), args, likes)
 
     return run
 
@@ -176,6 +197,7 @@ class OpDef(NamedTuple):
     cuda: Union[str, Callable, None]
     check: Optional[Callable]
     cuda_kernel: Callable  #: what the CUDA slot holds (resolved from ``cuda``)
+    outputs_like: Optional[tuple] = None  #: per output, the input index whose layout it takes
 
 
 def lazy_kernel(path: str) -> Callable:
@@ -197,7 +219,8 @@ def lazy_kernel(path: str) -> Callable:
 
 
 def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Callable] = None,
-              mutates_args: Iterable[str] = ()) -> Callable[[Callable], CustomOpDef]:
+              mutates_args: Iterable[str] = (),
+              outputs_like: Optional[tuple] = None) -> Callable[[Callable], CustomOpDef]:
     """Decorator: define ``tpinv::<name>`` -- the one place that names all of the op's parts.
 
     * the decorated function is the **reference kernel** (the CPU slot); its type annotations
@@ -207,8 +230,9 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
       fixed-order torch code runs on CUDA too), an adapter function defined beside the op (when
       the Triton entry's arguments differ from the op's), or ``None`` (the slot raises, never a
       fallback);
-    * every kernel's outputs are made contiguous (:func:`with_contiguous_outputs`), as are the
-      fake's (:func:`register_fake`), so fake and real strides agree;
+    * every kernel's outputs are put in the declared layout (:func:`with_outputs_in_layout`), as
+      are the fake's (:func:`register_fake`), so fake and real strides agree: contiguous, or, for
+      output ``i``, the layout of the input named ``outputs_like[i]`` (None: contiguous);
     * ``check`` is the op's **input check**, called with the op's arguments.  It runs once per
       call: in the fake (:func:`register_fake`), and at the entry of the kernel that runs --
       the reference and Triton kernels are public entry points (tests and benchmarks call them
@@ -224,7 +248,8 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
             raise ValueError(f"{qualname} is defined twice")
         mutated = tuple(mutates_args)
         schema = torch.library.infer_schema(reference, mutates_args=mutated)  # from the reference's own hints
-        reference_slot = with_contiguous_outputs(reference)
+        likes = _input_indices(reference, outputs_like)
+        reference_slot = with_outputs_in_layout(reference, likes)
         op = torch.library.custom_op(qualname, mutates_args=mutated, device_types="cpu",
                                      schema=schema)(reference_slot)
         if cuda is None:
@@ -235,11 +260,11 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
             kernel = cuda
         else:
             kernel = lazy_kernel(cuda)
-        cuda_slot = with_contiguous_outputs(kernel)
+        cuda_slot = with_outputs_in_layout(kernel, likes)
         op.register_kernel("cuda", cuda_slot)
         op.__class__ = InvariantOp
         op._tpinv_eager = _EagerPath(op._opoverload._schema, reference_slot, cuda_slot, bool(mutated))
-        OPS[qualname] = OpDef(op, reference, cuda, check, kernel)
+        OPS[qualname] = OpDef(op, reference, cuda, check, kernel, likes)
         return op
 
     return wrap
@@ -247,19 +272,31 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
 
 def register_fake(op: CustomOpDef) -> Callable[[Callable], Callable]:
     """Decorator: the fake (shape-only) kernel of ``op``, run after the op's check; its outputs are
-    made contiguous, the layout every kernel slot returns (:func:`define_op`)."""
-    check = OPS[_qualname_of(op)].check
+    put in the op's declared layout, the one its kernel slots return (:func:`define_op`)."""
+    definition = OPS[_qualname_of(op)]
+    check, likes = definition.check, definition.outputs_like
 
     def wrap(fake: Callable) -> Callable:
         def checked_fake(*args, **kwargs):
             if check is not None:
                 check(*args, **kwargs)
-            return contiguous_outputs(fake(*args, **kwargs))
+            return outputs_in_layout(fake(*args, **kwargs), args, likes)
 
         op.register_fake(checked_fake)
         return fake
 
     return wrap
+
+
+def _input_indices(reference: Callable, names: Optional[tuple]) -> Optional[tuple]:
+    """``outputs_like``'s input names as positions in ``reference``'s signature."""
+    if names is None:
+        return None
+    params = list(inspect.signature(reference).parameters)
+    unknown = [n for n in names if n is not None and n not in params]
+    if unknown:
+        raise ValueError(f"outputs_like names {unknown}, not inputs of {reference.__name__}{tuple(params)}")
+    return tuple(None if n is None else params.index(n) for n in names)
 
 
 def _qualname_of(op: CustomOpDef) -> str:

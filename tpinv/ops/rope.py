@@ -63,13 +63,14 @@ def _check_apply_rope(x, cos, sin) -> None:
     reference_rope.check_rope_inputs(x, cos, sin)
 
 
-@define_op("apply_rope", cuda="triton_elementwise.apply_rope_forward_cuda", check=_check_apply_rope)
+@define_op("apply_rope", cuda="triton_elementwise.apply_rope_forward_cuda", check=_check_apply_rope,
+           outputs_like=("x",))
 def apply_rope_op(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return reference_rope.apply_rope_forward(x, cos, sin)
 
 
 @define_op("apply_rope_backward", cuda="triton_elementwise.apply_rope_backward_cuda",
-           check=_check_apply_rope)
+           check=_check_apply_rope, outputs_like=("grad",))
 def apply_rope_backward_op(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return reference_rope.apply_rope_backward(grad, cos, sin)
 
