@@ -201,6 +201,34 @@ def grads_autograd(q, k, v, vis, dout, dtype=None):
     return torch.autograd.grad(out, leaves, dout.to(out.dtype))
 
 
+def test_backward_writes_every_gradient_element():
+    """dQ/dK/dV are allocated without a zero fill: the kernels store every element.  Memory the
+    allocator hands back is poisoned with NaN first; keys no query sees (past a window, masked)
+    and queries that see no key get exact zeros, every other entry is finite.  Control: the
+    poisoned block is the one the gradients reuse (a fresh empty tensor of dQ's size reads NaN)."""
+    B, S, T = 2, 70, 70
+    q, k, v = qkv(B, S, T, seed=21)
+    pos = arange_pos(B, S, start=-3)                    # the first 3 queries see no key
+    mask = torch.ones(B, S, T, dtype=torch.bool, device=DEV)
+    mask[:, :, 40:50] = False                           # keys 40-49: seen by no query
+    dout = rand(B, HQ, S, D, seed=22)
+    out, lse = fwd(q, k, v, pos, mask, True, 16)
+    sizes = [q.numel(), k.numel(), v.numel()]
+    poison = [torch.full((n,), NAN, dtype=BF16, device=DEV) for n in sizes]
+    del poison
+    probe = torch.empty(q.numel(), dtype=BF16, device=DEV)
+    assert probe.isnan().all(), "control: the allocator hands back the poisoned block"
+    del probe
+    poison = [torch.full((n,), NAN, dtype=BF16, device=DEV) for n in sizes]
+    del poison
+    dq, dk, dv = attention_backward_cuda(dout, None, q, k, v, out, lse, pos, mask, True, 16, None)
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not g.isnan().any(), f"{name} holds an unwritten (NaN-poisoned) element"
+    assert not dq[:, :, :3].any(), "queries with no visible key: dq is exactly zero"
+    assert not dk[:, :, 40:50].any() and not dv[:, :, 40:50].any(), "keys no query sees: zero dk, dv"
+    assert dk[:, :, :40].abs().sum() > 0 and dq[:, :, 3:].abs().sum() > 0
+
+
 @pytest.mark.parametrize("window", [None, 200], ids=["causal", "W200"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float32], ids=["bf16", "fp32"])
 def test_gradients_match_fp64_autograd(dtype, window):

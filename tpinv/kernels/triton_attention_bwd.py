@@ -303,11 +303,13 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
     Hkv, T = k.shape[1], k.shape[2]
     DP = padded_head_dim(D)
     scale = resolve_scale(scale, D)
-    dq = empty_in_layout_of(q).zero_()
-    dk = empty_in_layout_of(k, grad_kv_dtype or k.dtype).zero_()
-    dv = empty_in_layout_of(v, grad_kv_dtype or v.dtype).zero_()
+    # every element is stored by the kernels below (dK/dV: every slot of every program; dQ: every
+    # row of every tile, zeros where no key is visible), so no zero fill -- except with no keys
+    dq = empty_in_layout_of(q)
+    dk = empty_in_layout_of(k, grad_kv_dtype or k.dtype)
+    dv = empty_in_layout_of(v, grad_kv_dtype or v.dtype)
     if dq.numel() == 0 or dk.numel() == 0:
-        return dq, dk, dv
+        return dq.zero_(), dk.zero_(), dv.zero_()
     if B * Hq > 65535:
         raise ValueError(f"B * Hq = {B * Hq} exceeds the grid limit 65535; split the batch")
     q, k, v, grad_out, out = (last_dim_contiguous(t) for t in (q, k, v, grad_out, out))
