@@ -163,6 +163,11 @@ _GLUON_ONE_LEAF = (GluonConfig(128, 256, 8, 4), GluonConfig(128, 128, 8, 5, bloc
 _GLUON_TREE = (GluonConfig(128, 128, 8, 5), GluonConfig(128, 64, 8, 6, block_n2=32),
                GluonConfig(128, 64, 8, 7))
 _TILE_RATE = {256: 1.0, 192: 1.0, 128: 0.96, 96: 0.74, 64: 0.8}
+#: One leaf's rates: the 64-wide tile over several waves ran at 0.56 of 128x256's rate in a weight
+#: gradient (3072 x 1024 output, K = 4096, both operands transposed; H100 sweep of the Qwen3-0.6B
+#: training step's matmuls, docs/benchmarks.md, 2026-11-26): 0.7 keeps it where one wave of it
+#: fills the SMs (the 256-row products) and gives such gradients 128x256.
+_TILE_RATE_ONE_LEAF = {**_TILE_RATE, 64: 0.7}
 #: Every (config, leaves) the table above 128 rows may launch (the GPU tests run each one).
 GLUON_TABLE_TILES = tuple((cfg, leaves) for cfg in _GLUON_ONE_LEAF for leaves in (1,)) + tuple(
     (cfg, leaves) for cfg in _GLUON_TREE for leaves in (2, 4, 8))
@@ -178,7 +183,8 @@ def gluon_launch_config(m: int, n: int, leaves: int, sms: int) -> GluonConfig:
     128x256, 128x128 for a tree); at 256 rows o_proj and down_proj take 128x64 (one wave of 128
     tiles), qkv takes 128x(64+32) (one wave of 128 tiles where 128x128 leaves 36 SMs idle) and
     gate_up 128x(128+64) (two waves where 128x128 needs three, 128x128 for a tree); a weight
-    gradient of few output tiles (1024 x 1024: 32 tiles of 128x256) takes 128 tiles of 128x64.
+    gradient of few output tiles (1024 x 1024: 32 tiles of 128x256) takes 128 tiles of 128x64, one
+    of 3072 x 1024 128x256 (one wave, where 128x64 took three at a lower rate).
     Rates are from H200 sweeps at 256 rows (2026-11-26): the two-accumulator tiles run their
     wgmmas narrower, so 96 columns go at 0.74 of 128x256's rate, 192 at about its rate."""
     if m <= 64:
@@ -187,9 +193,11 @@ def gluon_launch_config(m: int, n: int, leaves: int, sms: int) -> GluonConfig:
         return GluonConfig(64, 128, 4, 6)
     row_tiles = -(-m // 128)
 
+    rate = _TILE_RATE_ONE_LEAF if leaves == 1 else _TILE_RATE
+
     def finish(cfg: GluonConfig) -> float:
         waves = -(-(row_tiles * -(-n // cfg.tile_n)) // sms)
-        return waves * cfg.tile_n / _TILE_RATE[cfg.tile_n]
+        return waves * cfg.tile_n / rate[cfg.tile_n]
 
     return min(_GLUON_ONE_LEAF if leaves == 1 else _GLUON_TREE, key=finish)
 
