@@ -119,3 +119,31 @@ def test_unsupported_inputs_are_named():
 def test_negative_control_cublas_differs():
     x, w = make(4096, 1024, 4096)
     assert_bits_differ(x @ w.T, gm().gluon_matmul_cuda(x, w, 8), 'x @ w.T')
+
+
+@pytest.mark.parametrize("w_kn", [False, True])
+@pytest.mark.parametrize("leaves", [2, 8])
+def test_long_leaves_run_leaf_by_leaf_with_the_tree_kernels_bytes(monkeypatch, leaves, w_kn):
+    """Leaves of LEAF_SPLIT_MIN_LEN or more run one one-leaf launch per leaf and the tree's top as
+    fp32 adds (the route is asserted): the bytes of the tree kernels (Triton, Gluon), rounded and
+    fp32.  Control: the leaf partials summed in a chain, not the tree, give other bytes."""
+    n_leaf = tm().LEAF_SPLIT_MIN_LEN
+    x, w = make(300, 640, leaves * n_leaf, seed=leaves, w_kn=w_kn)   # w_kn: the lm head's dX layout
+    runs = []
+    real = tm()._by_leaves
+    monkeypatch.setattr(tm(), "_by_leaves", lambda *a: runs.append(a[2]) or real(*a))
+    got = tm().matmul_cuda(x, w, leaves)
+    got32 = tm().matmul_partial_cuda(x, w, leaves)
+    assert runs == [leaves, leaves], "the product ran leaf by leaf"
+    assert_same_bits(got, triton_only(x, w, leaves), "leaf by leaf == the Triton tree kernel")
+    assert_same_bits(got, gm().gluon_matmul_cuda(x, w, leaves), "== the Gluon tree kernel")
+    assert_same_bits(got32, triton_only(x, w, leaves, torch.float32), "fp32 partial")
+    parts = [tm().matmul_partial_cuda(x[:, i * n_leaf:(i + 1) * n_leaf], w[:, i * n_leaf:(i + 1) * n_leaf], 1)
+             for i in range(leaves)]
+    chain = parts[0]
+    for p in parts[1:]:
+        chain = chain + p
+    if leaves > 2:
+        assert_bits_differ(chain, got32, "control: a chain over the leaves")
+    short = tm().matmul_cuda(x[:, :leaves * 64].contiguous(), w[:, :leaves * 64].contiguous(), leaves)
+    assert runs == [leaves, leaves] and short.shape == (300, 640), "short leaves keep the tree kernel"

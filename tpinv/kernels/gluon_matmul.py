@@ -315,7 +315,7 @@ def unsupported_reason(x, w, leaves: int, out_dtype) -> str | None:
                 f"{block_k(x.dtype, leaf_len)} (the Triton kernel zero-pads such leaves)")
     for name, t in (("x", x), ("w", w)):
         if _major(t) is None:
-            return (f"{name} must be row-major or column-major (a transposed contiguous tensor) "
+            return (f"{name} must be row-major or column-major (unit-stride rows or the transpose of such) "
                     f"with 16-byte aligned rows, got shape {tuple(t.shape)} strides {t.stride()}")
         if t.data_ptr() % 16:
             return f"{name} must be 16-byte aligned for TMA"
@@ -323,12 +323,13 @@ def unsupported_reason(x, w, leaves: int, out_dtype) -> str | None:
 
 
 def _major(t: torch.Tensor) -> str | None:
-    """"row" (contiguous [R, K]), "col" (the transpose of a contiguous [K, R]) or None; the
-    outer stride must be 16-byte aligned for a TMA descriptor."""
+    """"row" ([R, K] rows of unit stride, as a contiguous tensor or a column slice of one), "col"
+    (the transpose of such a [K, R]) or None; the outer stride must be 16-byte aligned for a TMA
+    descriptor (which carries the strides: a slice reads only its own columns)."""
     rows, cols = t.shape
-    if t.stride(1) == 1 and t.stride(0) == cols and (cols * t.element_size()) % 16 == 0:
+    if t.stride(1) == 1 and t.stride(0) >= cols and (t.stride(0) * t.element_size()) % 16 == 0:
         return "row"
-    if t.stride(0) == 1 and t.stride(1) == rows and (rows * t.element_size()) % 16 == 0:
+    if t.stride(0) == 1 and t.stride(1) >= rows and (t.stride(1) * t.element_size()) % 16 == 0:
         return "col"
     return None
 

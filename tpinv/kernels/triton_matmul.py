@@ -19,6 +19,12 @@ beside the running one, and every add is the tree's own.  With ``split > 1`` sev
 CTAs each compute one aligned sub-tree and a second kernel adds the sub-trees with the
 top of the same tree.  No launch choice (tile shape, warps, stages, split, load path)
 changes an addition; see :mod:`tpinv.kernels.tiles`.
+
+Leaves of :data:`LEAF_SPLIT_MIN_LEN` or more that the Gluon kernel can read (the vocabulary
+reduction of a language-model head's dX: 8 leaves of 18992 at Qwen3's 151936) run one Gluon
+launch per leaf, each an fp32 one-leaf product of that leaf's K slice, and the tree's top as
+fp32 tensor adds (:class:`tpinv.core.contract.TreeAccumulator`): the split a tensor-parallel
+rank makes of its K slice, so the same bits, without the tree kernel's wait at every leaf end.
 """
 from __future__ import annotations
 
@@ -28,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, check_divisible, check_dtype,
-                            check_leaves)
+from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, TreeAccumulator, check_divisible,
+                                 check_dtype, check_leaves)
 from tpinv.kernels.launch import (cdiv, is_bound, launch, launch_with, operands_key, remember,
                                   reused_descriptor)
 from tpinv.kernels.tiles import (GLUON_MIN_ROWS, MAX_LEAVES_PER_CTA, MatmulConfig, block_k,
@@ -320,8 +326,33 @@ _GLUON: list = []   # [the gluon_matmul module, or None without Gluon], once res
 _ROUTES: dict = {}   # (operands_key, leaves, out_dtype) -> (gluon module or None, its launch plan)
 
 
+#: Leaf length from which a product of several leaves runs leaf by leaf (module docstring; a
+#: speed choice: H100, docs/benchmarks.md 2026-11-26).
+LEAF_SPLIT_MIN_LEN = 8192
+#: The route of a product run leaf by leaf (:func:`_by_leaves`).
+BY_LEAVES = "by leaves"
+
+
+def _leaf(t: torch.Tensor, i: int, n: int) -> torch.Tensor:
+    return t[:, i * n:(i + 1) * n]
+
+
+def _by_leaves(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x2 @ w.T`` as ``leaves`` one-leaf fp32 products of the K slices and the tree's top."""
+    n = x2.shape[1] // leaves
+    tree = TreeAccumulator()
+    for i in range(leaves):
+        tree.push(_run(_leaf(x2, i, n), _leaf(w, i, n), 1, torch.float32, None))
+    out = tree.result()
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
 def _route(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, operands: tuple) -> tuple:
     """Which kernel runs a call without a config, and its launch plan (one per call shape)."""
+    n = x2.shape[1] // leaves
+    if (leaves > 1 and n >= LEAF_SPLIT_MIN_LEN
+            and gluon_kernel_for(_leaf(x2, 1, n), _leaf(w, 1, n), 1, torch.float32) is not None):
+        return BY_LEAVES, None
     gluon = gluon_kernel_for(x2, w, leaves, out_dtype)
     if gluon is not None:
         return gluon, gluon.plan_for(x2, w, leaves, out_dtype, operands=operands)
@@ -344,8 +375,11 @@ def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
         if route is None:
             route = remember(_ROUTES, key, _route(x2, w, leaves, out_dtype, operands))
         gluon, plan = route
-        out = (gluon.launch_plan(x2, w, leaves, out_dtype, plan) if gluon is not None
-               else _launch_plan(x2, w, leaves, out_dtype, plan))
+        if gluon is BY_LEAVES:
+            out = _by_leaves(x2, w, leaves, out_dtype)
+        else:
+            out = (gluon.launch_plan(x2, w, leaves, out_dtype, plan) if gluon is not None
+                   else _launch_plan(x2, w, leaves, out_dtype, plan))
     return out.reshape(*x.shape[:-1], w.shape[0]) if flat else out
 
 
