@@ -78,3 +78,24 @@ def test_attention_outputs_in_the_inputs_layout(packed):
 
 def test_rope_outputs_in_the_inputs_layout():
     check_rope("cpu")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(2, 5, 4, 8).transpose(1, 2),     # the model's [B, S, H, D] seen as [B, H, S, D]
+    lambda: torch.empty(2, 5, 4, 8),
+    lambda: torch.empty(2, 1, 4, 8).transpose(1, 2),     # a size-1 dim's stride kept as empty_like keeps it
+    lambda: torch.empty(0, 4, 8),
+    lambda: torch.empty(3, 4)[:, :2],                    # not dense: contiguous
+    lambda: torch.empty(1, 1, 1, 8).expand(2, 3, 4, 8),  # overlapping: contiguous
+])
+def test_layout_strides_are_empty_likes_where_the_last_stride_is_one(make):
+    from tpinv.kernels.layout import empty_in_layout_of, layout_strides
+    t = make()
+    assert layout_strides(t) == torch.empty_like(t).stride()
+    assert empty_in_layout_of(t).stride() == layout_strides(t)
+
+
+def test_layout_strides_control_a_non_unit_last_stride_is_made_contiguous():
+    from tpinv.kernels.layout import layout_strides
+    t = torch.empty(4, 8).t()
+    assert torch.empty_like(t).stride() == (1, 8) and layout_strides(t) == (4, 1)

@@ -30,7 +30,6 @@ from tpinv.kernels.launch import launch, next_power_of_2, rows_2d
 from tpinv.kernels.reference_norm import (check_per_head_inputs, check_rms_norm_backward_inputs, check_rms_norm_inputs,
                                     rms_norm_backward, rms_norm_backward_heads, rms_norm_forward,
                                     rms_norm_out_dtype, sum_over_tokens_per_head)
-from tpinv.kernels.reference_tree import leaf_tree_sum
 
 __all__ = ["rms_norm_forward_cuda", "rms_norm_backward_cuda", "rms_norm_backward_heads_cuda",
            "tile_for", "MAX_HIDDEN", "LANES_PER_THREAD"]
@@ -146,8 +145,7 @@ def rms_norm_backward_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Te
     if x.shape[-1] > MAX_HIDDEN:
         return rms_norm_backward(grad, x, weight, eps)
     grad_x, partials = _backward_rows(grad, x, weight, eps, 1)
-    grad_weight = leaf_tree_sum(partials[:, 0, :].transpose(0, 1), 1).to(weight.dtype)
-    return grad_x, grad_weight
+    return grad_x, sum_over_tokens_per_head(partials)[0].to(weight.dtype)
 
 
 def rms_norm_backward_heads_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
