@@ -3,6 +3,7 @@
 the leaf tree or the layout are refused with clear errors; megatron's initialized groups are
 adopted as they are, with the mesh over them."""
 import importlib.util
+import os
 import time
 
 import pytest
@@ -152,6 +153,30 @@ def test_run_ranks_names_the_ranks_that_did_not_finish(capfd):
     # The unfinished rank printed where it was before it was killed.
     err = capfd.readouterr().err
     assert "Timeout (" in err and "in _sleep_rank" in err
+
+
+def _start_rank(rank, world):
+    print(f"rank {rank} writes to the caller's stdout")
+    return {"parent": os.getppid(), "mark": os.environ.get("TPINV_TEST_RANKS_MARK"),
+            "test": os.environ.get("PYTEST_CURRENT_TEST")}
+
+
+def test_ranks_start_from_the_fork_server_with_the_callers_environment_and_stdout(monkeypatch, capfd):
+    plain = run_ranks(_start_rank, 2)
+    # forked by the fork server (its child, not ours), with this test's environment and stdout
+    assert all(r["parent"] != os.getpid() and r["mark"] is None for r in plain)
+    assert all(r["test"] == os.environ["PYTEST_CURRENT_TEST"] for r in plain)
+    assert "rank 1 writes to the caller's stdout" in capfd.readouterr().out
+    # another environment than the fork server's: spawned (our children), seeing it
+    monkeypatch.setenv("TPINV_TEST_RANKS_MARK", "set after the fork server started")
+    changed = run_ranks(_start_rank, 2)
+    assert all(r["parent"] == os.getpid() and r["mark"] == "set after the fork server started" for r in changed)
+    # control: TPINV_RANKS_START=spawn always spawns
+    monkeypatch.delenv("TPINV_TEST_RANKS_MARK")
+    monkeypatch.setenv("TPINV_RANKS_START", "spawn")
+    spawned = run_ranks(_start_rank, 2)
+    assert all(r["parent"] == os.getpid() for r in spawned)
+    assert "rank 0 writes to the caller's stdout" in capfd.readouterr().out
 
 
 def test_record_ops_nests_and_bits_digest_exact_bytes():

@@ -6,7 +6,15 @@ is raised in the caller.
 The rendezvous store is the caller's: :func:`run_ranks` opens a TCP store on a port the kernel
 picks and holds it until the ranks are gone, and every rank (rank 0 too) joins it as a client,
 as under ``torchrun``'s agent.  No port is picked, released and bound again later, so two runs
-at once (pytest-xdist workers) can never meet on one port."""
+at once (pytest-xdist workers) can never meet on one port.
+
+Each rank is a fresh process either way: on Linux it is forked from a fork server (a clean
+interpreter, started once per calling process, that has imported torch, tpinv and -- where the
+caller has -- the model zoo and megatron-core), not exec'ed and made to import them again (about
+2 s of CPU a rank, 5 s more with megatron-core).  The rank gets the caller's environment as of
+the call.  Where the caller's environment differs from the one the fork server started in (other
+than pytest's per-test variable), a setting read at import time could differ, so the ranks are
+spawned as before; ``TPINV_RANKS_START=spawn`` always spawns."""
 from __future__ import annotations
 
 import datetime
@@ -16,6 +24,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -31,6 +40,12 @@ _POLL_SECONDS = 0.05
 # A rank alive this many seconds before the deadline dumps its stacks (the caller kills it then).
 _STACK_DUMP_LEAD = 3.0
 _HOST = "127.0.0.1"
+#: Modules the fork server imports where the caller has imported them (the heavy imports a rank
+#: makes anyway).
+_PRELOAD = ("torch", "torch.distributed", "tpinv", "tpinv.layers", "models", "megatron.core")
+#: Variables that change within one caller without changing what an import does.
+_VOLATILE_ENV = ("PYTEST_CURRENT_TEST", )
+_SERVER_ENV: list = []   # the caller's environment when this process started the fork server
 
 
 class RankFailedError(RuntimeError):
@@ -56,9 +71,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stable_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
+
+
+def _start_context():
+    """The fork server's context where a rank forked from it starts as a spawned one would (see
+    the module docstring), else spawn's."""
+    if os.environ.get("TPINV_RANKS_START") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    env = _stable_env()
+    ctx = mp.get_context("forkserver")
+    if not _SERVER_ENV:
+        ctx.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules])
+        _SERVER_ENV.append(env)
+    return ctx if env == _SERVER_ENV[0] else mp.get_context("spawn")
+
+
+class _CallerStdio:
+    """The caller's stdout and stderr as they are at the call, for a rank the fork server starts
+    (a spawned rank inherits them): pickled as duplicates of file descriptors 1 and 2."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+        return (_stdio_fds, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _stdio_fds(out, err) -> tuple:
+    return out, err
+
+
 def _rank_main(fn, rank, world_size, args, backend, port, pg_timeout, env, threads, init_group,
-               results, deadline) -> None:
-    """Body of one spawned rank: set up, run ``fn``, send ``(rank, ok, payload)`` back."""
+               results, deadline, caller=None) -> None:
+    """Body of one rank: set up, run ``fn``, send ``(rank, ok, payload)`` back."""
+    if caller is not None:   # forked from the fork server: the caller's environment and stdio now
+        caller_env, stdio = caller
+        os.environ.clear()
+        os.environ.update(caller_env)
+        for target, fd in zip((1, 2), stdio):
+            fd = fd.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
     # A rank still running shortly before the caller's deadline (CLOCK_MONOTONIC is shared by
     # all processes) prints every thread's stack to stderr, so a timeout says where it hung.
     faulthandler.dump_traceback_later(max(deadline - time.monotonic() - _STACK_DUMP_LEAD, 0.1))
@@ -103,7 +157,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
               timeout: float = 120.0, env: dict[str, str] | None = None,
               pg_timeout: float | None = None, threads: int | None = 1,
               init_group: bool = True) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned ranks; results in rank order.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; results in rank order.
 
     ``fn`` must be a module-level function and its arguments and result picklable
     (tensors are copied).  Each rank sets ``torch.set_num_threads(threads)`` (skip with
@@ -119,7 +173,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
+    caller = (dict(os.environ), _CallerStdio()) if ctx.get_start_method() == "forkserver" else None
     results = ctx.Queue()
     pg_timeout = timeout if pg_timeout is None else pg_timeout
     store = _host_store(world_size, pg_timeout)
@@ -127,7 +182,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     deadline = time.monotonic() + timeout
     procs = [ctx.Process(target=_rank_main, name=f"tpinv-rank-{r}", daemon=True,
                          args=(fn, r, world_size, args, backend, port, pg_timeout, env, threads,
-                               init_group, results, deadline))
+                               init_group, results, deadline, caller))
              for r in range(world_size)]
     try:
         for p in procs:
