@@ -46,16 +46,18 @@ def triton_mm(x, w, leaves, out_dtype=None):
 CHECK_MS = (4096, 256, 1000, 32, 17, 1)
 LEAVES = (1, 2, 4, 8)
 TIME_MS = (256, 4096)
-#: (M, leaves) -> other Gluon launch shapes to time with --sweep (bits checked first)
-SWEEP = {(4096, 1): (GluonConfig(128, 256, 8, 4), GluonConfig(128, 256, 8, 4, group_m=4),
-                     GluonConfig(128, 256, 8, 4, group_m=16), GluonConfig(128, 128, 8, 5)),
-         (4096, 8): (GluonConfig(128, 128, 8, 4), GluonConfig(128, 128, 8, 5),
+#: (M, leaves) -> other Gluon launch shapes to time with --sweep (bits checked first); stages at
+#: most what fits beside the epilogue's staging tile (tiles.check_gluon_config)
+SWEEP = {(4096, 1): (GluonConfig(128, 256, 8, 3), GluonConfig(128, 256, 8, 3, group_m=4),
+                     GluonConfig(128, 256, 8, 3, group_m=16), GluonConfig(128, 128, 8, 6)),
+         (4096, 8): (GluonConfig(128, 128, 8, 4), GluonConfig(128, 128, 8, 3),
                      GluonConfig(128, 128, 8, 4, group_m=4), GluonConfig(128, 128, 8, 4, group_m=16)),
-         (256, 1): (GluonConfig(128, 128, 8, 7), GluonConfig(128, 64, 8, 8),
-                    GluonConfig(128, 64, 8, 6, block_n2=32), GluonConfig(128, 64, 8, 8, block_n2=32),
-                    GluonConfig(128, 128, 8, 5, block_n2=64)),
-         (256, 8): (GluonConfig(128, 128, 8, 5), GluonConfig(128, 64, 8, 7),
-                    GluonConfig(128, 64, 8, 5, block_n2=32), GluonConfig(128, 64, 8, 6, block_n2=32))}
+         (256, 1): (GluonConfig(128, 128, 8, 6), GluonConfig(128, 64, 8, 8), GluonConfig(128, 256, 8, 3),
+                    GluonConfig(128, 64, 8, 6, block_n2=32), GluonConfig(128, 64, 8, 7, block_n2=32),
+                    GluonConfig(128, 128, 8, 3, block_n2=64), GluonConfig(128, 128, 8, 4, block_n2=64),
+                    GluonConfig(128, 128, 8, 4, block_n2=64, group_m=4)),
+         (256, 8): (GluonConfig(128, 128, 8, 4), GluonConfig(128, 64, 8, 7), GluonConfig(128, 128, 8, 3),
+                    GluonConfig(128, 64, 8, 4, block_n2=32), GluonConfig(128, 64, 8, 5, block_n2=32))}
 CASE_TIMEOUT_S = 150
 
 

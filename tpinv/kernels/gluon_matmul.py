@@ -29,9 +29,14 @@ is fixed at compile time: after leaf i the binary counter either parks the value
 saved level of its lowest 0 bit or, for the last leaf, climbs to the root.  Levels 0
 and 1 live in registers; level 2 (needed only for 8 leaves) lives in shared memory.
 The producer runs up to STAGES k tiles ahead, across tile boundaries, so the epilogue
-of a tile (round, store) overlaps the loads of the next one.  M and N edges: TMA
-zero-fills loads past the tensor and the epilogue masks its stores; padded rows and
-columns never mix with real ones.
+of a tile (round, store) overlaps the loads of the next one.  A 16-bit output whose rows are
+16-byte aligned leaves through shared memory and a TMA store (``EPI_TMA``): the consumers round
+the tile into a shared-memory buffer and one thread issues the store, which drains while the
+next tile's wgmmas run (before the buffer is written again, its previous store has been read
+out); an fp32 output is stored from registers.  Either way each element is the same rounding
+of the same fp32 value.  M and N edges: TMA zero-fills loads past the tensor, clips its stores
+to the tensor, and the register epilogue masks its stores; padded rows and columns never mix
+with real ones.
 """
 from __future__ import annotations
 
@@ -39,8 +44,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
-                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                             warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tpinv.kernels.launch import (cdiv, is_bound, launch_with, operands_key, remember, reused_descriptor,
@@ -106,11 +111,11 @@ def _producer(x_desc, w_desc, w2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M,
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, b2_bufs, ready, empty, s2_buf, t2_buf, out_ptr, M, N, stride_om,
-              tiles_per_leaf, LEAVES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              BN2: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+def _consumer(a_bufs, b_bufs, b2_bufs, ready, empty, s2_buf, t2_buf, c_buf, c2_buf, out_ptr, out_desc,
+              out2_desc, M, N, stride_om, tiles_per_leaf, LEAVES: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, BN2: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
               ZERO_ACC: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr,
-              num_warps: gl.constexpr):
+              EPI_TMA: gl.constexpr, num_warps: gl.constexpr):
     """The consumer warpgroups: the leaf chains, the tree, the epilogue.  A tile ``BN + BN2``
     wide (``BN2 > 0``) keeps two accumulators side by side, columns ``[0, BN)`` and
     ``[BN, BN + BN2)``, each fed by its own wgmma from the same x tile: every element's chain
@@ -223,27 +228,42 @@ def _consumer(a_bufs, b_bufs, b2_bufs, ready, empty, s2_buf, t2_buf, out_ptr, M,
                         result = s2_buf.load(acc_layout) + v
                         if BN2 > 0:
                             result2 = t2_buf.load(acc2_layout) + v2
-        rows = off_m + rows0
-        cols = off_n + cols0
-        ptrs = out_ptr + rows[:, None].to(gl.int64) * stride_om + cols[None, :]
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        gl.store(ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+        if EPI_TMA:
+            tma.store_wait(0)      # the previous tile's stores have read the buffers out
+            gl.thread_barrier()
+            c_buf.store(result.to(out_desc.dtype))
+            if BN2 > 0:
+                c2_buf.store(result2.to(out2_desc.dtype))
+            fence_async_shared()
+            gl.thread_barrier()    # every consumer thread's part is in shared memory
+            tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_buf)
+            if BN2 > 0:
+                tma.async_copy_shared_to_global(out2_desc, [off_m, off_n + BN], c2_buf)
+        else:
+            rows = off_m + rows0
+            cols = off_n + cols0
+            ptrs = out_ptr + rows[:, None].to(gl.int64) * stride_om + cols[None, :]
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            gl.store(ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+            if BN2 > 0:
+                r2 = off_m + rows2
+                c2 = off_n + BN + cols2
+                ptrs2 = out_ptr + r2[:, None].to(gl.int64) * stride_om + c2[None, :]
+                mask2 = (r2[:, None] < M) & (c2[None, :] < N)
+                gl.store(ptrs2, result2.to(out_ptr.dtype.element_ty), mask=mask2)
         acc = result
         if BN2 > 0:
-            r2 = off_m + rows2
-            c2 = off_n + BN + cols2
-            ptrs2 = out_ptr + r2[:, None].to(gl.int64) * stride_om + c2[None, :]
-            mask2 = (r2[:, None] < M) & (c2[None, :] < N)
-            gl.store(ptrs2, result2.to(out_ptr.dtype.element_ty), mask=mask2)
             acc2 = result2
+    if EPI_TMA:
+        tma.store_wait(0)
 
 
 @gluon.jit(do_not_specialize=["M", "tiles_per_leaf"])
-def _contract_mm_ws_kernel(x_desc, w_desc, w2_desc, out_ptr, M, N, stride_om, tiles_per_leaf,
-                           LEAVES: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                           PRODUCER_REGS: gl.constexpr, ZERO_ACC: gl.constexpr,
-                           X_T: gl.constexpr, W_KN: gl.constexpr, BN2: gl.constexpr,
-                           num_warps: gl.constexpr):
+def _contract_mm_ws_kernel(x_desc, w_desc, w2_desc, out_ptr, out_desc, out2_desc, M, N, stride_om,
+                           tiles_per_leaf, LEAVES: gl.constexpr, STAGES: gl.constexpr,
+                           GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                           ZERO_ACC: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr,
+                           BN2: gl.constexpr, EPI_TMA: gl.constexpr, num_warps: gl.constexpr):
     X0: gl.constexpr = x_desc.block_type.shape[0]
     X1: gl.constexpr = x_desc.block_type.shape[1]
     W0: gl.constexpr = w_desc.block_type.shape[0]
@@ -277,11 +297,22 @@ def _contract_mm_ws_kernel(x_desc, w_desc, w2_desc, out_ptr, M, N, stride_om, ti
     t2_buf = gl.allocate_shared_memory(
         gl.float32, [T2_ROWS, T2_COLS],
         gl.NVMMASharedLayout.get_default_for([T2_ROWS, T2_COLS], gl.float32))
+    # the epilogue's staging tiles (out_desc / out2_desc stand in for x_desc where EPI_TMA is off)
+    if EPI_TMA:
+        c_buf = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        if BN2 > 0:
+            c2_buf = gl.allocate_shared_memory(out2_desc.dtype, out2_desc.block_type.shape,
+                                               out2_desc.layout)
+        else:
+            c2_buf = c_buf
+    else:
+        c_buf = s2_buf
+        c2_buf = s2_buf
     k_tiles = LEAVES * tiles_per_leaf
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, s2_buf, t2_buf, out_ptr, M, N,
-                     stride_om, tiles_per_leaf, LEAVES, BM, BN, BN2, STAGES, GROUP_M, ZERO_ACC,
-                     X_T, W_KN, num_warps)),
+        (_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, s2_buf, t2_buf, c_buf, c2_buf, out_ptr,
+                     out_desc, out2_desc, M, N, stride_om, tiles_per_leaf, LEAVES, BM, BN, BN2,
+                     STAGES, GROUP_M, ZERO_ACC, X_T, W_KN, EPI_TMA, num_warps)),
         (_producer, (x_desc, w_desc, w2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N,
                      k_tiles, BM, BN, BN2, BK, STAGES, GROUP_M, X_T, W_KN)),
     ], [1], [PRODUCER_REGS])
@@ -366,7 +397,7 @@ def plan_for(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
     key = (operands or operands_key(x, w), leaves, out_dtype, cfg)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = remember(_PLANS, key, _plan(x, w, leaves, cfg))
+        plan = remember(_PLANS, key, _plan(x, w, leaves, out_dtype, cfg))
     return plan
 
 
@@ -380,7 +411,8 @@ def launch_plan(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.
     launch is bound, descriptors are reused per address (:func:`~tpinv.kernels.launch.reused_descriptor`)."""
     m, k = x.shape
     n = w.shape[0]
-    x_t, w_kn, x_block, w_block, w2_block, grid, consts, bound, x_descs, w_descs, w2_descs = plan
+    (x_t, w_kn, x_block, w_block, w2_block, out_block, out2_block, grid, consts, bound, x_descs, w_descs,
+     w2_descs, out_descs, out2_descs) = plan
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
     reuse = is_bound(bound)
     x_desc = reused_descriptor(x_descs if reuse else None, x,
@@ -389,8 +421,16 @@ def launch_plan(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.
                                lambda: TensorDescriptor.from_tensor(w.t() if w_kn else w, *w_block))
     w2_desc = w_desc if w2_block is None else reused_descriptor(
         w2_descs if reuse else None, w, lambda: TensorDescriptor.from_tensor(w.t() if w_kn else w, *w2_block))
+    out_desc = out2_desc = x_desc   # stand-ins where the epilogue stores from registers
+    if out_block is not None:
+        out_desc = reused_descriptor(out_descs if reuse else None, out,
+                                     lambda: TensorDescriptor.from_tensor(out, *out_block))
+        if out2_block is not None:
+            out2_desc = reused_descriptor(out2_descs if reuse else None, out,
+                                          lambda: TensorDescriptor.from_tensor(out, *out2_block))
     launch_with(_contract_mm_ws_kernel, grid,
-                (x_desc, w_desc, w2_desc, out, m, n, out.stride(0), k // leaves // consts["BK"]),
+                (x_desc, w_desc, w2_desc, out, out_desc, out2_desc, m, n, out.stride(0),
+                 k // leaves // consts["BK"]),
                 consts["kw"], bound)
     return out
 
@@ -398,9 +438,9 @@ def launch_plan(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.
 _PLANS: dict = {}
 
 
-def _plan(x, w, leaves: int, cfg: GluonConfig) -> tuple:
+def _plan(x, w, leaves: int, out_dtype: torch.dtype, cfg: GluonConfig) -> tuple:
     """Tile layouts, persistent grid and constexprs of a launch: one per shape, strides, dtype,
-    alignment, leaves and config (none of it changes an addition)."""
+    alignment, leaves, output dtype and config (none of it changes an addition)."""
     m, k = x.shape
     n = w.shape[0]
     leaf_len = k // leaves
@@ -414,13 +454,21 @@ def _plan(x, w, leaves: int, cfg: GluonConfig) -> tuple:
     if cfg.block_n2:
         w2_block = [bk, cfg.block_n2] if w_kn else [cfg.block_n2, bk]
         w2_block = (w2_block, _layout(w2_block, gdt))
+    # the TMA store epilogue: a 16-bit output (the [m, n] tensor launch_plan allocates) whose rows
+    # are 16-byte aligned
+    out_block = out2_block = None
+    epi_tma = out_dtype in _DTYPES and (n * 2) % 16 == 0
+    if epi_tma:
+        out_block = ([cfg.block_m, cfg.block_n], _layout([cfg.block_m, cfg.block_n], _DTYPES[out_dtype]))
+        if cfg.block_n2:
+            out2_block = ([cfg.block_m, cfg.block_n2], _layout([cfg.block_m, cfg.block_n2], _DTYPES[out_dtype]))
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.tile_n)
     grid = (min(sm_count(x.device), tiles), )
     kw = dict(LEAVES=leaves, STAGES=cfg.num_stages, GROUP_M=cfg.group_m,
               PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
-              BN2=cfg.block_n2, num_warps=cfg.num_warps)
+              BN2=cfg.block_n2, EPI_TMA=epi_tma, num_warps=cfg.num_warps)
     return (x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), w2_block,
-            grid, {"BK": bk, "kw": kw}, {}, {}, {}, {})
+            out_block, out2_block, grid, {"BK": bk, "kw": kw}, {}, {}, {}, {}, {}, {})
 
 
 _LAYOUTS: dict = {}
