@@ -74,6 +74,19 @@ def test_every_table_tile_gives_the_same_bits(cfg, leaves, n):
                      f'gluon {cfg.name()} rounded')
 
 
+@pytest.mark.parametrize("leaves", [1, 8])
+@pytest.mark.parametrize("n", [1000, 1001, 1004])   # 16-byte aligned rows: TMA store; else registers
+def test_both_epilogues_give_the_triton_kernels_bytes(leaves, n):
+    """16-bit outputs whose rows are 16-byte aligned leave through shared memory and TMA, others
+    (and fp32 outputs) from registers: the same single rounding either way, ragged N included."""
+    x, w = make(1000, n, 1024)
+    assert gm().uses_tma_store(x, w, leaves) == (n % 8 == 0)
+    assert not gm().uses_tma_store(x, w, leaves, torch.float32)
+    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves), f"rounded, n={n}")
+    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), triton_only(x, w, leaves, torch.float32),
+                     f"fp32, n={n}")
+
+
 @pytest.mark.parametrize("x_t,w_kn", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("leaves", [1, 8])
 @pytest.mark.parametrize("m", [1024, 256])

@@ -52,7 +52,8 @@ def test_gluon_tiles_follow_the_wave_model():
         assert tile(4096, n) == (128, 256) and tile(4096, n, 8) == (128, 128)
     assert tile(256, 4096) == (128, 64) and tile(256, 4096, 8) == (128, 64)
     assert tile(256, 6144) == (128, 96) and tile(256, 6144, 8) == (128, 96)
-    assert tile(256, 24576) == (128, 192) and tile(256, 24576, 8) == (128, 128)
+    assert tile(256, 24576) == (128, 128) and tile(256, 24576, 8) == (128, 128)
+    assert tile(1024, 3072) == (128, 192)          # a weight gradient: one wave of 128x192
     assert tile(1024, 1024) == (128, 64)
     assert tile(256, 64 * 132 // 2) == (128, 64) and tile(256, 64 * 132 // 2 + 1) == (128, 96)
     assert tile(128, 6144) == (64, 128) and tile(64, 6144) == (64, 64)

@@ -401,6 +401,13 @@ def plan_for(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
     return plan
 
 
+def uses_tma_store(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype | None = None,
+                   config: GluonConfig | None = None) -> bool:
+    """Whether :func:`gluon_matmul_cuda` with these arguments stores its output through shared
+    memory and TMA (a 16-bit output with 16-byte aligned rows) rather than from registers."""
+    return plan_for(x, w, leaves, out_dtype or x.dtype, config)[8]["kw"]["EPI_TMA"]
+
+
 def table_config(x: torch.Tensor, w: torch.Tensor, leaves: int) -> GluonConfig:
     """The tile table's launch shape for ``x @ w.T`` on ``x``'s device (a speed choice only)."""
     return gluon_launch_config(x.shape[0], w.shape[0], leaves, sm_count(x.device))

@@ -167,8 +167,11 @@ _TILE_RATE = {256: 1.0, 192: 1.0, 128: 0.96, 96: 0.74, 64: 0.8}
 #: One leaf's rates: the 64-wide tile over several waves ran at 0.56 of 128x256's rate in a weight
 #: gradient (3072 x 1024 output, K = 4096, both operands transposed; H100 sweep of the Qwen3-0.6B
 #: training step's matmuls, docs/benchmarks.md, 2026-11-26): 0.7 keeps it where one wave of it
-#: fills the SMs (the 256-row products) and gives such gradients 128x256.
-_TILE_RATE_ONE_LEAF = {**_TILE_RATE, 64: 0.7}
+#: fills the SMs (the 256-row products) and gives such gradients 128x256.  The 192-wide tile runs
+#: 4 stages beside the epilogue's staging tile (5 before): gate_up at 256 rows took 91.3 us in two
+#: waves of it against 86.3 us in three of 128x128 (H100 sweep with the TMA-store epilogue,
+#: docs/benchmarks.md, 2026-11-26, evening), a rate of about 0.9.
+_TILE_RATE_ONE_LEAF = {**_TILE_RATE, 64: 0.7, 192: 0.9}
 #: Every (config, leaves) the table above 128 rows may launch (the GPU tests run each one).
 GLUON_TABLE_TILES = tuple((cfg, leaves) for cfg in _GLUON_ONE_LEAF for leaves in (1,)) + tuple(
     (cfg, leaves) for cfg in _GLUON_TREE for leaves in (2, 4, 8))
@@ -183,11 +186,12 @@ def gluon_launch_config(m: int, n: int, leaves: int, sms: int) -> GluonConfig:
     tile listed first).  Large products keep the widest tile (Qwen3-8B's shapes at 4096 rows:
     128x256, 128x128 for a tree); at 256 rows o_proj and down_proj take 128x64 (one wave of 128
     tiles), qkv takes 128x(64+32) (one wave of 128 tiles where 128x128 leaves 36 SMs idle) and
-    gate_up 128x(128+64) (two waves where 128x128 needs three, 128x128 for a tree); a weight
+    gate_up 128x128 (three waves; two of the 192-wide tile ran slower with its 4 stages); a weight
     gradient of few output tiles (1024 x 1024: 32 tiles of 128x256) takes 128 tiles of 128x64, one
     of 3072 x 1024 128x256 (one wave, where 128x64 took three at a lower rate).
     Rates are from H200 sweeps at 256 rows (2026-11-26): the two-accumulator tiles run their
-    wgmmas narrower, so 96 columns go at 0.74 of 128x256's rate, 192 at about its rate."""
+    wgmmas narrower, so 96 columns go at 0.74 of 128x256's rate, 192 at about its rate (0.9 for one
+    leaf, whose 192-wide tile has one stage fewer beside the epilogue's staging tile)."""
     if m <= 64:
         return GluonConfig(64, 64, 4, 8)
     if m <= 128:
