@@ -469,9 +469,14 @@ def _plan(x, w, leaves: int, out_dtype: torch.dtype, cfg: GluonConfig) -> tuple:
         out_block = ([cfg.block_m, cfg.block_n], _layout([cfg.block_m, cfg.block_n], _DTYPES[out_dtype]))
         if cfg.block_n2:
             out2_block = ([cfg.block_m, cfg.block_n2], _layout([cfg.block_m, cfg.block_n2], _DTYPES[out_dtype]))
+    # a config's stages are those that fit beside the staging tile; an epilogue from registers
+    # gives the staging tile's bytes back to the ring (the fp32 partials of the leaf-by-leaf route)
+    stages = cfg.num_stages
+    if not epi_tma:
+        stages += (cfg.block_m * cfg.tile_n * 2) // ((cfg.block_m + cfg.tile_n) * bk * 2)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.tile_n)
     grid = (min(sm_count(x.device), tiles), )
-    kw = dict(LEAVES=leaves, STAGES=cfg.num_stages, GROUP_M=cfg.group_m,
+    kw = dict(LEAVES=leaves, STAGES=stages, GROUP_M=cfg.group_m,
               PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
               BN2=cfg.block_n2, EPI_TMA=epi_tma, num_warps=cfg.num_warps)
     return (x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), w2_block,
