@@ -179,6 +179,39 @@ def test_ranks_start_from_the_fork_server_with_the_callers_environment_and_stdou
     assert "rank 0 writes to the caller's stdout" in capfd.readouterr().out
 
 
+def _manager_rank(rank, world):
+    import multiprocessing
+    from multiprocessing import util
+    multiprocessing.current_process()._config["daemon"] = False   # as megatron's checkpoint test does
+    manager = multiprocessing.get_context("spawn").Manager()        # shut down by a finalizer at exit
+    util.Finalize(None, time.sleep, args=(2.0,), exitpriority=10)   # a teardown that takes a while
+    _start_rank.manager = manager
+    return manager._process.pid
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ranks_tear_down_their_children_before_run_ranks_returns(monkeypatch):
+    pids = run_ranks(_manager_rank, 2)
+    time.sleep(0.5)
+    assert not any(_alive(p) for p in pids)
+    # control: ranks killed as soon as their results are in leave their manager processes behind
+    import tpinv.testing.ranks as ranks
+    monkeypatch.setattr(ranks, "_EXIT_GRACE_SECONDS", 0.0)
+    pids = run_ranks(_manager_rank, 2)
+    time.sleep(0.5)
+    orphans = [p for p in pids if _alive(p)]
+    for p in orphans:
+        os.kill(p, 9)
+    assert orphans == pids
+
+
 def test_record_ops_nests_and_bits_digest_exact_bytes():
     a = torch.randn(5)
     with record_ops() as outer:

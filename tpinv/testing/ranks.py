@@ -36,6 +36,9 @@ __all__ = ["RankFailedError", "RankTimeoutError", "free_port", "run_ranks"]
 
 # Seconds a dead rank's last message may still take to arrive through the result pipe.
 _DRAIN_SECONDS = 1.0
+# Seconds ranks that all returned a result get to exit by themselves (tearing down their group and
+# the helper processes they started, e.g. megatron-core's checkpoint writers) before being killed.
+_EXIT_GRACE_SECONDS = 10.0
 _POLL_SECONDS = 0.05
 # A rank alive this many seconds before the deadline dumps its stacks (the caller kills it then).
 _STACK_DUMP_LEAD = 3.0
@@ -187,7 +190,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     try:
         for p in procs:
             p.start()
-        return _collect(procs, results, deadline, timeout)
+        out = _collect(procs, results, deadline, timeout)
+        grace = time.monotonic() + _EXIT_GRACE_SECONDS
+        for p in procs:   # a rank killed mid-teardown would leave its own children behind
+            p.join(timeout=max(grace - time.monotonic(), 0.0))
+        return out
     finally:
         for p in procs:
             if p.is_alive():
