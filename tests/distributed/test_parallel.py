@@ -179,13 +179,16 @@ def test_ranks_start_from_the_fork_server_with_the_callers_environment_and_stdou
     assert "rank 0 writes to the caller's stdout" in capfd.readouterr().out
 
 
+_MANAGERS = []   # a rank's manager lives until the rank exits
+
+
 def _manager_rank(rank, world):
     import multiprocessing
     from multiprocessing import util
     multiprocessing.current_process()._config["daemon"] = False   # as megatron's checkpoint test does
     manager = multiprocessing.get_context("spawn").Manager()        # shut down by a finalizer at exit
     util.Finalize(None, time.sleep, args=(2.0,), exitpriority=10)   # a teardown that takes a while
-    _start_rank.manager = manager
+    _MANAGERS.append(manager)
     return manager._process.pid
 
 
