@@ -160,3 +160,45 @@ def test_long_leaves_run_leaf_by_leaf_with_the_tree_kernels_bytes(monkeypatch, l
         assert_bits_differ(chain, got32, "control: a chain over the leaves")
     short = tm().matmul_cuda(x[:, :leaves * 64].contiguous(), w[:, :leaves * 64].contiguous(), leaves)
     assert runs == [leaves, leaves] and short.shape == (300, 640), "short leaves keep the tree kernel"
+
+
+def _ptxas_messages(ptx: str, tmp_path) -> str:
+    import os
+    import subprocess
+
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip(f"no ptxas bundled with Triton at {ptxas}")
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "kernel.cubin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stderr
+
+
+def _with_accumulator_written_in_flight(ptx: str) -> str:
+    """``ptx`` with one accumulator register of its first wgmma zeroed right after that group is
+    committed: a non-wgmma instruction defining an accumulator while the wgmma is in flight."""
+    import re
+    first = re.search(r"wgmma\.mma_async[^{]*\{(%r\d+),", ptx)
+    end = ptx.index("\n", ptx.index("wgmma.commit_group.sync.aligned;", first.end()))
+    return ptx[:end + 1] + f"\tmov.b32 \t{first.group(1)}, 0;\n" + ptx[end + 1:]
+
+
+def test_table_tiles_keep_their_wgmmas_in_flight(tmp_path):
+    """ptxas serializes every wgmma of a kernel (its message C7515) where a non-wgmma instruction
+    writes an accumulator register while a wgmma is in flight: the bits stay right and the kernel
+    runs at about half speed.  Every tile the table may launch, with either epilogue, compiles
+    without the message.  Control: the same PTX with an accumulator zeroed in flight gets it."""
+    from tpinv.kernels.tiles import GLUON_TABLE_TILES
+    x, w = make(264, 640, 1024)
+    for cfg, leaves in GLUON_TABLE_TILES:
+        gm().gluon_matmul_cuda(x, w, leaves, config=cfg)                  # TMA-store epilogue
+        gm().gluon_matmul_cuda(x, w, leaves, torch.float32, config=cfg)   # register epilogue
+    compiled = [k for entry in gm()._contract_mm_ws_kernel.device_caches.values() for k in entry[0].values()]
+    assert len(compiled) >= 2 * len(GLUON_TABLE_TILES)   # each tile, each epilogue
+    for kernel in compiled:
+        assert "C7515" not in _ptxas_messages(kernel.asm["ptx"], tmp_path), kernel.metadata
+    assert "C7515" in _ptxas_messages(_with_accumulator_written_in_flight(compiled[0].asm["ptx"]), tmp_path)
