@@ -161,6 +161,8 @@ def _start_rank(rank, world):
             "test": os.environ.get("PYTEST_CURRENT_TEST")}
 
 
+@pytest.mark.skipif("forkserver" not in __import__("multiprocessing").get_all_start_methods(),
+                    reason="no fork server on this platform: ranks are spawned")
 def test_ranks_start_from_the_fork_server_with_the_callers_environment_and_stdout(monkeypatch, capfd):
     plain = run_ranks(_start_rank, 2)
     # forked by the fork server (its child, not ours), with this test's environment and stdout

@@ -82,9 +82,13 @@ def test_both_epilogues_give_the_triton_kernels_bytes(leaves, n):
     x, w = make(1000, n, 1024)
     assert gm().uses_tma_store(x, w, leaves) == (n % 8 == 0)
     assert not gm().uses_tma_store(x, w, leaves, torch.float32)
-    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves), triton_only(x, w, leaves), f"rounded, n={n}")
-    assert_same_bits(gm().gluon_matmul_cuda(x, w, leaves, torch.float32), triton_only(x, w, leaves, torch.float32),
-                     f"fp32, n={n}")
+    rounded, fp32 = gm().gluon_matmul_cuda(x, w, leaves), gm().gluon_matmul_cuda(x, w, leaves, torch.float32)
+    assert_same_bits(rounded, triton_only(x, w, leaves), f"rounded, n={n}")
+    assert_same_bits(fp32, triton_only(x, w, leaves, torch.float32), f"fp32, n={n}")
+    assert_same_bits(rounded, fp32.to(x.dtype), f"one rounding of the fp32 result, n={n}")
+    # control: another rounding of the same fp32 values (toward zero: the low 16 bits dropped)
+    truncated = (fp32.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    assert_bits_differ(rounded, truncated, "control: truncation")
 
 
 @pytest.mark.parametrize("x_t,w_kn", [(True, False), (False, True), (True, True)])
@@ -197,7 +201,8 @@ def test_table_tiles_keep_their_wgmmas_in_flight(tmp_path):
     for cfg, leaves in GLUON_TABLE_TILES:
         gm().gluon_matmul_cuda(x, w, leaves, config=cfg)                  # TMA-store epilogue
         gm().gluon_matmul_cuda(x, w, leaves, torch.float32, config=cfg)   # register epilogue
-    compiled = [k for entry in gm()._contract_mm_ws_kernel.device_caches.values() for k in entry[0].values()]
+    from tpinv.kernels.gluon_matmul_kernel import _contract_mm_ws_kernel
+    compiled = [k for entry in _contract_mm_ws_kernel.device_caches.values() for k in entry[0].values()]
     assert len(compiled) >= 2 * len(GLUON_TABLE_TILES)   # each tile, each epilogue
     for kernel in compiled:
         assert "C7515" not in _ptxas_messages(kernel.asm["ptx"], tmp_path), kernel.metadata

@@ -1,6 +1,6 @@
 """Fixed-order kernels: ``reference_<family>.py`` (PyTorch code whose reduction order is written
-out; the CPU kernels, also run on CUDA) and ``triton_<family>.py`` / ``gluon_matmul.py`` (GPU
-kernels that fix their own orders, stated in each module).
+out; the CPU kernels, also run on CUDA) and ``triton_<family>.py`` / ``gluon_matmul.py`` with
+``gluon_matmul_kernel.py`` (GPU kernels that fix their own orders, stated in each module).
 
 Each kernel entry function validates its inputs with its family's ``check_*`` function: the
 kernels are public entry points (tests, benchmarks and the interpreter checks call them

@@ -1,321 +1,51 @@
-"""The contract matmul on Hopper (sm_90) in Gluon: persistent and warp-specialized.
+"""The contract matmul on Hopper (sm_90): input checks, launch plans and launches of the Gluon
+kernel (:mod:`tpinv.kernels.gluon_matmul_kernel`).
 
 Invariant kept: the same bits as :func:`tpinv.kernels.triton_matmul.matmul_cuda` /
-``matmul_partial_cuda``.  Output element (m, n) is a function of row m of ``x``, row n
-of ``w``, the dtype and ``leaves`` only: K is cut into ``leaves`` contiguous leaves;
-each leaf is one fp32 wgmma chain over its k range in increasing k, started from a +0
-tile with every wgmma accumulating -- the Triton kernel's instruction sequence (k tile
-``tiles.block_k(dtype, K / leaves)``); the leaf results are
-combined by the adjacent-pair tree ``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))`` and rounded
-once (or returned in fp32).
-
-Kernel shape.  One CTA per SM walks output tiles in grouped order.  A producer warp
-issues TMA loads of the ``x`` [BM, BK] and ``w`` [BN, BK] k tiles, in increasing k, into
-a STAGES-deep shared-memory ring; slot i is guarded by ``ready[i]`` (the TMA bytes have
-landed) and ``empty[i]`` (both consumer warpgroups are done reading it).  The consumer
-warpgroups (the default partition; one per 64 rows of the tile) issue async wgmma with
-one group in flight; once every consumer warp has waited for the wgmma reading a slot (a
-partition barrier), one thread arrives on its ``empty`` barrier (count 1).  Ring
-position p (counted over the whole kernel, identically by both sides) uses slot
-p % STAGES with phase (p // STAGES) & 1: each barrier's phase flips once per wrap.
-
-A tile may be ``BN + BN2`` wide (``GluonConfig.block_n2``): two accumulators side by side,
-each fed by its own wgmma on the same x tile, w loaded as two TMA boxes into two rings under
-one barrier -- a 96- or 192-wide tile without a non-power-of-two tensor.  Each element's chain
-is the same either way.
-
-The leaf loop is unrolled (``LEAVES`` is a compile-time constant), so every tree step
-is fixed at compile time: after leaf i the binary counter either parks the value in the
-saved level of its lowest 0 bit or, for the last leaf, climbs to the root.  Levels 0
-and 1 live in registers; level 2 (needed only for 8 leaves) lives in shared memory.
-The producer runs up to STAGES k tiles ahead, across tile boundaries, so the epilogue
-of a tile (round, store) overlaps the loads of the next one.  A 16-bit output whose rows are
-16-byte aligned leaves through shared memory and a TMA store (``EPI_TMA``): the consumers round
-the tile into a shared-memory buffer and one thread issues the store, which drains while the
-next tile's wgmmas run (before the buffer is written again, its previous store has been read
-out); an fp32 output is stored from registers.  Either way each element is the same rounding
-of the same fp32 value.  M and N edges: TMA zero-fills loads past the tensor, clips its stores
-to the tensor, and the register epilogue masks its stores; padded rows and columns never mix
-with real ones.
+``matmul_partial_cuda``.  A plan picks the tile, the stages, the operands' TMA boxes and the
+epilogue (a TMA store for a 16-bit output with 16-byte aligned rows, else stores from
+registers) -- none of which changes an addition or the single rounding.
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
-import triton
-from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                             warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from tpinv.kernels.gluon_matmul_kernel import SUPPORTED_LEAVES, _contract_mm_ws_kernel
 from tpinv.kernels.launch import (cdiv, is_bound, launch_with, operands_key, remember, reused_descriptor,
                                   sm_count)
 from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
-#: Leaf counts the kernel unrolls (saved tree levels: registers for 1-2, smem for the 3rd).
-SUPPORTED_LEAVES = (1, 2, 4, 8)
+__all__ = ["SUPPORTED_LEAVES", "unsupported_reason", "supported", "gluon_matmul_cuda", "plan_for",
+           "uses_tma_store", "table_config", "launch_plan", "LaunchPlan"]
+
 _DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-@gluon.jit
-def _tile_offsets(tile, num_pid_m, num_pid_n, BM: gl.constexpr, BN: gl.constexpr,
-                  GROUP_M: gl.constexpr):
-    """Grouped tile order: GROUP_M row tiles share each w column tile in L2."""
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % in_group) % group_rows
-    pid_n = (tile % in_group) // group_rows
-    return pid_m * BM, pid_n * BN
-
-
-@gluon.jit
-def _producer(x_desc, w_desc, w2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N, k_tiles,
-              BM: gl.constexpr, BN: gl.constexpr, BN2: gl.constexpr, BK: gl.constexpr,
-              STAGES: gl.constexpr, GROUP_M: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr):
-    """One warp: TMA loads of every k tile of every tile of this CTA, in ring order (a tile
-    ``BN + BN2`` wide loads its w rows as two boxes, ``BN`` then ``BN2``)."""
-    num_pid_m = gl.cdiv(M, BM)
-    num_pid_n = gl.cdiv(N, BN + BN2)
-    num_tiles = num_pid_m * num_pid_n
-    nbytes: gl.constexpr = (x_desc.block_type.nbytes + w_desc.block_type.nbytes
-                            + (w2_desc.block_type.nbytes if BN2 > 0 else 0))
-    slot = 0
-    phase = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, BM, BN + BN2, GROUP_M)
-        for kt in range(k_tiles):
-            # A fresh barrier counts as having completed the phase before phase 0, so
-            # the first wrap passes at once; later wraps wait for the consumers' release.
-            mbarrier.wait(empty.index(slot), phase ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, nbytes)
-            if X_T:  # x given as its [K, M] row-major transpose
-                tma.async_copy_global_to_shared(x_desc, [kt * BK, off_m], bar, a_bufs.index(slot))
-            else:
-                tma.async_copy_global_to_shared(x_desc, [off_m, kt * BK], bar, a_bufs.index(slot))
-            if W_KN:  # w given as its [K, N] row-major transpose
-                tma.async_copy_global_to_shared(w_desc, [kt * BK, off_n], bar, b_bufs.index(slot))
-                if BN2 > 0:
-                    tma.async_copy_global_to_shared(w2_desc, [kt * BK, off_n + BN], bar,
-                                                    b2_bufs.index(slot))
-            else:
-                tma.async_copy_global_to_shared(w_desc, [off_n, kt * BK], bar, b_bufs.index(slot))
-                if BN2 > 0:
-                    tma.async_copy_global_to_shared(w2_desc, [off_n + BN, kt * BK], bar,
-                                                    b2_bufs.index(slot))
-            slot += 1
-            if slot == STAGES:
-                slot = 0
-                phase ^= 1
-
-
-@gluon.jit
-def _consumer(a_bufs, b_bufs, b2_bufs, ready, empty, s2_buf, t2_buf, c_buf, c2_buf, out_ptr, out_desc,
-              out2_desc, M, N, stride_om, tiles_per_leaf, LEAVES: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, BN2: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-              ZERO_ACC: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr,
-              EPI_TMA: gl.constexpr, num_warps: gl.constexpr):
-    """The consumer warpgroups: the leaf chains, the tree, the epilogue.  A tile ``BN + BN2``
-    wide (``BN2 > 0``) keeps two accumulators side by side, columns ``[0, BN)`` and
-    ``[BN, BN + BN2)``, each fed by its own wgmma from the same x tile: every element's chain
-    is the same k sequence either way."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
-    num_pid_m = gl.cdiv(M, BM)
-    num_pid_n = gl.cdiv(N, BN + BN2)
-    num_tiles = num_pid_m * num_pid_n
-    rows0 = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-    cols0 = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-    # A leaf's chain reuses the registers of whatever tile just died (the previous leaf's
-    # chain, or the previous tile's result), so no extra fp32 tile is ever live.
-    acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
-    if BN2 > 0:
-        acc2_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN2, 16])
-        rows2 = gl.arange(0, BM, layout=gl.SliceLayout(1, acc2_layout))
-        cols2 = gl.arange(0, BN2, layout=gl.SliceLayout(0, acc2_layout))
-        acc2 = gl.zeros([BM, BN2], gl.float32, layout=acc2_layout)
-    slot = 0
-    phase = 0
-    prev = STAGES - 1  # the slot read by the previous wgmma
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_m, off_n = _tile_offsets(tile, num_pid_m, num_pid_n, BM, BN + BN2, GROUP_M)
-        for leaf in gl.static_range(LEAVES):
-            if ZERO_ACC:
-                # +0 in place of the dead tile: an opaque move, so no constant zero tile is
-                # hoisted and kept live beside the saved levels
-                acc = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [acc], dtype=gl.float32,
-                                                is_pure=False, pack=1)
-                if BN2 > 0:
-                    acc2 = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [acc2],
-                                                     dtype=gl.float32, is_pure=False, pack=1)
-            for kk in range(tiles_per_leaf):
-                mbarrier.wait(ready.index(slot), phase)
-                # the leaf's chain starts from zero: a +0 tile, or (kk == 0, scale-d 0) none
-                # wgmma reads A as [BM, BK] and B as [BK, BN], either major order
-                if X_T:
-                    a = a_bufs.index(slot).permute((1, 0))
-                else:
-                    a = a_bufs.index(slot)
-                if W_KN:
-                    b = b_bufs.index(slot)
-                else:
-                    b = b_bufs.index(slot).permute((1, 0))
-                acc = warpgroup_mma(a, b, acc, use_acc=(kk > 0) | ZERO_ACC, is_async=True)
-                if BN2 > 0:
-                    if W_KN:
-                        b2 = b2_bufs.index(slot)
-                    else:
-                        b2 = b2_bufs.index(slot).permute((1, 0))
-                    acc2 = warpgroup_mma(a, b2, acc2, use_acc=(kk > 0) | ZERO_ACC, is_async=True)
-                    # at most this k tile's two wgmmas in flight: the previous ones are done
-                    acc, acc2 = warpgroup_mma_wait(2, deps=(acc, acc2))
-                else:
-                    # at most this wgmma in flight: the previous one is done with its slot
-                    acc = warpgroup_mma_wait(1, deps=(acc, ))
-                gl.thread_barrier()  # both warpgroups are past their wait: one thread arrives
-                mbarrier.arrive(empty.index(prev), pred=kk > 0)
-                prev = slot
-                slot += 1
-                if slot == STAGES:
-                    slot = 0
-                    phase ^= 1
-            if BN2 > 0:
-                acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
-            else:
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(prev))
-            # the binary counter after leaf `leaf` (all compile-time); the second
-            # accumulator (t*, result2) takes the same steps
-            if leaf % 2 == 0:
-                if leaf == LEAVES - 1:
-                    result = acc
-                    if BN2 > 0:
-                        result2 = acc2
-                else:
-                    s0 = acc
-                    if BN2 > 0:
-                        t0 = acc2
-            else:
-                v = s0 + acc
-                if BN2 > 0:
-                    v2 = t0 + acc2
-                if leaf % 4 == 1:
-                    if leaf == LEAVES - 1:
-                        result = v
-                        if BN2 > 0:
-                            result2 = v2
-                    else:
-                        s1 = v
-                        if BN2 > 0:
-                            t1 = v2
-                else:
-                    v = s1 + v
-                    if BN2 > 0:
-                        v2 = t1 + v2
-                    if leaf % 8 == 3:
-                        if leaf == LEAVES - 1:
-                            result = v
-                            if BN2 > 0:
-                                result2 = v2
-                        else:
-                            s2_buf.store(v)
-                            if BN2 > 0:
-                                t2_buf.store(v2)
-                    else:
-                        result = s2_buf.load(acc_layout) + v
-                        if BN2 > 0:
-                            result2 = t2_buf.load(acc2_layout) + v2
-        if EPI_TMA:
-            tma.store_wait(0)      # the previous tile's stores have read the buffers out
-            gl.thread_barrier()
-            c_buf.store(result.to(out_desc.dtype))
-            if BN2 > 0:
-                c2_buf.store(result2.to(out2_desc.dtype))
-            fence_async_shared()
-            gl.thread_barrier()    # every consumer thread's part is in shared memory
-            tma.async_copy_shared_to_global(out_desc, [off_m, off_n], c_buf)
-            if BN2 > 0:
-                tma.async_copy_shared_to_global(out2_desc, [off_m, off_n + BN], c2_buf)
-        else:
-            rows = off_m + rows0
-            cols = off_n + cols0
-            ptrs = out_ptr + rows[:, None].to(gl.int64) * stride_om + cols[None, :]
-            mask = (rows[:, None] < M) & (cols[None, :] < N)
-            gl.store(ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
-            if BN2 > 0:
-                r2 = off_m + rows2
-                c2 = off_n + BN + cols2
-                ptrs2 = out_ptr + r2[:, None].to(gl.int64) * stride_om + c2[None, :]
-                mask2 = (r2[:, None] < M) & (c2[None, :] < N)
-                gl.store(ptrs2, result2.to(out_ptr.dtype.element_ty), mask=mask2)
-        acc = result
-        if BN2 > 0:
-            acc2 = result2
-    if EPI_TMA:
-        tma.store_wait(0)
-
-
-@gluon.jit(do_not_specialize=["M", "tiles_per_leaf"])
-def _contract_mm_ws_kernel(x_desc, w_desc, w2_desc, out_ptr, out_desc, out2_desc, M, N, stride_om,
-                           tiles_per_leaf, LEAVES: gl.constexpr, STAGES: gl.constexpr,
-                           GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                           ZERO_ACC: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr,
-                           BN2: gl.constexpr, EPI_TMA: gl.constexpr, num_warps: gl.constexpr):
-    X0: gl.constexpr = x_desc.block_type.shape[0]
-    X1: gl.constexpr = x_desc.block_type.shape[1]
-    W0: gl.constexpr = w_desc.block_type.shape[0]
-    W1: gl.constexpr = w_desc.block_type.shape[1]
-    BM: gl.constexpr = X1 if X_T else X0
-    BK: gl.constexpr = X0 if X_T else X1
-    BN: gl.constexpr = W1 if W_KN else W0
-    dtype: gl.constexpr = x_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, X0, X1], x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, W0, W1], w_desc.layout)
-    # the second accumulator's w rows (a token ring when there is none)
-    if BN2 > 0:
-        b2_bufs = gl.allocate_shared_memory(
-            dtype, [STAGES, w2_desc.block_type.shape[0], w2_desc.block_type.shape[1]],
-            w2_desc.layout)
-    else:
-        b2_bufs = b_bufs
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    # the third saved tree level: one fp32 tile per accumulator, only for 8 leaves
-    S2_ROWS: gl.constexpr = BM if LEAVES == 8 else 8
-    S2_COLS: gl.constexpr = BN if LEAVES == 8 else 8
-    s2_buf = gl.allocate_shared_memory(
-        gl.float32, [S2_ROWS, S2_COLS],
-        gl.NVMMASharedLayout.get_default_for([S2_ROWS, S2_COLS], gl.float32))
-    T2_ROWS: gl.constexpr = BM if LEAVES == 8 and BN2 > 0 else 8
-    T2_COLS: gl.constexpr = BN2 if LEAVES == 8 and BN2 > 0 else 8
-    t2_buf = gl.allocate_shared_memory(
-        gl.float32, [T2_ROWS, T2_COLS],
-        gl.NVMMASharedLayout.get_default_for([T2_ROWS, T2_COLS], gl.float32))
-    # the epilogue's staging tiles (out_desc / out2_desc stand in for x_desc where EPI_TMA is off)
-    if EPI_TMA:
-        c_buf = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-        if BN2 > 0:
-            c2_buf = gl.allocate_shared_memory(out2_desc.dtype, out2_desc.block_type.shape,
-                                               out2_desc.layout)
-        else:
-            c2_buf = c_buf
-    else:
-        c_buf = s2_buf
-        c2_buf = s2_buf
-    k_tiles = LEAVES * tiles_per_leaf
-    gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, s2_buf, t2_buf, c_buf, c2_buf, out_ptr,
-                     out_desc, out2_desc, M, N, stride_om, tiles_per_leaf, LEAVES, BM, BN, BN2,
-                     STAGES, GROUP_M, ZERO_ACC, X_T, W_KN, EPI_TMA, num_warps)),
-        (_producer, (x_desc, w_desc, w2_desc, a_bufs, b_bufs, b2_bufs, ready, empty, M, N,
-                     k_tiles, BM, BN, BN2, BK, STAGES, GROUP_M, X_T, W_KN)),
-    ], [1], [PRODUCER_REGS])
+class LaunchPlan(NamedTuple):
+    """Everything about a launch that is fixed by the operands' shapes, strides, dtypes and
+    alignment, the leaves, the output dtype and the config (:func:`plan_for`); TMA boxes are
+    ``(block, shared layout)``.  The descriptor tables are filled per address once the launch is
+    bound (:func:`~tpinv.kernels.launch.reused_descriptor`)."""
+    x_t: bool                      #: x given as its [K, M] transpose
+    w_kn: bool                     #: w given as its [K, N] transpose
+    x_block: tuple
+    w_block: tuple
+    w2_block: Optional[tuple]      #: the second accumulator's w box, or None
+    out_block: Optional[tuple]     #: the TMA store's box, or None: the epilogue stores from registers
+    out2_block: Optional[tuple]
+    grid: tuple
+    bk: int
+    kw: dict                       #: the kernel's constexprs
+    bound: dict
+    x_descs: dict
+    w_descs: dict
+    w2_descs: dict
+    out_descs: dict
+    out2_descs: dict
 
 
 def unsupported_reason(x, w, leaves: int, out_dtype) -> str | None:
@@ -388,7 +118,7 @@ def gluon_matmul_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int,
 
 
 def plan_for(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-             config: GluonConfig | None = None, *, operands: tuple | None = None) -> tuple:
+             config: GluonConfig | None = None, *, operands: tuple | None = None) -> LaunchPlan:
     """The launch plan of inputs :func:`unsupported_reason` has passed, made once per shape,
     strides, dtypes, alignment, leaves and config (:func:`launch_plan` runs it).  The dispatch
     in :mod:`tpinv.kernels.triton_matmul` keeps it per call shape: a repeated shape looks up
@@ -405,7 +135,7 @@ def uses_tma_store(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: tor
                    config: GluonConfig | None = None) -> bool:
     """Whether :func:`gluon_matmul_cuda` with these arguments stores its output through shared
     memory and TMA (a 16-bit output with 16-byte aligned rows) rather than from registers."""
-    return plan_for(x, w, leaves, out_dtype or x.dtype, config)[8]["kw"]["EPI_TMA"]
+    return plan_for(x, w, leaves, out_dtype or x.dtype, config).out_block is not None
 
 
 def table_config(x: torch.Tensor, w: torch.Tensor, leaves: int) -> GluonConfig:
@@ -413,12 +143,12 @@ def table_config(x: torch.Tensor, w: torch.Tensor, leaves: int) -> GluonConfig:
     return gluon_launch_config(x.shape[0], w.shape[0], leaves, sm_count(x.device))
 
 
-def launch_plan(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, plan: tuple) -> torch.Tensor:
+def launch_plan(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, plan: LaunchPlan) -> torch.Tensor:
     """Descriptors and launch for checked inputs and their plan (:func:`plan_for`): once the plan's
     launch is bound, descriptors are reused per address (:func:`~tpinv.kernels.launch.reused_descriptor`)."""
     m, k = x.shape
     n = w.shape[0]
-    (x_t, w_kn, x_block, w_block, w2_block, out_block, out2_block, grid, consts, bound, x_descs, w_descs,
+    (x_t, w_kn, x_block, w_block, w2_block, out_block, out2_block, grid, bk, kw, bound, x_descs, w_descs,
      w2_descs, out_descs, out2_descs) = plan
     out = torch.empty((m, n), device=x.device, dtype=out_dtype)
     reuse = is_bound(bound)
@@ -437,15 +167,15 @@ def launch_plan(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.
                                           lambda: TensorDescriptor.from_tensor(out, *out2_block))
     launch_with(_contract_mm_ws_kernel, grid,
                 (x_desc, w_desc, w2_desc, out, out_desc, out2_desc, m, n, out.stride(0),
-                 k // leaves // consts["BK"]),
-                consts["kw"], bound)
+                 k // leaves // bk),
+                kw, bound)
     return out
 
 
 _PLANS: dict = {}
 
 
-def _plan(x, w, leaves: int, out_dtype: torch.dtype, cfg: GluonConfig) -> tuple:
+def _plan(x, w, leaves: int, out_dtype: torch.dtype, cfg: GluonConfig) -> LaunchPlan:
     """Tile layouts, persistent grid and constexprs of a launch: one per shape, strides, dtype,
     alignment, leaves, output dtype and config (none of it changes an addition)."""
     m, k = x.shape
@@ -479,8 +209,8 @@ def _plan(x, w, leaves: int, out_dtype: torch.dtype, cfg: GluonConfig) -> tuple:
     kw = dict(LEAVES=leaves, STAGES=stages, GROUP_M=cfg.group_m,
               PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
               BN2=cfg.block_n2, EPI_TMA=epi_tma, num_warps=cfg.num_warps)
-    return (x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), w2_block,
-            out_block, out2_block, grid, {"BK": bk, "kw": kw}, {}, {}, {}, {}, {}, {})
+    return LaunchPlan(x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), w2_block,
+                      out_block, out2_block, grid, bk, kw, {}, {}, {}, {}, {}, {})
 
 
 _LAYOUTS: dict = {}
