@@ -164,7 +164,12 @@ def bench_decode(B, T, backend_ctx):
     data = [(*_inputs(B, 1, T, seed=100 + 8 * B + i), torch.full((B, 1), T - 1, device="cuda"))
             for i in range(sets)]
     est = kv_bytes / 2e6  # us at ~2 TB/s
-    rec = dict(kind="decode", B=B, S=1, T=T, input_sets=sets, timing="cuda graph replays")
+    from tpinv.kernels import triton_attention as ta
+    from tpinv.kernels.triton_attention_split import use_split
+    split = use_split(B, HKV, HQ // HKV, ta.forward_config(DT, D).block_m, T, ta.KV_BLOCK,
+                      ta.KV_CHUNK_BLOCKS, D)
+    rec = dict(kind="decode", B=B, S=1, T=T, input_sets=sets, timing="cuda graph replays",
+               path="chunks in parallel" if split else "one program")
     rec["ours_us"] = graph_time_us(lambda i: fwd(*data[i][:3], data[i][3], None, True, None, None), sets, est)
     rec["sdpa_us"] = graph_time_us(
         lambda i: F.scaled_dot_product_attention(*data[i][:3], enable_gqa=True), sets, est)
@@ -277,7 +282,7 @@ def main(argv=None) -> int:
         records.append(r)
         print(f"{'':<8}{B:>3}{4096:>6} | {r['ours_us']:>11.1f}{r['sdpa_us']:>9.1f}"
               f"{r['ratio']:>7.2f}"
-              f"{r['ours_kv_GBps']:>11.0f}{r['sdpa_kv_GBps']:>11.0f}")
+              f"{r['ours_kv_GBps']:>11.0f}{r['sdpa_kv_GBps']:>11.0f}  {r['path']}")
     resources = kernel_resources()
     for r in resources:
         print(f"kernel {r['kernel']:<22} registers {r['n_regs']}  spills {r['n_spills']}")

@@ -133,6 +133,62 @@ def test_prefill_equals_chunked_prefill_and_decode(window):
     assert any(differs), "control: SDPA prefill and decode never differed"
 
 
+@pytest.mark.parametrize("mode", ["causal", "window", "mask", "full"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_chunks_in_parallel_give_the_one_program_bits(dtype, mode):
+    """Decode and a short chunked prefill by chunks in parallel (two kernels) == one program
+    per row tile, raw bytes; control: with the chunk of a row's largest score dropped from the
+    written states, the merge gives that row another lse."""
+    from tpinv.kernels import triton_attention as ta
+    from tpinv.kernels import triton_attention_split as sp
+    from tpinv.kernels.reference_attention import KV_BLOCK
+    T, T_cache = 3000, 3300
+    chunk = KV_BLOCK * ta.KV_CHUNK_BLOCKS
+    causal, window = mode != "full", 900 if mode == "window" else None
+    for B, S in ((1, 1), (3, 1), (2, 5)):
+        q, k, v = qkv(B, S, T, seed=11 * B + S, dtype=dtype)
+        k[:, 0, chunk + 7] = 4 * q[:, 0, -1]  # the last row's largest score: chunk 1
+        pos = arange_pos(B, S, T - S)
+        pos[0] -= 333  # batch rows at different positions
+        mask = None
+        if mode == "mask":
+            mask = torch.rand(B, S, T_cache, generator=torch.Generator().manual_seed(2)).to(DEV) < 0.7
+            mask[:, :, 2 * chunk:3 * chunk] = False  # a chunk no row sees
+            mask[:, :, chunk + 7] = True
+        # NaN in the cache's unused slots, which causal rows never see
+        kc, vc = (with_junk(k, T_cache), with_junk(v, T_cache)) if causal else (k, v)
+        if mask is not None:
+            mask = mask[:, :, :kc.shape[2]].contiguous()
+        one = attention_forward_cuda(q, kc, vc, pos, mask, causal, window, None, split=False)
+        par = attention_forward_cuda(q, kc, vc, pos, mask, causal, window, None, split=True)
+        auto = attention_forward_cuda(q, kc, vc, pos, mask, causal, window, None)
+        assert sp.use_split(B, HKV, S * HQ // HKV, ta.forward_config(dtype, D).block_m, kc.shape[2],
+                            KV_BLOCK, ta.KV_CHUNK_BLOCKS, D)
+        for a, b, c in zip(one, par, auto):
+            assert_same_bits(b, a, f"split B={B} S={S}")
+            assert_same_bits(c, a, f"auto B={B} S={S}")
+        if mode == "window":
+            continue  # the window hides chunk 1 from the last rows
+        launch = sp.SplitLaunch(q, kc, vc, pos, *ta.mask_args(mask, q), HQ // HKV, causal, window,
+                                ta.resolve_scale(None, D), mask is not None,
+                                ta.forward_config(dtype, D), D, KV_BLOCK, ta.KV_CHUNK_BLOCKS)
+        acc_st, ml_st = sp.chunk_states_cuda(launch)
+        out, lse = torch.empty_like(par[0]), torch.empty_like(par[1])
+        sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
+        assert_same_bits(out, par[0], "merge of the written states")
+        acc_st[:, 1] = 0.0
+        ml_st[:, 1, :, 0] = float("-inf")
+        ml_st[:, 1, :, 1] = 0.0
+        sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
+        assert (lse[:, 0, -1] < par[1][:, 0, -1] - 1.0).all(), "control: the dropped chunk is missed"
+
+
+def test_split_refuses_rows_of_several_tiles():
+    q, k, v = qkv(1, 40, 2000)
+    with pytest.raises(ValueError, match="one row tile"):
+        attention_forward_cuda(q, k, v, arange_pos(1, 40, 1960), None, True, None, None, split=True)
+
+
 def test_ragged_batch_right_and_left_padding_equal_alone():
     lengths, T = [300, 1100, 517, 64], 1100
     reqs = [qkv(1, L, L, seed=10 + i) for i, L in enumerate(lengths)]

@@ -149,6 +149,66 @@ def check_edge_cases():
         raise AssertionError("D=300 must be refused")
 
 
+def _split_case(S, T, dtype, mode, seed):
+    """A few query rows (the last ``S`` positions of ``T`` keys) over keys of several chunks,
+    with the last row's largest score in key slot ``T // 3``."""
+    torch.manual_seed(seed)
+    q, k, v = cases.qkv(2, 1, 2, S, T, 16, dtype)
+    k[:, 0, T // 3] = 3 * q[:, 1, -1]
+    pos = cases.arange_pos(2, S, T - S)
+    pos[1] -= 40  # batch rows at different positions
+    mask = torch.rand(2, S, T) < 0.7 if mode == "mask" else None
+    if mask is not None:
+        mask[:, :, 600:1100] = False  # a chunk no row sees
+    return q, k, v, pos, mask, mode != "full", 700 if mode == "window" else None
+
+
+def check_split_chunks():
+    """Chunks in parallel (decode, a short chunked prefill) == one program per row tile, raw
+    bytes, out and lse; control: with one chunk's state dropped the merge gives other bytes."""
+    from tpinv.kernels import triton_attention as ta
+    from tpinv.kernels import triton_attention_split as sp
+    from tpinv.kernels.reference_attention import KV_BLOCK
+    table = ta.KV_CHUNK_BLOCKS
+    for cb in (table, 2):
+        ta.KV_CHUNK_BLOCKS = cb
+        for dtype in (FP16, FP32):
+            for S, T, mode in ((1, 1300, "causal"), (3, 1300, "window"), (2, 1250, "mask"),
+                               (1, 1100, "full")):
+                q, k, v, pos, mask, causal, window = _split_case(S, T, dtype, mode, cb + S)
+                if mode == "causal":
+                    v[0, 0, 700, 5] = NAN  # reaches the rows that see slot 700 only
+                assert sp.use_split(2, 1, S * 2, ta.forward_config(dtype, 16).block_m, T,
+                                    KV_BLOCK, cb)
+                one = fwd(q, k, v, pos, mask, causal, window, None, split=False)
+                par = fwd(q, k, v, pos, mask, causal, window, None, split=True)
+                auto = fwd(q, k, v, pos, mask, causal, window, None)
+                for a, b, c in zip(one, par, auto):
+                    assert_same_bits(b, a, f"split {cb} {dtype} {mode}")
+                    assert_same_bits(c, a, f"auto {cb} {dtype} {mode}")
+                ref = attention_forward(q, k, v, pos, mask, causal, window)
+                torch.testing.assert_close(par[0].float(), ref[0].float(), rtol=TOL[dtype][0],
+                                           atol=TOL[dtype][1], equal_nan=True, msg=mode)
+                if mode != "causal":
+                    continue
+                assert torch.isnan(par[0][0]).any() and not torch.isnan(par[0][1]).any()
+                launch = sp.SplitLaunch(q, k, v, pos, *ta.mask_args(None, q), 2, True, None,
+                                        ta.resolve_scale(None, 16), False,
+                                        ta.forward_config(dtype, 16), 16, KV_BLOCK, cb)
+                acc_st, ml_st = sp.chunk_states_cuda(launch)
+                out, lse = torch.empty_like(par[0]), torch.empty_like(par[1])
+                sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
+                assert_same_bits(out, par[0], "merge of the written states")
+                dropped = (T // 3) // (KV_BLOCK * cb)  # the chunk of the last row's largest score
+                acc_st[1, dropped] = 0.0
+                ml_st[1, dropped, :, 0] = float("-inf")
+                ml_st[1, dropped, :, 1] = 0.0
+                sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
+                assert_same_bits(out[0], par[0][0], "the other batch row")
+                assert lse[1, 1, -1] < par[1][1, 1, -1] - 1.0, "control: a dropped chunk is missed"
+    ta.KV_CHUNK_BLOCKS = table
+
+
 CHECKS = seeded_checks(dict(globals()), _setup)
 test_interpreter = interpreted_test(__file__, CHECKS, process_per_check=True)
 

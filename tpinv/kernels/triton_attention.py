@@ -6,12 +6,22 @@ Order fixed, per query row:
   one kv head, interleaved ``r = s * g + hg``, in tiles of ``BLOCK_M`` rows;
 * score ``s_j = dot(q, k_j) * scale`` in fp32 (tensor-core dot; fp32 inputs use the exact
   ``ieee`` dot, never TF32);
-* key slots are visited in blocks of :data:`~tpinv.kernels.reference_attention.KV_BLOCK` slots
-  starting at absolute slot 0, in increasing order, by an online softmax
+* key slots are cut into blocks of :data:`~tpinv.kernels.reference_attention.KV_BLOCK` slots
+  starting at absolute slot 0, and the blocks into chunks of :data:`KV_CHUNK_BLOCKS` blocks
+  (chunk ``c`` holds blocks ``[c * KV_CHUNK_BLOCKS, (c + 1) * KV_CHUNK_BLOCKS)``);
+* within a chunk, from the empty state, the blocks in increasing order by an online softmax
   ``m' = max(m, max_block s)``, ``alpha = exp(m - m')`` (exactly 1 when ``m' == m``),
   ``l = l * alpha + sum_block p``, ``acc = acc * alpha + dot(p, v)``;
+* the chunks' states merged into the row's state in increasing chunk order by
+  ``m' = max(m, m_c)``, ``a = exp(m - m')``, ``b = exp(m_c - m')`` (each exactly 1 at the max),
+  ``l = l * a + l_c * b``, ``acc = acc * a + acc_c * b``;
 * ``out = acc / l`` (correctly rounded), rounded once to the input dtype;
   ``lse = m + log(l)`` in fp32.
+
+A chunk's state depends only on the row and the chunk, so a call with few rows and many keys
+(decode) may compute its chunks in parallel programs and merge them in a second kernel
+(:mod:`tpinv.kernels.triton_attention_split`): the same operations on the same values, the
+same bits as one program walking the chunks.
 
 One launch config per (dtype, padded head dim) serves every call (prefill, chunked
 prefill, decode; any B, S, T), so every dot and every row reduction runs the same
@@ -39,11 +49,13 @@ from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 
 __all__ = ["attention_forward_cuda", "AttentionConfig", "forward_config", "padded_head_dim",
-           "MAX_HEAD_DIM"]
+           "MAX_HEAD_DIM", "KV_CHUNK_BLOCKS"]
 
 #: Largest head dim the kernels take (padded to a power of two >= 16 inside).
 MAX_HEAD_DIM = 256
 _BIG = tl.constexpr(1 << 62)
+#: Key blocks per chunk: part of the order (the bits), like ``KV_BLOCK``; never a launch choice.
+KV_CHUNK_BLOCKS = 8
 
 
 @dataclass(frozen=True)
@@ -180,7 +192,7 @@ def load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB: tl.constexpr, DP: 
 # ------------------------------------------------------------------ forward kernel
 
 @triton.jit
-def _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid, mask_row_ptr, s_mt,
+def forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid, mask_row_ptr, s_mt,
                T, D, window, scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, KB: tl.constexpr,
                DP: tl.constexpr):
@@ -205,13 +217,47 @@ def _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid, ma
 
 
 @triton.jit
+def merge_state(acc, m, l, acc_c, m_c, l_c):
+    """The row state ``(acc, m, l)`` with chunk state ``(acc_c, m_c, l_c)`` merged after it."""
+    m_new = tl.maximum(m, m_c)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.where(m_new == m, 1.0, tl.exp(m - m_safe))
+    b = tl.where(m_new == m_c, 1.0, tl.exp(m_c - m_safe))
+    return acc * a[:, None] + acc_c * b[:, None], m_new, l * a + l_c * b
+
+
+@triton.jit
+def end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB: tl.constexpr):
+    """After block ``blk``: at the last block of a chunk, unless it is the range's last, merge
+    the chunk's state into the merged state ``(acc_r, m_r, l_r)`` and restart from empty.
+
+    One loop over the blocks with this test keeps the forward's pipeline (a loop per chunk
+    cost the prefill 30-50% on an H100); the states merged are the chunks' all the same."""
+    if ((blk + 1) % CB == 0) & (blk + 1 < hi):
+        acc_r, m_r, l_r = merge_state(acc_r, m_r, l_r, acc, m_i, l_i)
+        acc = tl.zeros_like(acc)
+        m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
+        l_i = tl.zeros_like(l_i)
+    return acc_r, m_r, l_r, acc, m_i, l_i
+
+
+@triton.jit
+def finish_rows(acc, m_i, l_i):
+    """``(out, lse)`` of row states: ``acc / l`` correctly rounded, ``m + log(l)``."""
+    seen = l_i != 0.0  # 0: no visible key; NaN (a NaN key or value seen) propagates as in PyTorch
+    l_safe = tl.where(seen, l_i, 1.0)
+    res = tl.where(seen[:, None], tl.math.div_rn(acc, l_safe[:, None]), 0.0) + 0.0
+    return res, tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
+
+
+@triton.jit
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, out_ptr, lse_ptr,
                      s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_pb, s_ps,
                      s_mb, s_ms, s_mt, s_ob, s_oh, s_os, s_lb, s_lh,
                      S, T, D, Hkv, n_tiles, window, scale,
                      G: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                      HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, KB: tl.constexpr,
-                     DP: tl.constexpr):
+                     DP: tl.constexpr, CB: tl.constexpr):
     tile = n_tiles - 1 - tl.program_id(0)  # longest causal tiles first (speed only)
     bh = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
@@ -230,23 +276,27 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, out_ptr, lse_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    acc_r = tl.zeros([BLOCK_M, DP], tl.float32)  # the merged state of the chunks before
+    m_r = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_r = tl.zeros([BLOCK_M], tl.float32)
     if WINDOW:  # blocks at the window's start that some rows see only in part
         for blk in range(lo, f_lo):
-            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos,
+            acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos,
                                        valid, mask_row_ptr, s_mt, T, D, window, scale, True, CAUSAL,
                                        WINDOW, HAS_MASK, KB, DP)
+            acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
     for blk in range(f_lo, f_hi):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
+        acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
                                    mask_row_ptr, s_mt, T, D, window, scale, False, CAUSAL,
                                    WINDOW, HAS_MASK, KB, DP)
+        acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
     for blk in range(f_hi, hi):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
+        acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
                                    mask_row_ptr, s_mt, T, D, window, scale, True, CAUSAL,
                                    WINDOW, HAS_MASK, KB, DP)
-    seen = l_i != 0.0  # 0: no visible key; NaN (a NaN key or value seen) propagates as in PyTorch
-    l_safe = tl.where(seen, l_i, 1.0)
-    res = tl.where(seen[:, None], tl.math.div_rn(acc, l_safe[:, None]), 0.0) + 0.0
-    lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
+        acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
+    acc, m_i, l_i = merge_state(acc_r, m_r, l_r, acc, m_i, l_i)  # the last chunk
+    res, lse = finish_rows(acc, m_i, l_i)
     o_rows = out_ptr + b * s_ob + head * s_oh + s64 * s_os
     tl.store(o_rows[:, None] + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & (offs_d < D)[None, :])
@@ -254,6 +304,18 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, out_ptr, lse_ptr,
 
 
 # ------------------------------------------------------------------ host side
+
+_SPLIT = None
+
+
+def _split_module():
+    """:mod:`tpinv.kernels.triton_attention_split` (imported on first use: it imports this)."""
+    global _SPLIT
+    if _SPLIT is None:
+        from tpinv.kernels import triton_attention_split
+        _SPLIT = triton_attention_split
+    return _SPLIT
+
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
@@ -276,9 +338,14 @@ def resolve_scale(scale: Optional[float], D: int) -> float:
 
 def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                            mask: Optional[torch.Tensor] = None, causal: bool = True,
-                           window: Optional[int] = None, scale: Optional[float] = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Hq, S, D] in q.dtype, lse [B, Hq, S] fp32)`` of ``tpinv::attention``."""
+                           window: Optional[int] = None, scale: Optional[float] = None, *,
+                           split: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, S, D] in q.dtype, lse [B, Hq, S] fp32)`` of ``tpinv::attention``.
+
+    ``split`` picks the launch, never the bits: chunks in parallel programs
+    (:mod:`tpinv.kernels.triton_attention_split`; needs every query row of a kv head in one
+    row tile), one program per row tile (``False``), or by speed (``None``).
+    """
     g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     B, Hq, S, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
@@ -296,6 +363,18 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     m, (s_mb, s_ms, s_mt) = mask_args(mask, q)
     cfg = forward_config(q.dtype, DP)
     n_tiles = cdiv(S * g, cfg.block_m)
+    if split is None:
+        split = _split_module().use_split(B, Hkv, S * g, cfg.block_m, T, KV_BLOCK, KV_CHUNK_BLOCKS,
+                                          DP)
+    elif split and n_tiles > 1:
+        raise ValueError(f"split=True needs every query row of a kv head in one row tile: "
+                         f"S * g = {S * g} > {cfg.block_m}")
+    if split:
+        sp = _split_module()
+        sp.split_forward_cuda(sp.SplitLaunch(q, k, v, q_pos, m, (s_mb, s_ms, s_mt), g, causal,
+                                             window, scale, mask is not None, cfg, DP, KV_BLOCK,
+                                             KV_CHUNK_BLOCKS), out, lse)
+        return out, lse
     launch(_attn_fwd_kernel, (n_tiles, B * Hkv),
         q, k, v, q_pos, m, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -304,6 +383,6 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         lse.stride(0), lse.stride(1),
         S, T, D, Hkv, n_tiles, int(window or 0), scale,
         G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None,
-        BLOCK_M=cfg.block_m, KB=KV_BLOCK, DP=DP,
+        BLOCK_M=cfg.block_m, KB=KV_BLOCK, DP=DP, CB=KV_CHUNK_BLOCKS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out, lse
