@@ -233,7 +233,8 @@ def end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB: tl.constexpr):
 
     One loop over the blocks with this test keeps the forward's pipeline (a loop per chunk
     cost the prefill 30-50% on an H100); the states merged are the chunks' all the same."""
-    if ((blk + 1) % CB == 0) & (blk + 1 < hi):
+    nxt = blk + 1 + hi * 0  # a tensor in every mode (Triton 3.2's interpreter cannot `&` a bool)
+    if (nxt % CB == 0) & (nxt < hi):
         acc_r, m_r, l_r = merge_state(acc_r, m_r, l_r, acc, m_i, l_i)
         acc = tl.zeros_like(acc)
         m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
