@@ -34,6 +34,9 @@ __all__ = ["split_forward_cuda", "chunk_states_cuda", "merge_chunks_cuda", "Spli
 #: Most (batch row x kv head) pairs for which chunks in parallel pay off (speed only: at
 #: 512 pairs on an H100 both launches take the same time, docs/benchmarks.md).
 SPLIT_MAX_HEADS = 256
+#: The merge loads the states of up to MERGE_GROUP chunks at once, at most
+#: MERGE_GROUP_ELEMENTS values, with MERGE_WARPS warps (speed only: the merge order is fixed).
+MERGE_GROUP, MERGE_GROUP_ELEMENTS, MERGE_WARPS = 8, 4096, 4
 #: Most bytes of chunk states a split call may allocate (speed and memory only).
 SPLIT_MAX_STATE_BYTES = 64 << 20
 
@@ -214,8 +217,8 @@ def merge_chunks_cuda(a: SplitLaunch, acc_st: torch.Tensor, ml_st: torch.Tensor,
            a.q_pos, acc_st, ml_st, out, lse, a.q_pos.stride(0), a.q_pos.stride(1),
            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
            S, T, D, Hkv, acc_st.shape[1], int(a.window or 0), **a.flags(rows_p),
-           GROUP=max(1, min(8, 4096 // (rows_p * a.DP))),
-           num_warps=4, num_stages=1, enable_fp_fusion=False)
+           GROUP=max(1, min(MERGE_GROUP, MERGE_GROUP_ELEMENTS // (rows_p * a.DP))),
+           num_warps=MERGE_WARPS, num_stages=1, enable_fp_fusion=False)
 
 
 def split_forward_cuda(a: SplitLaunch, out: torch.Tensor, lse: torch.Tensor) -> None:
