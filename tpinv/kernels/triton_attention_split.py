@@ -7,8 +7,9 @@ row tile (``S * g <= BLOCK_M``: decode, short chunked prefill) the chunks need n
 each other:
 
 * :func:`_chunk_states_kernel`: one program per (chunk, batch row, kv head) computes the
-  chunk's state of every row of the tile with the forward's own ``chunk_state`` (the same
-  tile, the same blocks, the same visibility and NaN handling) and writes it in fp32;
+  chunk's state of every row of the tile (:func:`chunk_state`: the forward's own
+  ``forward_block`` on the same tile, the same blocks, the same visibility and NaN handling)
+  and writes it in fp32;
 * :func:`_merge_chunks_kernel`: one program per (batch row, kv head) merges the written
   states in chunk order with the forward's own ``merge_state`` and ``finish_rows``, over the
   chunk range the forward's program computes from the same rows.
@@ -31,9 +32,10 @@ from tpinv.kernels.triton_attention import forward_block, block_ranges, finish_r
 __all__ = ["split_forward_cuda", "chunk_states_cuda", "merge_chunks_cuda", "SplitLaunch", "use_split",
            "n_chunks"]
 
-#: Most (batch row x kv head) pairs for which chunks in parallel pay off (speed only: at
-#: 512 pairs on an H100 both launches take the same time, docs/benchmarks.md).
-SPLIT_MAX_HEADS = 256
+#: Most (batch row x kv head) pairs for which chunks in parallel pay off (speed only; on an
+#: H100 at 4096 cached tokens: faster at 128 pairs, 109 against 117 us; slower at 256, 201
+#: against 196 us; docs/benchmarks.md).
+SPLIT_MAX_HEADS = 128
 #: The merge loads the states of up to MERGE_GROUP chunks at once, at most
 #: MERGE_GROUP_ELEMENTS values, with MERGE_WARPS warps (speed only: the merge order is fixed).
 MERGE_GROUP, MERGE_GROUP_ELEMENTS, MERGE_WARPS = 8, 4096, 4
