@@ -179,7 +179,7 @@ def check_split_chunks():
                 if mode == "causal":
                     v[0, 0, 700, 5] = NAN  # reaches the rows that see slot 700 only
                 assert sp.use_split(2, 1, S * 2, ta.forward_config(dtype, 16).block_m, T,
-                                    KV_BLOCK, cb)
+                                    KV_BLOCK, cb, 16)
                 one = fwd(q, k, v, pos, mask, causal, window, None, split=False)
                 par = fwd(q, k, v, pos, mask, causal, window, None, split=True)
                 auto = fwd(q, k, v, pos, mask, causal, window, None)

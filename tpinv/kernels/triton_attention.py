@@ -232,7 +232,7 @@ def end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB: tl.constexpr):
     the chunk's state into the merged state ``(acc_r, m_r, l_r)`` and restart from empty.
 
     One loop over the blocks with this test keeps the forward's pipeline (a loop per chunk
-    cost the prefill 30-50% on an H100); the states merged are the chunks' all the same."""
+    cost the prefill 30-70% on an H100); the states merged are the chunks' all the same."""
     nxt = blk + 1 + hi * 0  # a tensor in every mode (Triton 3.2's interpreter cannot `&` a bool)
     if (nxt % CB == 0) & (nxt < hi):
         acc_r, m_r, l_r = merge_state(acc_r, m_r, l_r, acc, m_i, l_i)

@@ -49,7 +49,7 @@ def n_chunks(T: int, kb: int, cb: int) -> int:
 
 
 def use_split(B: int, Hkv: int, rows: int, block_m: int, T: int, kb: int, cb: int,
-              DP: int = 128) -> bool:
+              DP: int) -> bool:
     """Speed choice: chunks in parallel when one row tile holds every row of a kv head, the
     keys span two chunks or more, the one-program launch would leave SMs idle and the chunk
     states stay small."""
