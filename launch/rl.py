@@ -1,7 +1,8 @@
 """True on-policy RL on CPU: GRPO on arithmetic, engine rollouts at one TP size, the trainer at another.
 
-``python launch/rl.py`` spawns two gloo ranks and runs, from one supervised warm start of a
-tiny Qwen3-shaped model (one-digit addition, ``"3+5=8\\n"``):
+``python launch/rl.py`` spawns gloo ranks (as many as the larger TP size: 1, 2 or 4; a TP size
+of n runs on ranks 0..n-1) and runs, from one supervised warm start of a tiny Qwen3-shaped model
+(one-digit addition, ``"3+5=8\\n"``):
 
 * the tpinv run: the engine samples a group of answers per prompt at ``--rollout-tp`` (default
   2), the trainer scores them and takes a GRPO step at ``--trainer-tp`` (default 1), and the
@@ -13,7 +14,8 @@ Each step logs the mean reward, the K3 KL(rollout || trainer), NeMo-RL's token_m
 and the fraction of tokens whose two log-probs are the same bits.  The invariant run gives KL
 exactly 0 and token_mult_prob_error exactly 1.0 at every step; the vanilla run does not.
 ``metrics.jsonl`` and ``rl_curves.png`` go to ``--out``.  Swap the sizes with
-``--rollout-tp 1 --trainer-tp 2``.
+``--rollout-tp 1 --trainer-tp 2``; ``--rollout-tp 4 --trainer-tp 1`` is the layout of an RL
+job whose inference engine runs at TP=4.
 """
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError
 from tpinv.engine import Engine, Request, SamplingParams
 from tpinv.engine.metrics import mismatch_metrics
 from tpinv.models import Transformer, get_config
+from tpinv.models.transformer import check_model_sizes
 from tpinv.rl.mismatch import correct, importance_weights
 from tpinv.rl.grpo import (arithmetic_prompt, arithmetic_reward, full_weights, group_advantages, policy_loss,
                            sequence_log_probs, sync_weights)
@@ -42,8 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-tiny")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--rollout-tp", type=int, default=2, choices=(1, 2))
-    p.add_argument("--trainer-tp", type=int, default=1, choices=(1, 2))
+    p.add_argument("--rollout-tp", type=int, default=2, choices=(1, 2, 4))
+    p.add_argument("--trainer-tp", type=int, default=1, choices=(1, 2, 4))
     p.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
@@ -58,8 +62,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", default="tpinv,vanilla", help="comma-separated: tpinv, vanilla")
     p.add_argument("--out", default="rl_out")
     args = p.parse_args(argv)
-    if args.rollout_tp == args.trainer_tp == 1:
+    if args.rollout_tp == args.trainer_tp:
         p.error("use different TP sizes for the engine and the trainer (e.g. --rollout-tp 2 --trainer-tp 1)")
+    try:
+        cfg = get_config(args.model)
+    except KeyError as e:
+        p.error(str(e.args[0]))
+    for flag, tp in (("--rollout-tp", args.rollout_tp), ("--trainer-tp", args.trainer_tp)):
+        try:
+            check_model_sizes(cfg, tp, DEFAULT_LEAVES)
+        except InvarianceError as e:
+            p.error(f"{flag} {tp}: {e}")
     return args
 
 
@@ -78,10 +91,11 @@ def warm_start(model, args) -> None:
 
 
 def rl_run(rank: int, world: int, args, vanilla: bool, log) -> list[dict]:
-    group = dist.group.WORLD
     solo = [dist.new_group([r]) for r in range(world)][rank]  # a TP=1 group of this rank alone
-    trainer_group = group if args.trainer_tp > 1 else solo
-    engine_group = group if args.rollout_tp > 1 else solo
+    # TP size n runs on ranks 0..n-1 (every rank creates every group, in the same order)
+    groups = {n: dist.new_group(list(range(n))) if n > 1 else solo
+              for n in sorted({args.trainer_tp, args.rollout_tp})}
+    trainer_group, engine_group = groups[args.trainer_tp], groups[args.rollout_tp]
     cfg = get_config(args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     torch.manual_seed(args.seed)  # seeded init: the same full weights at every TP size
     policy = Transformer(cfg, tp_group=trainer_group) if rank < args.trainer_tp else None

@@ -1,6 +1,7 @@
 """``launch/rl.py``: the rollout and the trainer at different TP sizes agree on every log-prob bit.
 
-Two short GRPO runs (rollout TP=2 / trainer TP=1, and the reverse) on spawned gloo ranks:
+Short GRPO runs on spawned gloo ranks (rollout TP=2 / trainer TP=1, the reverse, and rollout TP=4 /
+trainer TP=1, the layout of an engine at TP=4 beside a trainer at TP=1):
 every step of the tpinv run has K3 KL exactly 0, token_mult_prob_error exactly 1.0 and all
 log-probs bitwise equal; the vanilla run beside it (same weights, the plain forward on both
 sides) has non-zero KL and some differing log-probs (the negative control).
@@ -19,7 +20,7 @@ RL = os.path.join(ROOT, "launch", "rl.py")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rollout_tp,trainer_tp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("rollout_tp,trainer_tp", [(2, 1), (1, 2), (4, 1)])
 def test_rl_loop_is_on_policy_at_different_tp_sizes(tmp_path, rollout_tp, trainer_tp):
     out = tmp_path / "rl"
     proc = subprocess.run([sys.executable, RL, "--steps", "2", "--sft-steps", "3", "--prompts", "3", "--group", "2",
@@ -36,3 +37,4 @@ def test_rl_loop_is_on_policy_at_different_tp_sizes(tmp_path, rollout_tp, traine
     assert all(r["token_mult_prob_error"] > 1.0 and r["frac_bitwise_equal"] < 1.0 for r in van), van
     assert all(r["is_weight_min"] < 1.0 < r["is_weight_max"] for r in van), van
     assert (out / "rl_curves.png").stat().st_size > 0
+

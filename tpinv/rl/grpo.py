@@ -94,13 +94,17 @@ def sequence_log_probs(model, prompts: Sequence[Sequence[int]], generations: Seq
 
 
 def full_weights(model, group: Optional[dist.ProcessGroup]) -> dict[str, torch.Tensor]:
-    """The model's full parameters (TP shards gathered along their partition dims)."""
+    """The model's full parameters (TP shards gathered along their partition dims; a shard that
+    ``R`` ranks hold, a replicated KV head's, counted once)."""
     out = {}
     for name, p in model.named_parameters():
         dim = int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
         t = p.detach()
         if dim is not None and group is not None and dist.get_world_size(group) > 1:
             t = all_gather(t.contiguous(), group, dim=dim)
+            replicas = getattr(p, "tpinv_replicas", 1)
+            if replicas > 1:  # ranks [R*j, R*(j+1)) hold piece j: keep one copy of each
+                t = torch.cat(t.chunk(dist.get_world_size(group), dim)[::replicas], dim)
         out[name] = t.clone()
     return out
 
@@ -124,4 +128,4 @@ def sync_weights(full: Optional[dict[str, torch.Tensor]], engine_model, specs: d
             p = params[name]
             dim = int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
             with torch.no_grad():
-                p.copy_(t[shard_index(t.shape, dim, tp, rank, name)])
+                p.copy_(t[shard_index(t.shape, dim, tp, rank, name, getattr(p, "tpinv_replicas", 1))])
