@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tpinv.models import Transformer, get_config
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
-from tpinv.distributed.reduce import all_gather
+from tpinv.distributed.reduce import gather_shards
 from tpinv.testing import same_bits
 
 
@@ -56,7 +56,7 @@ def build(name: str, layers: int | None, dtype: torch.dtype, group, device) -> T
 def full_tensor(t: torch.Tensor, p: torch.nn.Parameter, group, tp: int) -> torch.Tensor:
     if tp == 1 or not getattr(p, "tensor_model_parallel", False):
         return t.detach().clone()
-    return all_gather(t.detach().contiguous(), group, dim=p.partition_dim)
+    return gather_shards(t, group, p.partition_dim, getattr(p, "tpinv_replicas", 1))
 
 
 def sync(device) -> None:

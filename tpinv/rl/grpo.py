@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from tpinv.distributed.reduce import all_gather
+from tpinv.distributed.reduce import gather_shards
 from tpinv.io.checkpoint import shard_index
 from tpinv.layers.linear_cross_entropy import LOG_PROB_CHUNK_TOKENS
 
@@ -101,10 +101,7 @@ def full_weights(model, group: Optional[dist.ProcessGroup]) -> dict[str, torch.T
         dim = int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
         t = p.detach()
         if dim is not None and group is not None and dist.get_world_size(group) > 1:
-            t = all_gather(t.contiguous(), group, dim=dim)
-            replicas = getattr(p, "tpinv_replicas", 1)
-            if replicas > 1:  # ranks [R*j, R*(j+1)) hold piece j: keep one copy of each
-                t = torch.cat(t.chunk(dist.get_world_size(group), dim)[::replicas], dim)
+            t = gather_shards(t, group, dim, getattr(p, "tpinv_replicas", 1))
         out[name] = t.clone()
     return out
 
