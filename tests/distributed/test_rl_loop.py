@@ -37,4 +37,3 @@ def test_rl_loop_is_on_policy_at_different_tp_sizes(tmp_path, rollout_tp, traine
     assert all(r["token_mult_prob_error"] > 1.0 and r["frac_bitwise_equal"] < 1.0 for r in van), van
     assert all(r["is_weight_min"] < 1.0 < r["is_weight_max"] for r in van), van
     assert (out / "rl_curves.png").stat().st_size > 0
-
