@@ -74,9 +74,10 @@ def bench(sizes: list[int], algorithms: list[str], warmup: int, iters: int,
         rows = [("all_reduce", base, torch.equal(plain, reference))]
         valid = [a for a in algorithms if a == "auto" or a in algorithms_for(world)]
         runs = [(a, check) for a in valid] + ([("auto", True)] if not check else [])
+        group = dist.group.WORLD
         for algorithm, checked in runs:
-            out = tree_all_reduce(mine, None, algorithm=algorithm, check=checked)
-            seconds = _time(lambda: tree_all_reduce(mine, None, algorithm=algorithm,
+            out = tree_all_reduce(mine, group, algorithm=algorithm, check=checked)
+            seconds = _time(lambda: tree_all_reduce(mine, group, algorithm=algorithm,
                                                     check=checked), device, warmup, iters)
             label = algorithm if algorithm != "auto" else \
                 f"auto({choose_algorithm(n * 4, world, 'nccl' if mine.is_cuda else 'gloo')})"

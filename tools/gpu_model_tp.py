@@ -1,14 +1,15 @@
-"""The decoder at TP=1 and TP=2 on two GPUs (NCCL): the same logits, loss and gradients, bit for bit.
+"""The decoder at TP=1 and TP=N on N GPUs (NCCL; N = 2, 4 or 8): the same logits, loss and gradients, bit for bit.
 
-Run with ``torchrun --nproc-per-node 2 tools/gpu_model_tp.py [--models qwen3-tiny,qwen3-0.6b:24]``.
-Each rank builds the model at TP=1 in a group of its own (one GPU each) and then at TP=2
-(both GPUs) from the same seed; rank 0 compares the gathered logits, the per-token loss
+Run with ``torchrun --nproc-per-node N tools/gpu_model_tp.py [--models qwen3-tiny,qwen3-0.6b:24]``.
+Each rank builds the model at TP=1 in a group of its own (one GPU each) and then at TP=N
+(all the GPUs) from the same seed; rank 0 compares the gathered logits, the per-token loss
 (``model.loss``) and every parameter gradient gathered to its full tensor, and checks the
 negative control: the plain-torch path (:func:`tpinv.models.vanilla.vanilla_forward`,
-cuBLAS and a plain all-reduce) gives different logits at TP=1 and TP=2.  It also times a
+cuBLAS and a plain all-reduce) gives different logits at TP=1 and TP=N.  It also times a
 forward+backward of both paths; with ``--engine`` it also compares the engine's generations
 (token ids and log-probs; on CUDA every decode step replayed from a CUDA graph, NCCL
-collectives inside) at TP=1 and TP=2.  Prints a table; ``--json`` writes the results.
+collectives inside) at TP=1 and TP=N.  A model with fewer kv heads than N holds each kv head
+on several ranks; its gradients are gathered with one copy of each.  Prints a table; ``--json`` writes the results.
 Without CUDA it runs on CPU with gloo (a check of the script itself).
 """
 from __future__ import annotations
@@ -156,42 +157,42 @@ def main() -> None:
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != 2:
-        raise SystemExit(f"run with 2 ranks (torchrun --nproc-per-node 2), got {world}")
+    if world not in (2, 4, 8):
+        raise SystemExit(f"run with 2, 4 or 8 ranks (torchrun --nproc-per-node N), got {world}")
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
     own = [dist.new_group([r]) for r in range(world)]
-    both = dist.new_group(list(range(world)))
+    every = dist.new_group(list(range(world)))
 
     rows = []
     for name, layers in parse_models(opts.models):
         one = run_case(name, layers, own[rank], 1, device, opts.batch, opts.seq, opts.iters, opts.engine)
         dist.barrier()
-        two = run_case(name, layers, both, 2, device, opts.batch, opts.seq, opts.iters, opts.engine)
+        two = run_case(name, layers, every, world, device, opts.batch, opts.seq, opts.iters, opts.engine)
         if rank == 0:
             row = {"model": name, "num_layers": layers or get_config(name).num_layers,
                    "params": two["params"], "batch": opts.batch, "seq": opts.seq,
                    **compare(one, two),
-                   "tp1_fwd_bwd_s": one["t_tpinv"], "tp2_fwd_bwd_s": two["t_tpinv"],
-                   "tp1_vanilla_fwd_bwd_s": one["t_vanilla"], "tp2_vanilla_fwd_bwd_s": two["t_vanilla"]}
+                   "tp1_fwd_bwd_s": one["t_tpinv"], f"tp{world}_fwd_bwd_s": two["t_tpinv"],
+                   "tp1_vanilla_fwd_bwd_s": one["t_vanilla"], f"tp{world}_vanilla_fwd_bwd_s": two["t_vanilla"]}
             rows.append(row)
         del one, two
         dist.barrier()
 
     if rank == 0:
         head = (f"{'model':<12} {'layers':>6} {'params':>11} {'logits':>6} {'loss':>5} {'grads':>9} "
-                f"{'vanilla differs':>15} {'tp1 s':>7} {'tp2 s':>7} {'van1 s':>7} {'van2 s':>7} "
+                f"{'vanilla differs':>15} {'tp1 s':>7} {f'tp{world} s':>7} {'van1 s':>7} {f'van{world} s':>7} "
                 f"{'generated':>9} {'replays':>9}")
         print(f"device: {torch.cuda.get_device_name(device) if use_cuda else 'cpu'} x{world}, bf16")
         print(head)
         for r in rows:
             print(f"{r['model']:<12} {r['num_layers']:>6} {r['params']:>11} {str(r['logits_equal']):>6} "
                   f"{str(r['loss_equal']):>5} {r['grads_equal']:>4}/{r['grads_total']:<4} "
-                  f"{str(r['vanilla_logits_differ']):>15} {r['tp1_fwd_bwd_s']:>7.3f} {r['tp2_fwd_bwd_s']:>7.3f} "
-                  f"{r['tp1_vanilla_fwd_bwd_s']:>7.3f} {r['tp2_vanilla_fwd_bwd_s']:>7.3f} "
+                  f"{str(r['vanilla_logits_differ']):>15} {r['tp1_fwd_bwd_s']:>7.3f} {r[f'tp{world}_fwd_bwd_s']:>7.3f} "
+                  f"{r['tp1_vanilla_fwd_bwd_s']:>7.3f} {r[f'tp{world}_vanilla_fwd_bwd_s']:>7.3f} "
                   f"{str(r['generated_equal']):>9} {str(r['decode_replays']):>9}")
         if opts.json:
             os.makedirs(os.path.dirname(os.path.abspath(opts.json)), exist_ok=True)
