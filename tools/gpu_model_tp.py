@@ -1,4 +1,5 @@
-"""The decoder at TP=1 and TP=N on N GPUs (NCCL; N = 2, 4 or 8): the same logits, loss and gradients, bit for bit.
+"""The decoder at TP=1 and TP=N on N GPUs (NCCL; N = 2, 4 or 8): the same logits, loss and
+gradients, bit for bit.
 
 Run with ``torchrun --nproc-per-node N tools/gpu_model_tp.py [--models qwen3-tiny,qwen3-0.6b:24]``.
 Each rank builds the model at TP=1 in a group of its own (one GPU each) and then at TP=N
@@ -9,7 +10,8 @@ cuBLAS and a plain all-reduce) gives different logits at TP=1 and TP=N.  It also
 forward+backward of both paths; with ``--engine`` it also compares the engine's generations
 (token ids and log-probs; on CUDA every decode step replayed from a CUDA graph, NCCL
 collectives inside) at TP=1 and TP=N.  A model with fewer kv heads than N holds each kv head
-on several ranks; its gradients are gathered with one copy of each.  Prints a table; ``--json`` writes the results.
+on several ranks; its gradients are gathered with one copy of each.  Prints a table;
+``--json`` writes the results.
 Without CUDA it runs on CPU with gloo (a check of the script itself).
 """
 from __future__ import annotations
@@ -128,18 +130,18 @@ def generate(model, device) -> tuple[list, int]:
     return [(r.token_ids, r.logprobs.cpu()) for r in results], replays
 
 
-def compare(one: dict, two: dict) -> dict:
-    grads_equal = sum(same_bits(one["grads"][n], g) for n, g in two["grads"].items())
+def compare(one: dict, many: dict) -> dict:
+    grads_equal = sum(same_bits(one["grads"][n], g) for n, g in many["grads"].items())
     return {
-        "logits_equal": same_bits(one["logits"], two["logits"]),
-        "loss_equal": same_bits(one["loss"], two["loss"]),
+        "logits_equal": same_bits(one["logits"], many["logits"]),
+        "loss_equal": same_bits(one["loss"], many["loss"]),
         "grads_equal": int(grads_equal), "grads_total": len(one["grads"]),
-        "grad_names_match": one["grads"].keys() == two["grads"].keys(),
-        "vanilla_logits_differ": not same_bits(one["vanilla"], two["vanilla"]),
+        "grad_names_match": one["grads"].keys() == many["grads"].keys(),
+        "vanilla_logits_differ": not same_bits(one["vanilla"], many["vanilla"]),
         "generated_equal": None if one["generated"] is None else all(
-            a[0] == b[0] and same_bits(a[1], b[1]) for a, b in zip(one["generated"], two["generated"])),
-        "decode_replays": [one["decode_replays"], two["decode_replays"]],
-        "vanilla_max_abs_diff": (one["vanilla"].float() - two["vanilla"].float()).abs().max().item(),
+            a[0] == b[0] and same_bits(a[1], b[1]) for a, b in zip(one["generated"], many["generated"])),
+        "decode_replays": [one["decode_replays"], many["decode_replays"]],
+        "vanilla_max_abs_diff": (one["vanilla"].float() - many["vanilla"].float()).abs().max().item(),
     }
 
 
@@ -171,15 +173,15 @@ def main() -> None:
     for name, layers in parse_models(opts.models):
         one = run_case(name, layers, own[rank], 1, device, opts.batch, opts.seq, opts.iters, opts.engine)
         dist.barrier()
-        two = run_case(name, layers, every, world, device, opts.batch, opts.seq, opts.iters, opts.engine)
+        many = run_case(name, layers, every, world, device, opts.batch, opts.seq, opts.iters, opts.engine)
         if rank == 0:
             row = {"model": name, "num_layers": layers or get_config(name).num_layers,
-                   "params": two["params"], "batch": opts.batch, "seq": opts.seq,
-                   **compare(one, two),
-                   "tp1_fwd_bwd_s": one["t_tpinv"], f"tp{world}_fwd_bwd_s": two["t_tpinv"],
-                   "tp1_vanilla_fwd_bwd_s": one["t_vanilla"], f"tp{world}_vanilla_fwd_bwd_s": two["t_vanilla"]}
+                   "params": many["params"], "batch": opts.batch, "seq": opts.seq,
+                   **compare(one, many),
+                   "tp1_fwd_bwd_s": one["t_tpinv"], f"tp{world}_fwd_bwd_s": many["t_tpinv"],
+                   "tp1_vanilla_fwd_bwd_s": one["t_vanilla"], f"tp{world}_vanilla_fwd_bwd_s": many["t_vanilla"]}
             rows.append(row)
-        del one, two
+        del one, many
         dist.barrier()
 
     if rank == 0:
