@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from tpinv.core.contract import rank_leaves, tree_combine, tree_combine_list
 from tpinv.kernels.reference_tree import leaf_partials, leaf_tree_sum
-from tpinv.distributed.reduce import (ALGORITHMS, CollectiveError, algorithms_for, all_gather,
+import tpinv.distributed.reduce as reduce_module
+from tpinv.distributed.reduce import (ALGORITHMS, CHECK_ENV, CollectiveError, algorithms_for, all_gather,
                           choose_algorithm, tree_all_reduce, tree_reduce_scatter)
 from tpinv.testing import RankFailedError, assert_bits_differ, assert_same_bits, record_ops, run_ranks
 
@@ -63,6 +64,7 @@ def _correctness_rank(rank, world, cases, gathers, x):
     out["plain_all_reduce_of_subtrees"] = plain_subtree
     if world == 2:
         out["errors"] = _errors(rank)
+        out["check_policy"] = _check_policy(rank)
     if world == 4:  # explicit sub-groups: consecutive pairs, strided pairs, and three ranks
         out["pair_sum_refused"] = _caught(
             lambda: tree_all_reduce(torch.ones(4), dist.group.WORLD, algorithm="pair_sum"))
@@ -227,6 +229,66 @@ def _errors(rank):
         "none_gather": _caught(lambda: all_gather(torch.ones(5), None)),
         "still_works": tree_all_reduce(torch.full((3,), float(rank + 1)), dist.group.WORLD),
     }
+
+
+def _check_policy(rank):
+    """How many descriptor checks each call makes (the descriptor is the only int64 exchange)."""
+    checks = []
+    real = reduce_module._all_gather_single
+
+    def counting(out, inp, group):
+        checks.append(inp.dtype == torch.int64)
+        real(out, inp, group)
+
+    def count(fn):
+        del checks[:]
+        result = fn()
+        return sum(checks), result
+
+    a, b, world = torch.full((6, 4), rank + 1.0), torch.full((6, 8), rank + 1.0), dist.group.WORLD
+    reduce_module._all_gather_single = counting
+    try:
+        out = {
+            "first": count(lambda: tree_all_reduce(a, world))[0],
+            "again": count(lambda: tree_all_reduce(a, world))[0],
+            "other_op": count(lambda: all_gather(a, world))[0],
+            "other_op_again": count(lambda: all_gather(a, world))[0],
+            "scatter": count(lambda: tree_reduce_scatter(a, world))[0],
+            "scatter_again": count(lambda: tree_reduce_scatter(a, world))[0],
+            "other_shape": count(lambda: tree_all_reduce(b, world))[0],
+            "always": count(lambda: tree_all_reduce(a, world, check="always"))[0],
+            "unchecked": count(lambda: tree_all_reduce(a, world, check=False))[0],
+            "bad_value": _caught(lambda: tree_all_reduce(a, world, check="sometimes")),
+        }
+        os.environ[CHECK_ENV] = "always"
+        try:
+            out["env_always"], out["env_result"] = count(lambda: tree_all_reduce(a, world))
+        finally:
+            del os.environ[CHECK_ENV]
+        # Both signatures were verified above; a rank that diverges onto the other one is caught
+        # only by a check of every call.
+        out["diverged_always"] = _caught(
+            lambda: tree_all_reduce(a if rank == 0 else b, world, check="always"))
+        out["still_works"] = tree_all_reduce(a, world)
+    finally:
+        reduce_module._all_gather_single = real
+    return out
+
+
+def test_each_signature_is_checked_once_unless_always(spawned):
+    results = spawned[-1][2]
+    for rank in range(2):
+        r = results[rank]["check_policy"]
+        assert (r["first"], r["again"]) == (1, 0), r
+        assert (r["other_op"], r["other_op_again"]) == (1, 0), r       # per op, not per shape alone
+        assert (r["scatter"], r["scatter_again"]) == (1, 0), r
+        assert r["other_shape"] == 1 and r["always"] == 1 and r["env_always"] == 1, r
+        assert r["unchecked"] == 0, r
+        assert r["bad_value"][0] == "ValueError" and "sometimes" in r["bad_value"][1]
+        kind, message = r["diverged_always"]
+        assert kind == "InvarianceError" and "(6, 4)" in message and "(6, 8)" in message, r
+        assert_same_bits(r["env_result"], torch.full((6, 4), 3.0), str(rank))
+        assert_same_bits(r["still_works"], torch.full((6, 4), 3.0), str(rank))
 
 
 def test_errors_are_clear_and_raised_on_every_rank(spawned):

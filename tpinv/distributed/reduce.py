@@ -24,6 +24,14 @@ Algorithms (all give identical bits):
 * ``"auto"``: ``"pair_sum"`` for two NCCL ranks, else by message size, see
   :func:`choose_algorithm` (thresholds measured with ``benchmarks/bench_reduce.py``).
 
+The cross-rank check (``check=True``, the default) exchanges a small descriptor of the call
+(op, shape, dtype, settings) so that ranks that disagree raise :class:`InvarianceError` on every
+rank instead of hanging.  Reading the gathered descriptors makes the host wait for the device, so
+a rank checks each call signature on a group once, the first time it makes it, and trusts it
+afterwards: the steady state of a training or decode loop pays no check.  ``check="always"``, or
+``TPINV_CHECK_COLLECTIVES=always`` in the environment, checks every call (for debugging a rank
+that diverges only on a signature it has used before).
+
 Only torch.distributed collectives are used (gloo and NCCL).  These functions are not
 differentiable; :mod:`tpinv.distributed.mappings` wraps them in autograd regions.
 """
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Iterator
 
 import torch
@@ -41,8 +50,8 @@ from tpinv.core.capture import capturing, compiling
 from tpinv.core.dtypes import NAMES
 from tpinv.distributed.groups import LOCAL, group_size, group_size_rank
 
-__all__ = ["ALGORITHMS", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
-           "all_gather", "gather_shards", "algorithms_for", "choose_algorithm"]
+__all__ = ["ALGORITHMS", "CHECK_MODES", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
+           "all_gather", "gather_shards", "algorithms_for", "check_mode", "choose_algorithm"]
 
 ALGORITHMS = ("all_to_all", "halving", "all_gather", "pair_sum")
 
@@ -52,6 +61,14 @@ ALGORITHMS = ("all_to_all", "halving", "all_gather", "pair_sum")
 #: 256 MiB.  ``"halving"`` was the slowest at every size on NCCL (2 ranks) and on gloo
 #: (a point-to-point exchange costs several collective latencies), so auto never picks it.
 AUTO_ALL_GATHER_MAX_BYTES = {"gloo": 512 * 1024, "nccl": 16 * 1024 * 1024}
+
+#: The ``check`` values: True is ``"first"`` (each call signature once per rank and group; see the
+#: module docstring), unless ``TPINV_CHECK_COLLECTIVES=always``; False skips the check.
+CHECK_MODES = ("first", "always")
+CHECK_ENV = "TPINV_CHECK_COLLECTIVES"
+#: Verified signatures kept per group before the set starts over (every rank of a group that
+#: agrees makes the same calls, so every rank starts over at the same call).
+VERIFIED_MAX = 4096
 
 _OPS = ("tree_all_reduce", "tree_reduce_scatter", "all_gather")
 _DTYPES = tuple(NAMES.values())  # descriptor codes: a dtype's index in tpinv's one name table
@@ -108,13 +125,37 @@ def _describe(row: list[int]) -> str:
             f"leaves={leaves})")
 
 
+_VERIFIED: dict = {}          # group -> the descriptors verified on it
+_VERIFIED_WORLD: list = [None]   # the default group those groups belong to
+
+
+def check_mode(check: bool | str) -> str | None:
+    """``"first"``, ``"always"`` or None (no check) for a collective's ``check`` argument."""
+    if check is True:
+        return "always" if os.environ.get(CHECK_ENV, "").strip().lower() == "always" else "first"
+    if check is False:
+        return None
+    if check not in CHECK_MODES:
+        raise ValueError(f"check={check!r}: expected True, False or one of {CHECK_MODES}")
+    return check
+
+
+def _verified(group) -> set:
+    world = dist.group.WORLD
+    if _VERIFIED_WORLD[0] is not world:   # a new default group: its groups are new too
+        _VERIFIED.clear()
+        _VERIFIED_WORLD[0] = world
+    return _VERIFIED.setdefault(group, set())
+
+
 def _check_agree(op: str, t: torch.Tensor, group, size: int, rank: int, *, algorithm: str,
-                 leaves: int, dim: int) -> None:
+                 leaves: int, dim: int, mode: str = "always") -> None:
     """All-gather a small descriptor; raise the same InvarianceError on every rank on mismatch.
 
-    Not inside a CUDA-graph capture (it reads the gathered descriptors on the host): a captured
-    step replays the shapes its eager warm-up runs checked.  Under torch.compile the comparison
-    is a ``torch._assert_async`` node of the graph (``RuntimeError`` naming the op)."""
+    ``mode="first"`` skips a descriptor this rank has verified on ``group`` before.  Not inside
+    a CUDA-graph capture (it reads the gathered descriptors on the host): a captured step
+    replays the shapes its eager warm-up runs checked.  Under torch.compile the comparison is a
+    ``torch._assert_async`` node of the graph (``RuntimeError`` naming the op), every call."""
     if capturing():
         return
     shape = list(t.shape)
@@ -124,6 +165,11 @@ def _check_agree(op: str, t: torch.Tensor, group, size: int, rank: int, *, algor
     algo = (("auto",) + ALGORITHMS).index(algorithm)
     dtype = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
     desc = [_OPS.index(op), algo, leaves, dtype, dim, t.dim()] + shape
+    seen = None
+    if mode == "first" and not compiling():
+        seen = _verified(group)
+        if tuple(desc) in seen:
+            return
     mine = torch.tensor(desc, dtype=torch.int64, device=t.device)
     every = torch.empty(size * mine.numel(), dtype=torch.int64, device=t.device)
     with _collective(f"{op} descriptor check", algorithm, size, rank):
@@ -138,6 +184,10 @@ def _check_agree(op: str, t: torch.Tensor, group, size: int, rank: int, *, algor
         lines = "\n".join(f"  group rank {i}: {_describe(r)}" for i, r in enumerate(rows))
         raise InvarianceError(f"ranks disagree on {op}; every rank must pass the same shape, "
                               f"dtype and settings:\n{lines}")
+    if seen is not None:
+        if len(seen) >= VERIFIED_MAX:
+            seen.clear()
+        seen.add(tuple(desc))
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -153,8 +203,10 @@ def _prepare(op, partial, group, *, algorithm, leaves, check, dim=0):
     check_tp_size(size, leaves)
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r}: expected 'auto' or one of {ALGORITHMS}")
-    if size > 1 and check:
-        _check_agree(op, partial, group, size, rank, algorithm=algorithm, leaves=leaves, dim=dim)
+    mode = check_mode(check)
+    if size > 1 and mode:
+        _check_agree(op, partial, group, size, rank, algorithm=algorithm, leaves=leaves, dim=dim,
+                     mode=mode)
     if algorithm != "auto" and algorithm not in algorithms_for(size):
         raise InvarianceError(
             f"{op}: algorithm 'pair_sum' needs a group of exactly 2 ranks (the tree is then one "
@@ -230,7 +282,7 @@ def _reduce_scatter_rows(rows: torch.Tensor, group, size: int, rank: int, algori
 
 def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None, *,
                     algorithm: str = "auto", leaves: int = DEFAULT_LEAVES,
-                    check: bool = True) -> torch.Tensor:
+                    check: bool | str = True) -> torch.Tensor:
     """Tree-combine the fp32 ``partial`` of every rank of ``group`` (``None``: a single rank, see
     :mod:`tpinv.distributed.groups`).
 
@@ -238,7 +290,8 @@ def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None, *,
     ``tree_combine(torch.stack(partials, -1))`` in one process.  A group of one returns
     ``partial`` itself.  The group size must be a power of two dividing ``leaves``.
     With ``check`` every rank first exchanges (shape, dtype, settings) so a mismatch
-    raises :class:`InvarianceError` on every rank instead of hanging.
+    raises :class:`InvarianceError` on every rank instead of hanging: once per call
+    signature, or every call with ``check="always"`` (see the module docstring).
     """
     group, size, rank, algorithm = _prepare("tree_all_reduce", partial, group,
                                             algorithm=algorithm, leaves=leaves, check=check)
@@ -277,7 +330,7 @@ def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None, *,
 
 def tree_reduce_scatter(partial: torch.Tensor, group: dist.ProcessGroup | None, *, dim: int = 0,
                         algorithm: str = "auto", leaves: int = DEFAULT_LEAVES,
-                        check: bool = True) -> torch.Tensor:
+                        check: bool | str = True) -> torch.Tensor:
     """Chunk ``rank`` along ``dim`` of :func:`tree_all_reduce` of ``partial`` (same bits).
 
     ``partial.shape[dim]`` must be divisible by the group size ``C``; the result has
@@ -309,7 +362,7 @@ def tree_reduce_scatter(partial: torch.Tensor, group: dist.ProcessGroup | None, 
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, *, dim: int = 0,
-               check: bool = True) -> torch.Tensor:
+               check: bool | str = True) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` in group-rank order, exactly (any dtype).
 
     The bytes travel unchanged.  A group of one returns ``tensor`` itself.
@@ -318,8 +371,10 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, *, dim: in
     group, size, rank = _group(group)
     if size == 1:
         return tensor
-    if check:
-        _check_agree("all_gather", tensor, group, size, rank, algorithm="auto", leaves=1, dim=dim)
+    mode = check_mode(check)
+    if mode:
+        _check_agree("all_gather", tensor, group, size, rank, algorithm="auto", leaves=1, dim=dim,
+                     mode=mode)
     moved = tensor.detach().movedim(dim, 0).contiguous()
     raw = moved.reshape(-1).view(torch.uint8)
     out = torch.empty(size * raw.numel(), dtype=torch.uint8, device=raw.device)

@@ -81,8 +81,14 @@ def column_input_grad(dy: torch.Tensor, weight: torch.Tensor, group, leaves: int
     n = weight.shape[0] // (stride * replicas)
     off = replica_index * n
     dy2 = _flat(dy)
+    chunks = _row_chunks(dy2.shape[0], 4 * stride * weight.shape[1])
+    if stride == 1 and len(chunks) == 1:   # the loop below with one block and one chunk: fewer calls
+        part = matmul_partial(dy2.narrow(-1, off, n), weight.narrow(0, off, n).t(), leaves // tp)
+        if tp > 1:
+            part = tree_all_reduce(part, group, leaves=leaves)
+        return part.to(dy.dtype).reshape(*dy.shape[:-1], weight.shape[1])
     dx = torch.empty(dy2.shape[0], weight.shape[1], dtype=dy.dtype, device=dy.device)
-    for rows in _row_chunks(dy2.shape[0], 4 * stride * weight.shape[1]):
+    for rows in chunks:
         parts = torch.stack([matmul_partial(dy2[rows].narrow(-1, off + j * n, n),
                                             weight.narrow(0, off + j * n, n).t(), leaves // tp)
                              for j in range(stride)], dim=-1)
@@ -147,8 +153,12 @@ class RowParallelTreeMatmul(torch.autograd.Function):
             part = matmul_partial(x, weight, leaves // tp)
             return tree_reduce_scatter(part, group, dim=seq_dim, leaves=leaves).to(x.dtype)
         x2 = _flat(x)
+        chunks = _row_chunks(x2.shape[0], 4 * weight.shape[0])   # bounded fp32 partials
+        if len(chunks) == 1:
+            y = tree_all_reduce(matmul_partial(x2, weight, leaves // tp), group, leaves=leaves).to(x.dtype)
+            return y.reshape(*x.shape[:-1], weight.shape[0])
         y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-        for rows in _row_chunks(x2.shape[0], 4 * weight.shape[0]):   # bounded fp32 partials
+        for rows in chunks:
             y[rows] = tree_all_reduce(matmul_partial(x2[rows], weight, leaves // tp), group, leaves=leaves)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
