@@ -6,7 +6,9 @@ barrier) next to a plain sum ``all_reduce``, and checked bitwise against the
 single-process tree over all ranks' partials.  Bus bandwidth is ``2(C-1)/C * bytes / time``;
 ``vs_all_reduce`` is ``all_reduce time / algorithm time`` (above 1: faster).  Algorithms
 run with ``check=False`` unless ``--check``; the ``+check`` row times ``"auto"`` with the
-cross-rank shape check on (one more small collective and a host sync).
+cross-rank shape check as the layers run it (once per call signature, so the timed calls repeat
+a verified one), the ``+check always`` row with a check of every call (one more small
+collective and a host sync).
 
     python -m benchmarks.bench_reduce --world 4                    # spawns gloo ranks on CPU
     torchrun --nproc-per-node 2 -m benchmarks.bench_reduce --backend nccl --json out.json
@@ -73,7 +75,7 @@ def bench(sizes: list[int], algorithms: list[str], warmup: int, iters: int,
         base = _time(lambda: dist.all_reduce(mine.clone()), device, warmup, iters)
         rows = [("all_reduce", base, torch.equal(plain, reference))]
         valid = [a for a in algorithms if a == "auto" or a in algorithms_for(world)]
-        runs = [(a, check) for a in valid] + ([("auto", True)] if not check else [])
+        runs = [(a, check) for a in valid] + ([("auto", True)] if not check else []) + [("auto", "always")]
         group = dist.group.WORLD
         for algorithm, checked in runs:
             out = tree_all_reduce(mine, group, algorithm=algorithm, check=checked)
@@ -81,8 +83,8 @@ def bench(sizes: list[int], algorithms: list[str], warmup: int, iters: int,
                                                     check=checked), device, warmup, iters)
             label = algorithm if algorithm != "auto" else \
                 f"auto({choose_algorithm(n * 4, world, 'nccl' if mine.is_cuda else 'gloo')})"
-            rows.append((label + ("+check" if checked and not check else ""), seconds,
-                         torch.equal(out, reference)))
+            suffix = "+check always" if checked == "always" else "+check" if checked and not check else ""
+            rows.append((label + suffix, seconds, torch.equal(out, reference)))
         for label, seconds, equal in rows:
             records.append({
                 "bytes": n * 4, "algorithm": label, "world": world, "backend": backend,
@@ -93,14 +95,14 @@ def bench(sizes: list[int], algorithms: list[str], warmup: int, iters: int,
 
 
 def format_table(records: list[dict]) -> str:
-    head = f"{'size':>9} {'algorithm':>22} {'time_us':>10} {'busbw_GB/s':>11} " \
+    head = f"{'size':>9} {'algorithm':>29} {'time_us':>10} {'busbw_GB/s':>11} " \
            f"{'vs_all_reduce':>14} {'== tree':>8}"
     lines = [head, "-" * len(head)]
     for r in records:
         size = r["bytes"]
         label = f"{size >> 20}M" if size >= 1 << 20 else f"{size >> 10}K" if size >= 1024 \
             else f"{size}B"
-        lines.append(f"{label:>9} {r['algorithm']:>22} {r['time_us']:>10.1f} "
+        lines.append(f"{label:>9} {r['algorithm']:>29} {r['time_us']:>10.1f} "
                      f"{r['busbw_GBps']:>11.3f} {r['vs_all_reduce']:>13.2f}x "
                      f"{'yes' if r['bitwise_equal_tree'] else 'no':>8}")
     return "\n".join(lines)
