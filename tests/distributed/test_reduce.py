@@ -291,6 +291,13 @@ def test_each_signature_is_checked_once_unless_always(spawned):
         assert_same_bits(r["still_works"], torch.full((6, 4), 3.0), str(rank))
 
 
+def test_a_bad_check_value_is_refused_in_a_group_of_one_too():
+    from tpinv.distributed.groups import LOCAL
+    for fn in (tree_all_reduce, tree_reduce_scatter, all_gather):
+        with pytest.raises(ValueError, match="check='sometimes'"):
+            fn(torch.ones(4), LOCAL, check="sometimes")
+
+
 def test_errors_are_clear_and_raised_on_every_rank(spawned):
     results = spawned[-1][2]
     for rank in range(2):

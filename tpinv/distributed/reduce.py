@@ -368,10 +368,10 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, *, dim: in
     The bytes travel unchanged.  A group of one returns ``tensor`` itself.
     """
     dim = _check_dim("all_gather", tensor, dim)
+    mode = check_mode(check)
     group, size, rank = _group(group)
     if size == 1:
         return tensor
-    mode = check_mode(check)
     if mode:
         _check_agree("all_gather", tensor, group, size, rank, algorithm="auto", leaves=1, dim=dim,
                      mode=mode)
