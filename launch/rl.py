@@ -1,7 +1,7 @@
-"""True on-policy RL on CPU: GRPO on arithmetic, engine rollouts at one TP size, the trainer at another.
+"""True on-policy RL: GRPO on arithmetic, engine rollouts at one TP size, the trainer at another.
 
-``python launch/rl.py`` spawns gloo ranks (as many as the larger TP size: 1, 2 or 4; a TP size
-of n runs on ranks 0..n-1) and runs, from one supervised warm start of a tiny Qwen3-shaped model
+``python launch/rl.py`` spawns gloo ranks on the CPU (as many as the larger TP size: 1, 2 or 4;
+a TP size of n runs on ranks 0..n-1; ``--backend nccl`` puts rank r on GPU r) and runs, from one supervised warm start of a tiny Qwen3-shaped model
 (one-digit addition, ``"3+5=8\\n"``):
 
 * the tpinv run: the engine samples a group of answers per prompt at ``--rollout-tp`` (default
@@ -61,7 +61,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "MIS (drop tokens with weight outside [0.5, 2]); the identity on the invariant path")
     p.add_argument("--runs", default="tpinv,vanilla", help="comma-separated: tpinv, vanilla")
     p.add_argument("--out", default="rl_out")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                   help="gloo: every rank on the CPU; nccl: rank r on GPU r")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="with --backend nccl: the engine replays its decode steps from CUDA graphs")
     args = p.parse_args(argv)
+    world = max(args.rollout_tp, args.trainer_tp)
+    if args.backend == "nccl" and torch.cuda.device_count() < world:
+        p.error(f"--backend nccl runs {world} ranks on {world} GPUs; {torch.cuda.device_count()} visible")
+    if args.cuda_graph and args.backend != "nccl":
+        p.error("--cuda-graph needs --backend nccl (CUDA graphs run on GPUs)")
     if args.rollout_tp == args.trainer_tp:
         p.error("use different TP sizes for the engine and the trainer (e.g. --rollout-tp 2 --trainer-tp 1)")
     try:
@@ -76,21 +85,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def warm_start(model, args) -> None:
+def warm_start(model, args, device) -> None:
     """Supervised steps on one-digit addition (tpinv's loss, the same weights for both runs)."""
     task = ArithmeticTask(seq_len=8, seed=args.seed, digits=1, heldout_size=10)
     layout = ParamLayout(model, model.tp_size)
     opt = InvariantAdamW(layout)
     for step in range(args.sft_steps):
         batch = task.batch(step * 32, 32)
-        loss = (model.loss(batch.tokens, batch.targets) * batch.loss_mask).sum() / batch.num_loss_tokens
+        mask = batch.loss_mask.to(device)
+        loss = (model.loss(batch.tokens.to(device), batch.targets.to(device)) * mask).sum() / batch.num_loss_tokens
         loss.backward()
-        grads = layout.flatten_grads(torch.empty(layout.numel))
+        grads = layout.flatten_grads(torch.empty(layout.numel, device=device))
         model.zero_grad(set_to_none=True)
         opt.step(grads, args.sft_lr)
 
 
-def rl_run(rank: int, world: int, args, vanilla: bool, log) -> list[dict]:
+def rl_run(rank: int, world: int, args, vanilla: bool, log, device: torch.device) -> list[dict]:
     solo = [dist.new_group([r]) for r in range(world)][rank]  # a TP=1 group of this rank alone
     # TP size n runs on ranks 0..n-1 (every rank creates every group, in the same order)
     groups = {n: dist.new_group(list(range(n))) if n > 1 else solo
@@ -98,18 +108,18 @@ def rl_run(rank: int, world: int, args, vanilla: bool, log) -> list[dict]:
     trainer_group, engine_group = groups[args.trainer_tp], groups[args.rollout_tp]
     cfg = get_config(args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     torch.manual_seed(args.seed)  # seeded init: the same full weights at every TP size
-    policy = Transformer(cfg, tp_group=trainer_group) if rank < args.trainer_tp else None
-    engine_model = Transformer(cfg, tp_group=engine_group) if rank < args.rollout_tp else None
+    policy = Transformer(cfg, tp_group=trainer_group).to(device) if rank < args.trainer_tp else None
+    engine_model = Transformer(cfg, tp_group=engine_group).to(device) if rank < args.rollout_tp else None
     specs = {n: (tuple(p.shape), p.dtype) for n, p in Transformer(cfg, tp_group=solo).named_parameters()}
     if policy is not None:
-        warm_start(policy, args)
+        warm_start(policy, args, device)
         layout = ParamLayout(policy, policy.tp_size)
         opt = (TorchAdamW if vanilla else InvariantAdamW)(layout)
     task = ArithmeticTask(seq_len=8, seed=args.seed, digits=1, heldout_size=10)
 
     def sync():
         full = full_weights(policy, trainer_group) if policy is not None else None
-        sync_weights(full if rank == 0 else None, engine_model, specs)
+        sync_weights(full if rank == 0 else None, engine_model, specs, device=device)
 
     sync()
     history = []
@@ -119,16 +129,19 @@ def rl_run(rank: int, world: int, args, vanilla: bool, log) -> list[dict]:
         prompts = [arithmetic_prompt(a, b) for a, b in pairs for _ in range(args.group)]
         payload = [None]
         if engine_model is not None:
-            engine = Engine(engine_model, max_batch=len(prompts), max_context=16, vanilla=vanilla)
+            engine = Engine(engine_model, max_batch=len(prompts), max_context=16, vanilla=vanilla,
+                            cuda_graph=args.cuda_graph and not vanilla)
             sampling = SamplingParams(1.0, seed=args.seed * 1000 + step)
             reqs = [Request(f"{step}-{i}", p, max_tokens=3, sampling=sampling, stop_token_ids=[10], ignore_eos=True)
                     for i, p in enumerate(prompts)]
-            payload = [[(r.token_ids, r.logprobs) for r in engine.generate(reqs)]]
+            payload = [[(r.token_ids, r.logprobs.cpu()) for r in engine.generate(reqs)]]
+            engine.close()
         dist.broadcast_object_list(payload, src=0)
         gens = [g for g, _ in payload[0]]
         rollout_lp = torch.zeros(len(gens), max(len(g) for g in gens))
         for i, (_, lp) in enumerate(payload[0]):
             rollout_lp[i, :len(lp)] = lp
+        rollout_lp = rollout_lp.to(device)
         rewards = torch.tensor([arithmetic_reward(a, b, g) for (a, b), g in
                                 zip([p for p in pairs for _ in range(args.group)], gens)])
         rec = {"run": "vanilla" if vanilla else "tpinv", "step": step + 1, "reward": float(rewards.mean())}
@@ -143,10 +156,10 @@ def rl_run(rank: int, world: int, args, vanilla: bool, log) -> list[dict]:
             if args.correction != "none":
                 weights, loss_mask = correct(train_lp.detach(), rollout_lp, mask,
                                              mode="truncate" if args.correction == "tis" else "mask")
-            adv = group_advantages(rewards.view(args.prompts, args.group)).reshape(-1)
+            adv = group_advantages(rewards.view(args.prompts, args.group)).reshape(-1).to(device)
             loss = policy_loss(train_lp, rollout_lp, adv, loss_mask.float(), weights=weights)
             loss.backward()
-            grads = layout.flatten_grads(torch.empty(layout.numel))
+            grads = layout.flatten_grads(torch.empty(layout.numel, device=device))
             policy.zero_grad(set_to_none=True)
             opt.step(grads, args.lr)
         sync()
@@ -181,7 +194,11 @@ def plot(history: list[dict], path: str, title: str) -> None:
 def worker(rank: int, world: int, port: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    dist.init_process_group(args.backend, rank=rank, world_size=world)
     history = []
     path = os.path.join(args.out, "metrics.jsonl")
 
@@ -195,7 +212,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
               flush=True)
 
     for run in args.runs.split(","):
-        history += rl_run(rank, world, args, run == "vanilla", log)
+        history += rl_run(rank, world, args, run == "vanilla", log, device)
     if rank == 0:
         if not any("k3_kl" in r for r in history):  # the trainer lives on rank 0 in every layout
             raise RuntimeError("no trainer metrics were logged")

@@ -37,3 +37,18 @@ def test_rl_loop_is_on_policy_at_different_tp_sizes(tmp_path, rollout_tp, traine
     assert all(r["token_mult_prob_error"] > 1.0 and r["frac_bitwise_equal"] < 1.0 for r in van), van
     assert all(r["is_weight_min"] < 1.0 < r["is_weight_max"] for r in van), van
     assert (out / "rl_curves.png").stat().st_size > 0
+
+
+def _refused(*flags):
+    proc = subprocess.run([sys.executable, RL, *flags], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return proc.returncode, proc.stderr
+
+
+def test_gpu_flags_without_gpus_are_refused_before_any_rank_starts():
+    import torch
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs --backend nccl asks for")
+    code, err = _refused("--backend", "nccl")
+    assert code == 2 and "--backend nccl runs 2 ranks on 2 GPUs" in err, err
+    code, err = _refused("--cuda-graph")
+    assert code == 2 and "--cuda-graph needs --backend nccl" in err, err

@@ -79,6 +79,7 @@ def sequence_log_probs(model, prompts: Sequence[Sequence[int]], generations: Seq
     padded = torch.zeros(len(rows), width, dtype=torch.int64)
     for i, r in enumerate(rows):
         padded[i, :len(r)] = torch.tensor(r)
+    padded = padded.to(next(model.parameters()).device)
     tokens, targets = padded[:, :-1], padded[:, 1:]
     if vanilla:
         logits = vanilla_forward(model, tokens, gather_logits=True).float()
@@ -86,7 +87,7 @@ def sequence_log_probs(model, prompts: Sequence[Sequence[int]], generations: Seq
     else:
         lp = model.log_probs(tokens, targets, chunk_tokens=chunk_tokens)
     out = lp.new_zeros(len(rows), T)
-    mask = torch.zeros(len(rows), T, dtype=torch.bool)
+    mask = torch.zeros(len(rows), T, dtype=torch.bool, device=lp.device)
     for i, (p, g) in enumerate(zip(prompts, generations)):
         out[i, :len(g)] = lp[i, len(p) - 1:len(p) - 1 + len(g)]
         mask[i, :len(g)] = True
@@ -107,18 +108,19 @@ def full_weights(model, group: Optional[dist.ProcessGroup]) -> dict[str, torch.T
 
 
 def sync_weights(full: Optional[dict[str, torch.Tensor]], engine_model, specs: dict[str, tuple], *,
-                 src: int = 0) -> None:
+                 src: int = 0, device: Optional[torch.device] = None) -> None:
     """Broadcast ``full`` (held by global rank ``src``) to every rank and load this rank's shards.
 
     ``engine_model`` is this rank's engine shard (None on a rank without one); ``specs`` maps
     every parameter name to its full ``(shape, dtype)`` (known to all ranks).  Bytes only:
-    the engine then holds exactly the trainer's bits.
+    the engine then holds exactly the trainer's bits.  ``device``: where a rank that does not
+    hold ``full`` receives each tensor (default CPU; a CUDA device under NCCL).
     """
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     params = dict(engine_model.named_parameters()) if engine_model is not None else {}
     tp, rank = getattr(engine_model, "tp_size", 1), getattr(engine_model, "tp_rank", 0)
     for name, (shape, dtype) in specs.items():
-        t = full[name].contiguous() if full is not None else torch.empty(shape, dtype=dtype)
+        t = full[name].contiguous() if full is not None else torch.empty(shape, dtype=dtype, device=device)
         if distributed:
             dist.broadcast(t, src=src)
         if name in params:
