@@ -1,8 +1,8 @@
 """True on-policy RL: GRPO on arithmetic, engine rollouts at one TP size, the trainer at another.
 
 ``python launch/rl.py`` spawns gloo ranks on the CPU (as many as the larger TP size: 1, 2 or 4;
-a TP size of n runs on ranks 0..n-1; ``--backend nccl`` puts rank r on GPU r) and runs, from one supervised warm start of a tiny Qwen3-shaped model
-(one-digit addition, ``"3+5=8\\n"``):
+a TP size of n runs on ranks 0..n-1; ``--backend nccl`` puts rank r on GPU r) and runs, from
+one supervised warm start of a tiny Qwen3-shaped model (one-digit addition, ``"3+5=8\\n"``):
 
 * the tpinv run: the engine samples a group of answers per prompt at ``--rollout-tp`` (default
   2), the trainer scores them and takes a GRPO step at ``--trainer-tp`` (default 1), and the

@@ -14,7 +14,7 @@ from tpinv.kernels.reference_tree import leaf_partials, leaf_tree_sum
 import tpinv.distributed.reduce as reduce_module
 from tpinv.distributed.reduce import (ALGORITHMS, CHECK_ENV, CollectiveError, algorithms_for, all_gather,
                           choose_algorithm, tree_all_reduce, tree_reduce_scatter)
-from tpinv.testing import RankFailedError, assert_bits_differ, assert_same_bits, record_ops, run_ranks
+from tpinv.testing import RankFailedError, assert_bits_differ, assert_same_bits, caught, record_ops, run_ranks
 
 WORLDS = (1, 2, 4)
 SHAPES = [(7,), (4, 3), (5, 3, 17), (3, 12, 5), (), (0, 3), (8, 1001)]
@@ -66,11 +66,11 @@ def _correctness_rank(rank, world, cases, gathers, x):
         out["errors"] = _errors(rank)
         out["check_policy"] = _check_policy(rank)
     if world == 4:  # explicit sub-groups: consecutive pairs, strided pairs, and three ranks
-        out["pair_sum_refused"] = _caught(
+        out["pair_sum_refused"] = caught(
             lambda: tree_all_reduce(torch.ones(4), dist.group.WORLD, algorithm="pair_sum"))
         three = dist.new_group([0, 1, 2])
         if rank < 3:
-            out["three"] = _caught(lambda: tree_all_reduce(torch.ones(4), three))
+            out["three"] = caught(lambda: tree_all_reduce(torch.ones(4), three))
         for name, layout in (("pairs", [[0, 1], [2, 3]]), ("stride_pairs", [[0, 2], [1, 3]])):
             groups = [dist.new_group(ranks) for ranks in layout]
             mine_group = next(g for g, ranks in zip(groups, layout) if rank in ranks)
@@ -203,30 +203,22 @@ def test_auto_choice_depends_on_the_bytes_each_rank_receives():
 
 
 # ---------------------------------------------------------------------------------- errors
-def _caught(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects the type and message
-        return type(exc).__name__, str(exc)
-    return None
-
-
 def _errors(rank):
     """Every call here must fail the same way on both ranks and leave the group usable."""
     shape = (5, 3) if rank == 0 else (5, 4)
     dtype = torch.float32 if rank == 0 else torch.float16
     bf16 = torch.ones(5, dtype=torch.bfloat16)
     return {
-        "bf16": _caught(lambda: tree_all_reduce(bf16, dist.group.WORLD)),
-        "bf16_unchecked": _caught(lambda: tree_all_reduce(bf16, dist.group.WORLD, check=False)),
-        "shapes": _caught(lambda: tree_all_reduce(torch.ones(shape), dist.group.WORLD)),
-        "dtypes": _caught(lambda: tree_all_reduce(torch.ones(5, dtype=dtype), dist.group.WORLD)),
-        "gather_shapes": _caught(lambda: all_gather(torch.ones(shape), dist.group.WORLD)),
-        "scatter_indivisible": _caught(lambda: tree_reduce_scatter(torch.ones(5, 3), dist.group.WORLD)),
-        "algorithm": _caught(lambda: tree_all_reduce(torch.ones(5), dist.group.WORLD, algorithm="ring")),
-        "leaves": _caught(lambda: tree_all_reduce(torch.ones(5), dist.group.WORLD, leaves=1)),
-        "none_group": _caught(lambda: tree_all_reduce(torch.ones(5), None)),
-        "none_gather": _caught(lambda: all_gather(torch.ones(5), None)),
+        "bf16": caught(lambda: tree_all_reduce(bf16, dist.group.WORLD)),
+        "bf16_unchecked": caught(lambda: tree_all_reduce(bf16, dist.group.WORLD, check=False)),
+        "shapes": caught(lambda: tree_all_reduce(torch.ones(shape), dist.group.WORLD)),
+        "dtypes": caught(lambda: tree_all_reduce(torch.ones(5, dtype=dtype), dist.group.WORLD)),
+        "gather_shapes": caught(lambda: all_gather(torch.ones(shape), dist.group.WORLD)),
+        "scatter_indivisible": caught(lambda: tree_reduce_scatter(torch.ones(5, 3), dist.group.WORLD)),
+        "algorithm": caught(lambda: tree_all_reduce(torch.ones(5), dist.group.WORLD, algorithm="ring")),
+        "leaves": caught(lambda: tree_all_reduce(torch.ones(5), dist.group.WORLD, leaves=1)),
+        "none_group": caught(lambda: tree_all_reduce(torch.ones(5), None)),
+        "none_gather": caught(lambda: all_gather(torch.ones(5), None)),
         "still_works": tree_all_reduce(torch.full((3,), float(rank + 1)), dist.group.WORLD),
     }
 
@@ -258,7 +250,7 @@ def _check_policy(rank):
             "other_shape": count(lambda: tree_all_reduce(b, world))[0],
             "always": count(lambda: tree_all_reduce(a, world, check="always"))[0],
             "unchecked": count(lambda: tree_all_reduce(a, world, check=False))[0],
-            "bad_value": _caught(lambda: tree_all_reduce(a, world, check="sometimes")),
+            "bad_value": caught(lambda: tree_all_reduce(a, world, check="sometimes")),
         }
         os.environ[CHECK_ENV] = "always"
         try:
@@ -267,7 +259,7 @@ def _check_policy(rank):
             del os.environ[CHECK_ENV]
         # Both signatures were verified above; a rank that diverges onto the other one is caught
         # only by a check of every call.
-        out["diverged_always"] = _caught(
+        out["diverged_always"] = caught(
             lambda: tree_all_reduce(a if rank == 0 else b, world, check="always"))
         out["still_works"] = tree_all_reduce(a, world)
     finally:

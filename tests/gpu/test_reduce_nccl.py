@@ -17,17 +17,9 @@ import torch.distributed as dist
 
 from tpinv.core.contract import tree_combine_list
 from tpinv.distributed.reduce import all_gather, tree_all_reduce, tree_reduce_scatter
-from tpinv.testing import assert_same_bits, run_ranks
+from tpinv.testing import assert_same_bits, caught, run_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-
-
-def _caught(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects the type and message
-        return type(exc).__name__, str(exc)
-    return None
 
 
 def _rank(rank, world, parts):
@@ -45,14 +37,14 @@ def _rank(rank, world, parts):
     torch.cuda.set_sync_debug_mode("error")
     try:
         out["reduce"], out["scatter"], out["gather"] = calls()
-        out["always"] = _caught(lambda: tree_all_reduce(mine, group, check="always"))   # control
-        out["item"] = _caught(lambda: mine.sum().item())                               # control
+        out["always"] = caught(lambda: tree_all_reduce(mine, group, check="always"))   # control
+        out["item"] = caught(lambda: mine.sum().item())                               # control
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     dist.barrier()
     shape = (6, 5) if rank == 0 else (6, 3)
-    out["mismatch"] = _caught(lambda: tree_all_reduce(torch.ones(shape, device="cuda"), group))
+    out["mismatch"] = caught(lambda: tree_all_reduce(torch.ones(shape, device="cuda"), group))
     out["reduce"] = {a: t.cpu() for a, t in out["reduce"].items()}
     out["scatter"], out["gather"] = out["scatter"].cpu(), out["gather"].cpu()
     return out

@@ -5,8 +5,8 @@ from tpinv.testing.bits import assert_bits_differ, assert_same_bits, bits, same_
 from tpinv.testing.fixtures import (attention_inputs, num_threads, pack_row, packed_conversation, packed_document_rows,
                                     place_row, sharpened_model)
 from tpinv.testing.ops import OpLog, record_ops
-from tpinv.testing.ranks import RankFailedError, RankTimeoutError, free_port, run_ranks
+from tpinv.testing.ranks import RankFailedError, RankTimeoutError, caught, free_port, run_ranks
 
-__all__ = ["RankFailedError", "RankTimeoutError", "run_ranks", "record_ops", "OpLog", "bits", "same_bits",
+__all__ = ["RankFailedError", "RankTimeoutError", "caught", "run_ranks", "record_ops", "OpLog", "bits", "same_bits",
            "assert_same_bits", "assert_bits_differ", "free_port", "num_threads", "sharpened_model",
            "packed_document_rows", "packed_conversation", "pack_row", "place_row", "attention_inputs"]

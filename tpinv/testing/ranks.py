@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailedError", "RankTimeoutError", "free_port", "run_ranks"]
+__all__ = ["RankFailedError", "RankTimeoutError", "caught", "free_port", "run_ranks"]
 
 # Seconds a dead rank's last message may still take to arrive through the result pipe.
 _DRAIN_SECONDS = 1.0
@@ -249,3 +249,13 @@ def _dead_note(dead: dict[int, int | None]) -> str:
         return ""
     return "; " + ", ".join(f"rank {r} exited with code {c} without a result"
                             for r, c in sorted(dead.items()))
+
+
+def caught(fn: Callable[[], Any]) -> tuple[str, str] | None:
+    """``(exception type name, message)`` of what ``fn()`` raised, or None: a rank's error in a
+    form it can return to the parent, so a test can check that every rank failed alike."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the caller inspects the type and message
+        return type(exc).__name__, str(exc)
+    return None
