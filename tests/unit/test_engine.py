@@ -103,6 +103,30 @@ def test_engine_log_probs_are_the_training_forward_bits(name, dtype):
     assert token_mult_prob_error(torch.cat([r.logprobs for r in van]), torch.cat(van_train)) > 1.0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_metrics_of_identical_log_probs_are_exact_at_every_token_count(device):
+    """1.0 / 0.0 exactly for identical log-probs whatever the number of tokens, on the CPU and on
+    CUDA: the means are the sum over the count, divided on the host.  (On CUDA, ``mean`` multiplies
+    by a rounded ``1 / n``: the RL demo's bitwise-equal rollouts read token_mult_prob_error
+    0.9999999999999999 at some steps.)"""
+    gen = torch.Generator().manual_seed(0)
+    for n in range(1, 513):
+        lp = (-torch.rand(n, generator=gen) * 5).to(device)
+        mask = (torch.rand(n, generator=gen) < 0.7).to(device)
+        mask[0] = True
+        for m in (None, mask):
+            got = mismatch_metrics(lp, lp.clone(), m)
+            assert got["token_mult_prob_error"] == 1.0 and got["k3_kl"] == 0.0, (n, got)
+            assert got["fraction_bitwise_equal"] == 1.0 and got["max_abs_logprob_diff"] == 0.0, (n, got)
+    # control: one token's log-prob moved changes every metric
+    other = lp.clone()
+    other[n // 2] -= 1e-3
+    got = mismatch_metrics(lp, other)
+    assert got["token_mult_prob_error"] > 1.0 and got["k3_kl"] > 0.0
+    assert got["fraction_bitwise_equal"] == (n - 1) / n and got["max_abs_logprob_diff"] > 0.0
+
+
 def test_raw_and_top_log_probs_agree_with_plain_torch(model):
     """Parity: raw log-probs and top-5 log-probs against torch.log_softmax (fp32, atol 1e-5)."""
     reqs = make_requests(2, seed=3, top_logprobs=5)

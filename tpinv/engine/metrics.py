@@ -48,17 +48,24 @@ def _pair(gen_lp: torch.Tensor, train_lp: torch.Tensor, mask: Optional[torch.Ten
     return gen_lp.double()[mask], train_lp.double()[mask]
 
 
+def _mean(values: torch.Tensor) -> float:
+    """The sum divided by the count on the host: exactly 1.0 for all ones and 0.0 for all zeros.
+    (On CUDA, ``mean`` and division by a Python number multiply by a rounded ``1 / n``, so the
+    mean of n ones is 0.9999999999999999 for some n: 49, 98, 103, ...)"""
+    return float(values.sum()) / values.numel()
+
+
 def token_mult_prob_error(gen_lp: torch.Tensor, train_lp: torch.Tensor, mask: Optional[torch.Tensor] = None) -> float:
     """NeMo-RL's mean over valid tokens of ``exp(|gen_lp - train_lp|)``."""
     g, p = _pair(gen_lp, train_lp, mask)
-    return float(torch.exp((g - p).abs()).mean())
+    return _mean(torch.exp((g - p).abs()))
 
 
 def k3_kl(gen_lp: torch.Tensor, train_lp: torch.Tensor, mask: Optional[torch.Tensor] = None) -> float:
     """slime's K3 KL: mean over valid tokens of ``exp(r) - r - 1``, ``r = train_lp - gen_lp``."""
     g, p = _pair(gen_lp, train_lp, mask)
     r = p - g
-    return float((torch.exp(r) - r - 1.0).mean())
+    return _mean(torch.exp(r) - r - 1.0)
 
 
 def max_abs_logprob_diff(gen_lp: torch.Tensor, train_lp: torch.Tensor, mask: Optional[torch.Tensor] = None) -> float:
@@ -74,7 +81,7 @@ def fraction_bitwise_equal(gen_lp: torch.Tensor, train_lp: torch.Tensor,
     same = gen_lp.view(torch.int32) == train_lp.view(torch.int32)
     valid = torch.ones_like(same) if mask is None else mask.bool()
     _pair(gen_lp, train_lp, valid)
-    return float(same[valid].double().mean())
+    return _mean(same[valid].double())
 
 
 def mismatch_metrics(gen_lp: torch.Tensor, train_lp: torch.Tensor, mask: Optional[torch.Tensor] = None) -> dict:
@@ -110,7 +117,7 @@ def max_probability_divergence(top_probs: Sequence[torch.Tensor], top: int = 5) 
         return 0.0
     stack = torch.stack([t[:n, :top].double() for t in top_probs])        # [K, n, top]
     spread = stack.amax(dim=0) - stack.amin(dim=0)                         # [n, top]
-    return float(spread.amax(dim=1).mean())
+    return _mean(spread.amax(dim=1))
 
 
 def trainer_log_probs(model, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], *,
