@@ -14,16 +14,24 @@ token order.  The number of steps is the largest multiplicity of an id.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from tpinv.core.contract import SUPPORTED_DTYPES
-from tpinv.core.capture import value_range
+from tpinv.core.capture import capturing, value_range
 
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def check_ids(ids: torch.Tensor, num_rows: int) -> None:
-    """``ids`` must be an integer tensor with every value in ``[0, num_rows)`` (read on the host
-    in one transfer; not inside a CUDA-graph capture)."""
+    """``ids`` must be an integer tensor with every value in ``[0, num_rows)``.
+
+    On the CPU the range is read in one transfer and a bad id raises :class:`IndexError` naming
+    it.  On CUDA nothing is read on the host (a read would make the host wait for the device):
+    the range is asserted on the device (``torch._assert_async``), so a bad id stops the process
+    with a device-side assert at its next synchronisation.  The model's own ids reach this check
+    already validated (:class:`tpinv.layers.embedding.VocabParallelEmbedding` checks its input
+    on the host, with an :class:`IndexError`); the backward's are derived from them.  Inside a
+    CUDA-graph capture nothing is checked (the captured step's runner checks its inputs)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids must be a tensor, got {type(ids).__name__}")
     if ids.dtype not in _ID_DTYPES:
@@ -31,7 +39,12 @@ def check_ids(ids: torch.Tensor, num_rows: int) -> None:
         raise TypeError(f"ids must have an integer dtype ({names}), got {ids.dtype}")
     if not isinstance(num_rows, int) or num_rows < 0:
         raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
-    bounds = value_range(ids)   # None when empty, or inside a capture (its runner checks)
+    if ids.is_cuda:
+        if ids.numel() and not capturing() and not is_fake(ids):
+            torch._assert_async(((ids >= 0) & (ids < num_rows)).all(),
+                                f"embedding id outside [0, {num_rows}) (checked on the device)")
+        return
+    bounds = value_range(ids)   # None when empty
     if bounds is not None and (bounds[0] < 0 or bounds[1] >= num_rows):
         value = int(ids[(ids < 0) | (ids >= num_rows)].reshape(-1)[0])
         raise IndexError(f"embedding id {value} is out of range for a table of num_rows={num_rows} "
