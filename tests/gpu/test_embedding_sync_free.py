@@ -3,7 +3,8 @@ kernel's.
 
 ``tpinv::embedding_backward`` checks its ids on the device (``torch._assert_async``), not by a
 host read, so under ``torch.cuda.set_sync_debug_mode("error")`` (any synchronizing call raises) it
-runs and gives the CPU kernel's bytes.  Controls: a host read of the ids' range raises under the
+runs and gives the CPU kernel's bytes, with half the tokens marked ``IGNORED_ID`` as the
+vocabulary-parallel layer marks other shards' tokens.  Controls: a host read of the ids' range raises under the
 same mode, and a bad id stops a child process with a device-side assert.  A training step of a
 tiny model synchronizes once, at the model's own input check (the layer's ``IndexError``).
 Skips without CUDA.
@@ -19,6 +20,7 @@ import torch
 
 from tpinv.core.capture import value_range
 from tpinv.ops import embedding_backward
+from tpinv.ops.embedding import IGNORED_ID
 from tpinv.testing import assert_same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_backward_makes_no_host_sync_and_keeps_the_cpu_bits():
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 50, (3, 37), generator=gen)
+    ids = ids.masked_fill(torch.rand(3, 37, generator=gen) < 0.5, IGNORED_ID)  # another shard's tokens
     grad = torch.randn(3, 37, 24, generator=gen).to(torch.bfloat16)
     want = embedding_backward(grad, ids, 50)
     g, i = grad.cuda(), ids.cuda()
@@ -46,6 +49,7 @@ def test_a_bad_id_stops_the_process_with_a_device_assert():
     script = textwrap.dedent("""
         import torch
         from tpinv.ops import embedding_backward
+from tpinv.ops.embedding import IGNORED_ID
         ids = torch.tensor([[1, 2, 50]], device="cuda")
         out = embedding_backward(torch.ones(1, 3, 8, device="cuda"), ids, 50)
         torch.cuda.synchronize()

@@ -16,7 +16,7 @@ from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads
 from tpinv.kernels import reference_embedding
 from tpinv.kernels.reference_embedding import embedding_backward_reference
 from tpinv.ops import embedding, embedding_backward
-from tpinv.ops.embedding import embedding_backward_op, embedding_op
+from tpinv.ops.embedding import IGNORED_ID, embedding_backward_op, embedding_op
 from tpinv.ops.registry import cuda_kernel, has_cuda_kernel
 from tpinv.testing import record_ops
 
@@ -69,6 +69,29 @@ def test_backward_control_16bit_vanilla_differs(dtype):
     weight = torch.zeros(9, 33, dtype=dtype, requires_grad=True)
     F.embedding(ids, weight).backward(grad)
     assert_bits_differ(weight.grad, embedding_backward(grad, ids, 9), 'weight.grad')
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ignored_ids_add_to_no_row(dtype):
+    """Tokens with id -1 (another shard's, in the vocabulary-parallel layer) are the same bits as
+    tokens left out; control: giving one of them a real id changes that row."""
+    ids, grad = duplicate_heavy((4, 300), 7, 33, dtype)
+    gen = torch.Generator().manual_seed(3)
+    drop = torch.rand(ids.shape, generator=gen) < 0.6
+    marked = ids.masked_fill(drop, IGNORED_ID)
+    got = embedding_backward(grad, marked, 9)
+    kept = ~drop.reshape(-1)
+    want = embedding_backward(grad.reshape(-1, 33)[kept], ids.reshape(-1)[kept], 9)
+    assert_same_bits(got, want, 'ignored ids == left out')
+    assert_same_bits(embedding_backward_reference(grad, marked, 9), want, 'the loop reference')
+    assert_same_bits(embedding_backward(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), 3),
+                     torch.zeros(3, 4), 'no tokens')
+    assert_same_bits(embedding_backward(grad[:1, :2], torch.full((1, 2), IGNORED_ID), 9),
+                     torch.zeros(9, 33, dtype=dtype), 'every token ignored')
+    first = int(drop.reshape(-1).nonzero()[0, 0])
+    again = marked.reshape(-1).clone()
+    again[first] = 2
+    assert_bits_differ(embedding_backward(grad, again.reshape(ids.shape), 9)[2], got[2], 'row 2')
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,7 +161,9 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(IndexError, match=r"embedding id 10 is out of range .* num_rows=10"):
         embedding(torch.tensor([1, 10, 3]), weight)
     with pytest.raises(IndexError, match=r"embedding id -1 is out of range .* num_rows=10"):
-        embedding_backward(torch.randn(2, 4), torch.tensor([-1, 2]), 10)
+        embedding(torch.tensor([-1, 2]), weight)          # IGNORED_ID is a backward id only
+    with pytest.raises(IndexError, match=r"embedding id -2 is out of range .* expected every id in \[-1, 10\)"):
+        embedding_backward(torch.randn(2, 4), torch.tensor([-2, 2]), 10)
     with pytest.raises(TypeError, match="integer dtype"):
         embedding(torch.tensor([1.0]), weight)
     with pytest.raises(ValueError, match=r"shape \[num_rows, dim\], got shape \[10\]"):

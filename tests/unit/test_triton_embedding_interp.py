@@ -49,6 +49,17 @@ def check_equals_the_cpu_chain():
             assert_same_bits(gpu(grad, ids, rows), cpu(grad, ids, rows), str((dtype, shape)))
 
 
+def check_ignored_ids_add_to_no_row():
+    cpu, gpu = _kernels()
+    ids, grad = ids_of(4, 37, high=5), rand(4, 37, 300, seed=4)
+    marked = ids.masked_fill(ids_of(4, 37, high=3, seed=5) == 0, -1)   # about a third ignored
+    got = gpu(grad, marked, 9)
+    assert_same_bits(got, cpu(grad, marked, 9), 'ignored ids: the CPU chain')
+    kept = marked.reshape(-1) >= 0
+    assert_same_bits(got, cpu(grad.reshape(-1, 300)[kept], marked.reshape(-1)[kept], 9), 'left out')
+    assert_bits_differ(got, gpu(grad, ids, 9), 'control: the same tokens not ignored')
+
+
 def check_rows_alone_and_views():
     cpu, gpu = _kernels()
     ids, grad = ids_of(5, 23, high=6), rand(5, 23, 33, seed=3)

@@ -20,10 +20,14 @@ from tpinv.core.contract import SUPPORTED_DTYPES
 from tpinv.core.capture import capturing, value_range
 
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+#: A token whose id is IGNORED_ID adds to no row of the weight gradient (a vocabulary-parallel
+#: layer's token of another rank's shard): the same bits as leaving the token out.
+IGNORED_ID = -1
 
 
-def check_ids(ids: torch.Tensor, num_rows: int) -> None:
-    """``ids`` must be an integer tensor with every value in ``[0, num_rows)``.
+def check_ids(ids: torch.Tensor, num_rows: int, ignored: bool = False) -> None:
+    """``ids`` must be an integer tensor with every value in ``[0, num_rows)`` (with ``ignored``,
+    :data:`IGNORED_ID` too).
 
     On the CPU the range is read in one transfer and a bad id raises :class:`IndexError` naming
     it.  On CUDA nothing is read on the host (a read would make the host wait for the device):
@@ -39,16 +43,17 @@ def check_ids(ids: torch.Tensor, num_rows: int) -> None:
         raise TypeError(f"ids must have an integer dtype ({names}), got {ids.dtype}")
     if not isinstance(num_rows, int) or num_rows < 0:
         raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
+    low = IGNORED_ID if ignored else 0
     if ids.is_cuda:
         if ids.numel() and not capturing() and not is_fake(ids):
-            torch._assert_async(((ids >= 0) & (ids < num_rows)).all(),
-                                f"embedding id outside [0, {num_rows}) (checked on the device)")
+            torch._assert_async(((ids >= low) & (ids < num_rows)).all(),
+                                f"embedding id outside [{low}, {num_rows}) (checked on the device)")
         return
     bounds = value_range(ids)   # None when empty
-    if bounds is not None and (bounds[0] < 0 or bounds[1] >= num_rows):
-        value = int(ids[(ids < 0) | (ids >= num_rows)].reshape(-1)[0])
+    if bounds is not None and (bounds[0] < low or bounds[1] >= num_rows):
+        value = int(ids[(ids < low) | (ids >= num_rows)].reshape(-1)[0])
         raise IndexError(f"embedding id {value} is out of range for a table of num_rows={num_rows} "
-                         f"rows; expected every id in [0, {num_rows})")
+                         f"rows; expected every id in [{low}, {num_rows})")
 
 
 def check_weight(weight: torch.Tensor) -> tuple[int, int]:
@@ -64,13 +69,13 @@ def check_weight(weight: torch.Tensor) -> tuple[int, int]:
 
 
 def check_backward_inputs(grad: torch.Tensor, ids: torch.Tensor, num_rows: int) -> int:
-    """``grad [*ids.shape, dim]`` float and valid ``ids``; returns ``dim``."""
+    """``grad [*ids.shape, dim]`` float and valid ``ids`` (:data:`IGNORED_ID` allowed); returns ``dim``."""
     if not isinstance(grad, torch.Tensor):
         raise TypeError(f"grad must be a tensor, got {type(grad).__name__}")
     if grad.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"grad dtype {grad.dtype} is not supported; use one of {names}")
-    check_ids(ids, num_rows)
+    check_ids(ids, num_rows, ignored=True)
     if grad.dim() != ids.dim() + 1 or grad.shape[:-1] != ids.shape:
         raise ValueError(f"grad has shape {list(grad.shape)} but ids has shape {list(ids.shape)}: "
                          f"expected grad [{', '.join(str(s) for s in ids.shape)}{', ' if ids.dim() else ''}dim]")
@@ -84,22 +89,28 @@ def embedding_forward(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return weight.index_select(0, ids.reshape(-1).long()).reshape(*ids.shape, dim)
 
 
-def token_runs(grad: torch.Tensor, ids: torch.Tensor, num_rows: int):
+def token_runs(grad: torch.Tensor, ids: torch.Tensor, num_rows: int, drop_ignored: bool = False):
     """Checked inputs laid out for a token-order gradient: ``(acc, g, sorted_ids, order)`` --
     the fp32 zero table ``[num_rows, dim]``, the gradient as ``[tokens, dim]``, and the stable
-    sort of the flat ids (equal ids keep token order); ``g`` is None when nothing is added."""
+    sort of the flat ids (equal ids keep token order; :data:`IGNORED_ID` tokens first, or, with
+    ``drop_ignored``, left out by a boolean index); ``g`` is None when nothing is added."""
     dim = check_backward_inputs(grad, ids, num_rows)
     flat_ids = ids.reshape(-1).long()
     acc = torch.zeros(num_rows, dim, dtype=torch.float32, device=grad.device)
+    g = grad.reshape(flat_ids.numel(), dim)
+    if drop_ignored and flat_ids.numel():
+        keep = flat_ids != IGNORED_ID
+        g, flat_ids = g[keep], flat_ids[keep]
     if flat_ids.numel() == 0 or dim == 0:
         return acc, None, None, None
     sorted_ids, order = torch.sort(flat_ids, stable=True)
-    return acc, grad.reshape(flat_ids.numel(), dim), sorted_ids, order
+    return acc, g, sorted_ids, order
 
 
 def embedding_backward(grad: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``[num_rows, dim]`` in ``grad.dtype``: per row, the token-order fp32 chain of its grads."""
-    acc, g, sorted_ids, order = token_runs(grad, ids, num_rows)
+    """``[num_rows, dim]`` in ``grad.dtype``: per row, the token-order fp32 chain of its grads
+    (tokens with :data:`IGNORED_ID` add to no row)."""
+    acc, g, sorted_ids, order = token_runs(grad, ids, num_rows, drop_ignored=True)
     if g is None:
         return acc.to(grad.dtype)
     g, tokens = g.float(), g.shape[0]
@@ -124,5 +135,6 @@ def embedding_backward_reference(grad: torch.Tensor, ids: torch.Tensor, num_rows
     g = grad.reshape(len(flat_ids), dim).float()
     acc = torch.zeros(num_rows, dim, dtype=torch.float32, device=grad.device)
     for t, row in enumerate(flat_ids):
-        acc[row] = acc[row] + g[t]
+        if row != IGNORED_ID:
+            acc[row] = acc[row] + g[t]
     return acc.to(grad.dtype)

@@ -8,7 +8,7 @@ their order -- the same bits as the CPU kernel's, since the chain holds only add
 How: a stable sort of the ids puts each row's tokens next to each other in token order; the
 program at the first token of a run walks the run and adds the gradients one by one (a
 sequential loop, not a reduction tree), so no two programs write the same row and nothing is
-atomic.  Sorting and finding the run ends (``searchsorted``) have fixed sizes, so a step needs
+atomic.  Tokens whose id is ``IGNORED_ID`` (-1) sort first and form a run no program walks.  Sorting and finding the run ends (``searchsorted``) have fixed sizes, so a step needs
 no host synchronisation and can be captured in a CUDA graph.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _token_order_chain_kernel(g_ptr, order_ptr, sorted_ptr, end_ptr, out_ptr, D,
     i = tl.program_id(0)
     row = tl.load(sorted_ptr + i)
     prev = tl.load(sorted_ptr + i - 1, mask=i > 0, other=-1)
-    if row != prev:  # the first token of its row's run
+    if (row != prev) & (row >= 0):  # the first token of its row's run (not the ignored ids')
         offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         keep = offs < D
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -43,7 +43,8 @@ def _token_order_chain_kernel(g_ptr, order_ptr, sorted_ptr, end_ptr, out_ptr, D,
 
 
 def embedding_backward_cuda(grad: torch.Tensor, ids: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``[num_rows, dim]`` in ``grad.dtype``: per row, the token-order fp32 chain of its grads."""
+    """``[num_rows, dim]`` in ``grad.dtype``: per row, the token-order fp32 chain of its grads
+    (tokens with id -1 add to no row); no host synchronization."""
     acc, g, sorted_ids, order = token_runs(grad, ids, num_rows)
     if g is None:
         return acc.to(grad.dtype)

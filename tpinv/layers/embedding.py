@@ -19,6 +19,7 @@ from tpinv.layers.common import check_layer_sizes, config_leaves, init_sharded_w
 from tpinv.layers.common import reject_unsupported
 from tpinv.core.capture import check_range
 from tpinv.ops import embedding_backward
+from tpinv.ops.embedding import IGNORED_ID
 from tpinv.distributed.reduce import tree_all_reduce
 
 
@@ -42,16 +43,8 @@ class _VocabParallelLookup(torch.autograd.Function):
     def backward(ctx, dy):
         local, outside = ctx.saved_tensors
         grad, ids = dy.reshape(-1, dy.shape[-1]), local.reshape(-1)
-        if ctx.sharded and torch.compiler.is_compiling():
-            # A boolean index has a data-dependent size the compiled backward cannot hold: other ranks'
-            # tokens go to a spare row past the shard, dropped after; each row still sums exactly its
-            # own tokens in token order (eager drops them instead: the spare row's long chain is slow).
-            ids = ids.masked_fill(outside.reshape(-1), ctx.num_rows)
-            dw = embedding_backward(grad, ids, ctx.num_rows + 1)[:ctx.num_rows].contiguous().to(ctx.dtype)
-            return None, dw, None, None, None
-        if ctx.sharded:  # drop the tokens of other ranks' shards (one TP group: none exist)
-            keep = ~outside.reshape(-1)
-            grad, ids = grad[keep], ids[keep]
+        if ctx.sharded:  # other ranks' tokens add to no row here (one TP group: none exist)
+            ids = ids.masked_fill(outside.reshape(-1), IGNORED_ID)
         dw = embedding_backward(grad, ids, ctx.num_rows).to(ctx.dtype)
         return None, dw, None, None, None
 

@@ -2,7 +2,8 @@
 
 The lookup is exact.  The gradient of each table row is the fp32 chain of its tokens'
 gradients in flattened token order, rounded once (:mod:`tpinv.kernels.reference_embedding`),
-so a row's gradient bits depend only on its own tokens and their order.  On CUDA the lookup
+so a row's gradient bits depend only on its own tokens and their order; a token whose id is
+:data:`IGNORED_ID` (-1) adds to no row.  On CUDA the lookup
 runs the same torch code and the gradient the Triton token-order chain of
 :mod:`tpinv.kernels.triton_embedding`; nothing falls back to an atomic-add scatter.
 """
@@ -11,9 +12,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from tpinv.kernels import reference_embedding
+from tpinv.kernels.reference_embedding import IGNORED_ID
 from tpinv.ops.registry import REFERENCE, define_op, register_fake
 
-__all__ = ["embedding", "embedding_backward", "embedding_op", "embedding_backward_op"]
+__all__ = ["embedding", "embedding_backward", "embedding_op", "embedding_backward_op", "IGNORED_ID"]
 
 
 def _check_embedding(ids, weight) -> None:
