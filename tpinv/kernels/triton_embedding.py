@@ -8,8 +8,9 @@ their order -- the same bits as the CPU kernel's, since the chain holds only add
 How: a stable sort of the ids puts each row's tokens next to each other in token order; the
 program at the first token of a run walks the run and adds the gradients one by one (a
 sequential loop, not a reduction tree), so no two programs write the same row and nothing is
-atomic.  Tokens whose id is ``IGNORED_ID`` (-1) sort first and form a run no program walks.  Sorting and finding the run ends (``searchsorted``) have fixed sizes, so a step needs
-no host synchronisation and can be captured in a CUDA graph.
+atomic.  Tokens whose id is ``IGNORED_ID`` (-1) sort first and form a run no program walks.
+Sorting and finding the run ends (``searchsorted``) have fixed sizes, so a step needs no host
+synchronisation and can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
