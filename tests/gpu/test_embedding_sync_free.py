@@ -4,8 +4,8 @@ kernel's.
 ``tpinv::embedding_backward`` checks its ids on the device (``torch._assert_async``), not by a
 host read, so under ``torch.cuda.set_sync_debug_mode("error")`` (any synchronizing call raises) it
 runs and gives the CPU kernel's bytes, with half the tokens marked ``IGNORED_ID`` as the
-vocabulary-parallel layer marks other shards' tokens.  Controls: a host read of the ids' range raises under the
-same mode, and a bad id stops a child process with a device-side assert.  A training step of a
+vocabulary-parallel layer marks other shards' tokens.  Controls: a host read of the ids' range
+raises under the same mode, and a bad id stops a child process with a device-side assert.  A training step of a
 tiny model synchronizes once, at the model's own input check (the layer's ``IndexError``).
 Skips without CUDA.
 """
@@ -49,7 +49,6 @@ def test_a_bad_id_stops_the_process_with_a_device_assert():
     script = textwrap.dedent("""
         import torch
         from tpinv.ops import embedding_backward
-from tpinv.ops.embedding import IGNORED_ID
         ids = torch.tensor([[1, 2, 50]], device="cuda")
         out = embedding_backward(torch.ones(1, 3, 8, device="cuda"), ids, 50)
         torch.cuda.synchronize()

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["capture", "capturing", "check_range", "check_warmup", "compiling", "value_range"]
+__all__ = ["assert_range", "capture", "capturing", "check_range", "check_warmup", "compiling", "value_range"]
 
 
 def capturing() -> bool:
@@ -71,6 +71,14 @@ def value_range(t: torch.Tensor) -> Optional[tuple[int, int]]:
     return tuple(torch.stack((low, high)).tolist())
 
 
+def assert_range(t: torch.Tensor, low: int, end: int, what: str, where: str) -> None:
+    """``low <= t < end`` asserted on ``t``'s device (``torch._assert_async``): no host read.  On
+    CUDA a violation is a device-side assert at the next synchronisation; ``where`` ends the
+    message (where the check ran)."""
+    if t.numel():
+        torch._assert_async(((t >= low) & (t < end)).all(), f"{what} outside [{low}, {end}) ({where})")
+
+
 def check_range(t: torch.Tensor, end: int, error: Callable[[int, int], Exception], what: str) -> None:
     """Every value of the integer tensor ``t`` must lie in ``[0, end)``.
 
@@ -79,9 +87,7 @@ def check_range(t: torch.Tensor, end: int, error: Callable[[int, int], Exception
     Under torch.compile: the check is a ``torch._assert_async`` node of the graph, run on every
     call; it raises ``RuntimeError`` with a fixed message naming ``what`` and the range."""
     if compiling():
-        if t.numel():
-            torch._assert_async(((t >= 0) & (t < end)).all(),
-                                f"{what} outside [0, {end}) (checked inside the compiled graph)")
+        assert_range(t, 0, end, what, "checked inside the compiled graph")
         return
     bounds = value_range(t)
     if bounds is not None and (bounds[0] < 0 or bounds[1] >= end):

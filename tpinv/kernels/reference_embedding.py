@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from tpinv.core.contract import SUPPORTED_DTYPES
-from tpinv.core.capture import capturing, value_range
+from tpinv.core.capture import assert_range, capturing, value_range
 
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 #: A token whose id is IGNORED_ID adds to no row of the weight gradient (a vocabulary-parallel
@@ -45,9 +45,8 @@ def check_ids(ids: torch.Tensor, num_rows: int, ignored: bool = False) -> None:
         raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
     low = IGNORED_ID if ignored else 0
     if ids.is_cuda:
-        if ids.numel() and not capturing() and not is_fake(ids):
-            torch._assert_async(((ids >= low) & (ids < num_rows)).all(),
-                                f"embedding id outside [{low}, {num_rows}) (checked on the device)")
+        if not capturing() and not is_fake(ids):
+            assert_range(ids, low, num_rows, "embedding id", "checked on the device")
         return
     bounds = value_range(ids)   # None when empty
     if bounds is not None and (bounds[0] < low or bounds[1] >= num_rows):
