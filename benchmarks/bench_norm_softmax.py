@@ -5,10 +5,11 @@ Bandwidth = bytes read + written once (input, output, weight) / median time
 plain torch ops (the HF RMSNorm formula, ``F.log_softmax``, ``torch.logsumexp``).  The
 softmax rows time the public one-launch kernels (``log_softmax_forward_cuda``,
 ``logsumexp_forward_cuda``: the row read once, plus the ``[T]`` result; long rows run one
-program per leaf) and, beside them, the one-program-per-row kernel.  Prints a Markdown table
-and writes JSON (``--json PATH``).  ``--sweep`` also times the by-leaves kernel's launch shapes
-(chunk, warps, programs per SM, pipeline stages) for log_softmax and for the statistics alone,
-each checked first to give the row kernel's bytes.
+program per leaf, its leaf held in shared memory on an sm_90 GPU) and, beside them, the same
+by-leaves kernel reading its leaf through L2 and the one-program-per-row kernel.  Prints a
+Markdown table and writes JSON (``--json PATH``).  ``--sweep`` also times the held-leaf kernel's
+launch shapes (warps, programs per SM) for log_softmax and for the statistics alone, each checked
+first to give the row kernel's bytes.
 
     python -m benchmarks.bench_norm_softmax [--sweep] --json out.json
 """
@@ -24,7 +25,7 @@ from benchmarks.common import copy_gbps as copy_bandwidth_gbps, write_json
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.kernels.triton_norm import (rms_norm_backward_cuda, rms_norm_backward_heads_cuda,
                                       rms_norm_forward_cuda, tile_for)
-from tpinv.kernels import triton_softmax
+from tpinv.kernels import gluon_softmax, triton_softmax, triton_softmax_leaves
 from tpinv.kernels.triton_softmax import log_softmax_forward_cuda, logsumexp_forward_cuda
 from tpinv.models.vanilla import plain_rms_norm
 from tpinv.testing import same_bits
@@ -36,6 +37,17 @@ VOCAB = 151936
 def gbps(n_bytes: int, fn) -> tuple[float, float]:
     ms = do_bench(fn, return_mode="median")
     return ms, n_bytes / ms / 1e6
+
+
+def through_l2(fn):
+    """``fn`` with the by-leaves kernel reading its leaf through L2 (the held path off)."""
+    def call():
+        triton_softmax_leaves.HELD[0] = False
+        try:
+            return fn()
+        finally:
+            triton_softmax_leaves.HELD[0] = True
+    return call
 
 
 def run(copy_gbps: float) -> list[dict]:
@@ -70,41 +82,52 @@ def run(copy_gbps: float) -> list[dict]:
             ms, bw = gbps(n_bytes, lambda: log_softmax_forward_cuda(x, DEFAULT_LEAVES))
             tms, tbw = gbps(n_bytes, lambda: F.log_softmax(x, -1))
             rms, rbw = gbps(n_bytes, lambda: triton_softmax._fused(x, DEFAULT_LEAVES, triton_softmax._MODE_LOG, row_cfg))
+            lms, lbw = gbps(n_bytes, through_l2(lambda: log_softmax_forward_cuda(x, DEFAULT_LEAVES)))
             rows.append(dict(op="log_softmax", dtype=name, T=tokens, V=VOCAB, ms=ms, gbps=bw,
                              frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
-                             row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps))
+                             row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps,
+                             l2_ms=lms, l2_frac_copy=lbw / copy_gbps))
             lse_bytes = x.numel() * x.element_size() + tokens * x.element_size()
             ms, bw = gbps(lse_bytes, lambda: logsumexp_forward_cuda(x, DEFAULT_LEAVES))
             tms, tbw = gbps(lse_bytes, lambda: torch.logsumexp(x, -1))
             rms, rbw = gbps(lse_bytes, lambda: triton_softmax._fused(x, DEFAULT_LEAVES, triton_softmax._MODE_STATS, row_cfg))
+            lms, lbw = gbps(lse_bytes, through_l2(lambda: logsumexp_forward_cuda(x, DEFAULT_LEAVES)))
             rows.append(dict(op="logsumexp", dtype=name, T=tokens, V=VOCAB, ms=ms, gbps=bw,
                              frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
-                             row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps))
+                             row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps,
+                             l2_ms=lms, l2_frac_copy=lbw / copy_gbps))
             del x
             torch.cuda.empty_cache()
     return rows
 
 
-#: --sweep: launch shapes of the by-leaves kernel (chunk, warps, programs per SM, stages)
-SWEEP = [(chunk, warps, per_sm, stages) for chunk in (2048, 4096, 8192) for warps in (4, 8)
-         for per_sm in (2, 4, 8) for stages in (1, 2)]
+#: --sweep: launch shapes of the held-leaf kernel (warps, programs per SM, leaves per program; a
+#: group too large for shared memory shrinks, and the repeat is skipped)
+SWEEP = [(warps, per_sm, group) for warps in (4, 8) for per_sm in (2, 3, 4, 6) for group in (1, 2)]
 
 
-def sweep(copy_gbps: float, tokens: int = 4096) -> list[dict]:
-    """Time the by-leaves kernel's launch shapes (bytes checked against the row kernel first)."""
+def sweep(copy_gbps: float, tokens: int = 4096, dtypes: tuple = ("fp32", "bf16")) -> list[dict]:
+    """Time the held-leaf kernel's launch shapes (bytes checked against the row kernel first)."""
     from tpinv.kernels.triton_softmax_leaves import softmax_rows_by_leaves
     rows = []
     ts = triton_softmax
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        if name not in dtypes:
+            continue
         x = torch.randn(tokens, VOCAB, device="cuda", dtype=dtype)
         for mode, op in ((ts._MODE_LOG, "log_softmax"), (ts._MODE_STATS, "max_sum")):
             want = ts._fused(x, DEFAULT_LEAVES, mode, ts._FUSED_CONFIG[dtype])
             n_bytes = x.numel() * x.element_size() * (2 if mode == ts._MODE_LOG else 1)
             for cfg in SWEEP:
+                block = triton_softmax.leaf_block(VOCAB // DEFAULT_LEAVES)
+                plan = gluon_softmax.held_plan(x, DEFAULT_LEAVES, block, mode == ts._MODE_STATS, cfg)
+                if plan is None or tuple(plan) != tuple(cfg):
+                    continue
                 try:
-                    got = softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, cfg)
+                    got = softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, held_config=cfg)
                     same = all(same_bits(g, w) for g, w in zip(got, want) if w is not None)
-                    ms, bw = gbps(n_bytes, lambda: softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, cfg))
+                    ms, bw = gbps(n_bytes, lambda: softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode,
+                                                                          held_config=cfg))
                 except Exception as exc:  # a config that does not compile (resources) is recorded
                     print(f"{op} {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                     continue
@@ -118,27 +141,29 @@ def sweep(copy_gbps: float, tokens: int = 4096) -> list[dict]:
 
 def table(rows: list[dict], copy_gbps: float) -> str:
     lines = [f"copy bandwidth (d2d, 2 GiB): {copy_gbps:.0f} GB/s", "",
-             "| op | dtype | shape | tpinv ms | tpinv GB/s | % of copy | row kernel % of copy | torch ms | torch GB/s | bwd GB/s (% copy) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| op | dtype | shape | tpinv ms | tpinv GB/s | % of copy | through L2 % of copy | row kernel % of copy | torch ms | torch GB/s | bwd GB/s (% copy) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = (f"T={r['T']} H={r['H']}" + (f" heads={r['heads']}" if r.get("heads", 1) > 1 else "")
                  if r["op"] == "rms_norm" else f"T={r['T']} V={r['V']}")
         bwd = f"{r['bwd_gbps']:.0f} ({100 * r['bwd_frac_copy']:.0f}%)" if "bwd_gbps" in r else "-"
         row_kernel = f"{100 * r['row_kernel_frac_copy']:.0f}%" if "row_kernel_frac_copy" in r else "-"
+        l2 = f"{100 * r['l2_frac_copy']:.0f}%" if "l2_frac_copy" in r else "-"
         lines.append(f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {r['gbps']:.0f} | "
-                     f"{100 * r['frac_copy']:.0f}% | {row_kernel} | {r['torch_ms']:.3f} | {r['torch_gbps']:.0f} | {bwd} |")
+                     f"{100 * r['frac_copy']:.0f}% | {l2} | {row_kernel} | {r['torch_ms']:.3f} | {r['torch_gbps']:.0f} | {bwd} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this path")
-    parser.add_argument("--sweep", action="store_true", help="also time the by-leaves kernel's launch shapes")
+    parser.add_argument("--sweep", action="store_true", help="also time the held-leaf kernel's launch shapes")
+    parser.add_argument("--sweep-dtypes", default="fp32,bf16", help="the dtypes --sweep times")
     args = parser.parse_args()
     copy_gbps = copy_bandwidth_gbps(2 << 30)
     rows = run(copy_gbps)
     print(table(rows, copy_gbps))
-    swept = sweep(copy_gbps) if args.sweep else []
+    swept = sweep(copy_gbps, dtypes=tuple(args.sweep_dtypes.split(","))) if args.sweep else []
     for op in sorted({r["op"] + " " + r["dtype"] + " T=" + str(r["T"]) for r in swept}):
         best = max((r for r in swept if f"{r['op']} {r['dtype']} T={r['T']}" == op and r["same_bytes"]),
                    key=lambda r: r["gbps"])

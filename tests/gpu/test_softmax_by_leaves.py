@@ -3,9 +3,11 @@
 Each check compares :func:`softmax_rows_by_leaves` with the one-program-per-row kernel
 (``_fused`` given its table config, which always runs the row kernel) byte for byte: out, max
 and sum, every mode, fp32/bf16/fp16, leaves 2/4/8, rows of NaN, +-inf, all -inf, a max of mixed
-+-0, and launch shapes down to ``leaves`` programs looping over many rows.  The public ops are
-asserted to take the by-leaves path.  Control: raising one element of one leaf to a new row max
-changes that row's bytes (so the comparison sees a change in any leaf).  Skips without CUDA.
++-0, and launch shapes down to ``leaves`` programs looping over many rows -- both with the leaf
+held in shared memory (the Gluon kernel, sm_90; asserted to run) and read through L2 (the Triton
+kernel).  The public ops are asserted to take the by-leaves path.  Control: raising one element
+of one leaf to a new row max changes that row's bytes (so the comparison sees a change in any
+leaf).  Skips without CUDA.
 """
 from __future__ import annotations
 
@@ -18,6 +20,37 @@ from tpinv.testing import assert_bits_differ, assert_same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
+
+
+def on_sm90() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(params=["held", "through_l2"])
+def held_runs(request, monkeypatch):
+    """Run the test with the leaf held in shared memory, then read through L2; yields the list
+    the held launcher appends to (the held path is asserted to run where it can)."""
+    _, bl = mods()
+    monkeypatch.setattr(bl, "HELD", [request.param == "held"])
+    runs = []
+    if request.param == "held":
+        if not on_sm90():
+            pytest.skip("the held-leaf kernel runs on sm_90 only")
+        from tpinv.kernels import gluon_softmax
+        real = gluon_softmax.softmax_rows_held
+
+        def counted(rows, *args, **kwargs):
+            runs.append(rows.shape)
+            return real(rows, *args, **kwargs)
+
+        monkeypatch.setattr(gluon_softmax, "softmax_rows_held", counted)
+    return runs
+
+
+def table_holds(dtype, mode) -> bool:
+    """Whether the held kernel's table runs ``dtype`` in ``mode`` (else the L2 kernel is faster)."""
+    from tpinv.kernels import gluon_softmax, triton_softmax
+    return gluon_softmax.HELD_CONFIG[dtype, mode == triton_softmax._MODE_STATS] is not None
 
 
 def mods():
@@ -55,26 +88,53 @@ def check_same(got, want, what):
             assert_same_bits(a, b, f"{what} {name}")
 
 
+#: (leaves, width, rows, held on sm_90): Qwen3's and Llama 3's vocabularies (leaves of 5 and 4
+#: steps of 4096), one step of 2048 and of 4096, and leaves of 3001 (not 16-aligned: through L2)
+CASES = ((8, 151936, 37, True), (8, 128256, 9, True), (4, 4 * 2048, 5, True),
+         (2, 2 * 3001, 300, False), (8, 8 * 4096, 1, True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_same_bytes_as_the_row_kernel(dtype):
+def test_same_bytes_as_the_row_kernel(dtype, held_runs):
     ts, bl = mods()
-    for leaves, width, rows in ((8, 151936, 37), (4, 4 * 2048, 5), (2, 2 * 3001, 300), (8, 8 * 4096, 1)):
+    for leaves, width, rows, held in CASES:
         x = special_rows(rand(max(rows, 5), width, dtype=dtype, seed=leaves + rows))[:rows]
         for mode in (ts._MODE_LOG, ts._MODE_SOFTMAX, ts._MODE_STATS):
             want = row_kernel(ts, x, leaves, mode)
+            before = len(held_runs)
             got = bl.softmax_rows_by_leaves(x, leaves, mode)
             check_same(got, want, f"{dtype} leaves={leaves} width={width} rows={rows} mode={mode}")
+            ran_held = len(held_runs) > before
+            assert ran_held == (held and bl.HELD[0] and table_holds(dtype, mode)), (leaves, width, mode)
 
 
-def test_launch_shapes_do_not_move_bits():
+def test_launch_shapes_do_not_move_bits(held_runs):
     ts, bl = mods()
     x = special_rows(rand(203, 151936, dtype=torch.bfloat16, seed=5))
     want = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_LOG)
     want_stats = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_STATS)
+    if bl.HELD[0]:
+        for held_config in ((4, 0.01, 1), (8, 1, 2), (4, 2, 1), (8, 4, 2), (4, 8, 8), (4, 3, 2)):
+            for mode, w in ((ts._MODE_LOG, want), (ts._MODE_STATS, want_stats)):
+                got = bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, held_config=held_config)
+                check_same(got, w, f"held {held_config} mode={mode}")
+        assert len(held_runs) == 12
+        return
     for config in ((1024, 4, 0.01, 1), (8192, 8, 1, 2), (16384, 16, 4, 3), (2048, 4, 8, 1)):
         check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_LOG, config), want, str(config))
         check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_STATS, config), want_stats,
                    f"statistics {config}")
+
+
+def test_a_misaligned_row_stride_reads_through_l2(held_runs):
+    """A row stride that is not a multiple of 16 elements cannot be copied in 16-byte pieces:
+    the L2 kernel runs it, with the same bytes."""
+    ts, bl = mods()
+    wide = rand(6, 151936 + 8, seed=21)
+    x = wide[:, :151936]
+    want = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_LOG)
+    check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_LOG), want, "stride 151944")
+    assert held_runs == []
 
 
 def test_public_ops_take_the_by_leaves_path(monkeypatch):
@@ -108,7 +168,7 @@ def test_public_ops_take_the_by_leaves_path(monkeypatch):
     assert len(calls) == 4
 
 
-def test_control_a_change_in_one_leaf_moves_its_row():
+def test_control_a_change_in_one_leaf_moves_its_row(held_runs):
     ts, bl = mods()
     x = rand(4, 151936, seed=11)
     before = bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_LOG)
@@ -120,7 +180,7 @@ def test_control_a_change_in_one_leaf_moves_its_row():
         assert_bits_differ(a[2], b[2], "the changed row")
 
 
-def test_replayed_from_a_cuda_graph():
+def test_replayed_from_a_cuda_graph(held_runs):
     """Captured once, replayed on new values: the tickets and row counters are zeroed inside the
     graph, so every replay gives the eager call's bytes."""
     ts, bl = mods()

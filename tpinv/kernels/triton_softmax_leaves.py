@@ -22,6 +22,9 @@ takes a ticket only while it runs, so at most one row is ever partly taken and e
 waiting program belongs to is wholly held by running programs: this cannot deadlock once
 ``leaves`` programs can be resident at once (any GPU, any launch order).  Not for Triton's
 interpreter, which runs programs one after another: there the row kernel runs.
+
+On an sm_90 GPU a leaf that fits shared memory is held there instead of re-read through L2
+(:mod:`tpinv.kernels.gluon_softmax`, the same schedule and bits), where its table says so.
 """
 from __future__ import annotations
 
@@ -34,11 +37,15 @@ from tpinv.kernels.triton_softmax import (_MODE_STATS, _leaf_sums_exp, _log2, _n
                                           _pair_tree, _programs, _shift_of, _span_max, _write_chunk,
                                           leaf_block)
 
-__all__ = ["softmax_rows_by_leaves", "runs_by_leaves", "BY_LEAVES", "MIN_LEAF_LEN"]
+__all__ = ["softmax_rows_by_leaves", "runs_by_leaves", "held_module", "BY_LEAVES", "HELD", "MIN_LEAF_LEN"]
 
 #: ``[True]``: on CUDA, rows of at least two leaves of :data:`MIN_LEAF_LEN` or more run here;
 #: ``[False]``: every row runs the row kernel (tests compare the two).
 BY_LEAVES = [True]
+#: ``[True]``: leaves that fit shared memory on an sm_90 GPU are held there
+#: (:mod:`tpinv.kernels.gluon_softmax`); ``[False]``: they are read through L2 three times.
+HELD = [True]
+_HELD: list = []   # [the gluon_softmax module, or None without Gluon], once resolved
 #: Shortest leaf worth a program of its own (shorter rows fit in L2 as whole rows).
 MIN_LEAF_LEN = 2048
 
@@ -110,19 +117,47 @@ def _softmax_leaves_kernel(x_ptr, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr,
         item = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
 
 
+def held_module(rows: torch.Tensor, leaf_len: int):
+    """:mod:`tpinv.kernels.gluon_softmax` where its kernel may run ``rows`` (an sm_90 GPU, Gluon,
+    16-byte aligned rows and leaves; :data:`HELD` on), else None; its ``held_plan`` decides."""
+    if not HELD[0] or torch.cuda.get_device_capability(rows.device) != (9, 0):
+        return None
+    if not _HELD:
+        try:
+            from tpinv.kernels import gluon_softmax
+        except ImportError:     # a Triton without Gluon
+            gluon_softmax = None
+        _HELD.append(gluon_softmax)
+    held = _HELD[0]
+    aligned = (leaf_len % 16 == 0 and rows.stride(0) % 16 == 0 and rows.data_ptr() % 16 == 0)
+    return held if held is not None and aligned else None
+
+
 def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
-                           config: tuple | None = None) -> tuple:
+                           config: tuple | None = None, held_config: tuple | None = None) -> tuple:
     """``(out or None, max, total)`` of a 2-D row-contiguous CUDA ``rows`` (checked by the caller),
-    the bits of the row kernel."""
+    the bits of the row kernel.  The leaf is held in shared memory where it can be
+    (:func:`held_module`; ``held_config``: its (num_warps, programs per SM, leaves per program)),
+    else read three times through L2 (``config``: (chunk, num_warps, programs per SM, stages))."""
     n_rows, width = rows.shape
     out, max_, total = _outputs(rows, mode)
     if n_rows == 0:
         return out, max_, total
-    chunk, warps, per_sm, stages = config or _CONFIG[rows.dtype, mode == _MODE_STATS]
     leaf_len = width // leaves
     block = leaf_block(leaf_len)
     parts = torch.empty((n_rows, 2 * leaves), dtype=torch.float32, device=rows.device)
     sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=rows.device)  # ticket, then a count per row
+    held = None if config is not None else held_module(rows, leaf_len)
+    plan = None if held is None else held.held_plan(rows, leaves, block, mode == _MODE_STATS,
+                                                    held_config)
+    if plan is not None:
+        warps, per_sm, group = plan
+        meeting = leaves // group
+        n_programs = max(meeting, _programs(n_rows * meeting, rows.device, per_sm))
+        held.softmax_rows_held(rows, out, max_, total, parts, sync, leaves, mode, block,
+                               n_programs, warps, group)
+        return out, max_, total
+    chunk, warps, per_sm, stages = config or _CONFIG[rows.dtype, mode == _MODE_STATS]
     grid = (max(leaves, _programs(n_rows * leaves, rows.device, per_sm)),)
     target = rows if out is None else out
     launch(_softmax_leaves_kernel, grid,
