@@ -6,7 +6,9 @@ one supervised warm start of a tiny Qwen3-shaped model (one-digit addition, ``"3
 
 * the tpinv run: the engine samples a group of answers per prompt at ``--rollout-tp`` (default
   2), the trainer scores them and takes a GRPO step at ``--trainer-tp`` (default 1), and the
-  trainer's weights are copied into the engine's shards after every step;
+  trainer's weights are copied into the engine's shards in place after every step (one engine
+  serves every step: its KV cache and, with ``--cuda-graph``, its captured decode graph read
+  the new weights where the old ones were);
 * the vanilla run: the same loop through the plain forward (BLAS, SDPA, ``torch.log_softmax``,
   plain ``all_reduce``) on both sides.
 
@@ -122,20 +124,21 @@ def rl_run(rank: int, world: int, args, vanilla: bool, log, device: torch.device
         sync_weights(full if rank == 0 else None, engine_model, specs, device=device)
 
     sync()
+    # one engine for the run: each step's weights are copied into engine_model's parameters in place
+    engine = None if engine_model is None else Engine(
+        engine_model, max_batch=args.prompts * args.group, max_context=16, vanilla=vanilla,
+        cuda_graph=args.cuda_graph and not vanilla)
     history = []
     for step in range(args.steps):
         t0 = time.perf_counter()
         pairs = [task.pair((step * args.prompts + i) % args.pool) for i in range(args.prompts)]
         prompts = [arithmetic_prompt(a, b) for a, b in pairs for _ in range(args.group)]
         payload = [None]
-        if engine_model is not None:
-            engine = Engine(engine_model, max_batch=len(prompts), max_context=16, vanilla=vanilla,
-                            cuda_graph=args.cuda_graph and not vanilla)
+        if engine is not None:
             sampling = SamplingParams(1.0, seed=args.seed * 1000 + step)
             reqs = [Request(f"{step}-{i}", p, max_tokens=3, sampling=sampling, stop_token_ids=[10], ignore_eos=True)
                     for i, p in enumerate(prompts)]
             payload = [[(r.token_ids, r.logprobs.cpu()) for r in engine.generate(reqs)]]
-            engine.close()
         dist.broadcast_object_list(payload, src=0)
         gens = [g for g, _ in payload[0]]
         rollout_lp = torch.zeros(len(gens), max(len(g) for g in gens))
@@ -167,6 +170,8 @@ def rl_run(rank: int, world: int, args, vanilla: bool, log, device: torch.device
         if rank == 0:
             log(rec)
         history.append(rec)
+    if engine is not None:
+        engine.close()
     return history
 
 

@@ -72,6 +72,27 @@ def test_outputs_do_not_depend_on_batch_slot_arrival_or_budget(model):
         assert all(same(o, r) for o, r in zip(out, ref)), (b, slots, arrivals, budget)
 
 
+def test_a_live_engine_serves_weights_copied_in_place():
+    """One engine across weight updates, as an RL loop keeps it: new weights copied into its
+    model's parameters in place give a fresh engine's bits on those weights, though the second
+    call's requests land in slots holding the first call's keys and values.  Control: the same
+    engine's outputs before the copy differ from after (the update reached it)."""
+    live_model, new_model = build(), build()
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.mul_(1.25)
+    reqs = make_requests()
+    live = Engine(live_model, max_batch=3, slot_order=[2, 0, 1], max_context=40)
+    before = live.generate(reqs)
+    with torch.no_grad():
+        for p, q in zip(live_model.parameters(), new_model.parameters()):
+            p.copy_(q)
+    after = live.generate(reqs, arrival_steps=[1, 0, 2, 0, 1])
+    fresh = Engine(new_model, max_batch=1).generate(reqs)
+    assert all(same(a, f) for a, f in zip(after, fresh))
+    assert not any(same(b, a) for b, a in zip(before, after))
+
+
 def test_negative_control_vanilla_engine_depends_on_the_batch(model):
     reqs = make_requests()
     ref = Engine(model, max_batch=1, vanilla=True).generate(reqs)
