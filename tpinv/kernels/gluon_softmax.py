@@ -138,8 +138,8 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_
              PROGRAMS: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr,
              B: gl.constexpr, C: gl.constexpr, BLOCK: gl.constexpr, LOG2_BLOCK: gl.constexpr,
              lanes_layout: gl.constexpr, small_layout: gl.constexpr):
-    """``item``'s leaves, already in ``a, b, c`` (elements past a leaf's end are -inf): their
-    max, the row's meetings, their sums and, unless statistics alone, their output."""
+    """``item``'s leaves, already in ``a, b, c`` (what lies past a leaf's end is read as -inf):
+    their max, the row's meetings, their sums and, unless statistics alone, their output."""
     row = (item // PROGRAMS).to(gl.int64)
     first = (item % PROGRAMS) * GROUP             # this item's first leaf
     parts = part_ptr + row * (2 * LEAVES)
