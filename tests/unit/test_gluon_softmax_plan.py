@@ -1,8 +1,8 @@
 """Where the held-leaf softmax kernel runs: :func:`tpinv.kernels.gluon_softmax.held_plan`.
 
 Host logic only (the kernel's bytes are compared on a GPU in ``tests/gpu/test_softmax_by_leaves.py``):
-the table's launch shapes for a Qwen3 row, the L2 kernel where the table says so, a group of
-leaves shrunk to fit shared memory, and no plan where a leaf cannot be held.
+the table's launch shapes for a Qwen3 row, the L2 kernel where the table says so, and no plan
+where a leaf cannot be held.
 """
 from __future__ import annotations
 
@@ -26,19 +26,13 @@ def test_the_table_holds_a_qwen3_leaf():
     assert plan(QWEN3_VOCAB, torch.float32) == gluon_softmax.HELD_CONFIG[torch.float32, False]
     assert plan(QWEN3_VOCAB, torch.bfloat16) == gluon_softmax.HELD_CONFIG[torch.bfloat16, False]
     assert plan(QWEN3_VOCAB, torch.float32, stats=True) is not None
+    assert plan(QWEN3_VOCAB, torch.bfloat16, config=(8, 1)) == (8, 1)      # an explicit shape
 
 
 def test_the_table_sends_16_bit_statistics_through_l2():
     for dtype in (torch.bfloat16, torch.float16):
         assert gluon_softmax.HELD_CONFIG[dtype, True] is None
         assert plan(QWEN3_VOCAB, dtype, stats=True) is None
-
-
-def test_a_group_shrinks_to_fit_shared_memory():
-    # an 80 KB fp32 leaf: one a program; a 40 KB bf16 leaf: two
-    assert plan(QWEN3_VOCAB, torch.float32, config=(8, 2, 4))[2] == 1
-    assert plan(QWEN3_VOCAB, torch.bfloat16, config=(8, 2, 8))[2] == 2
-    assert plan(8 * 4096, torch.bfloat16, config=(4, 2, 8))[2] == 8      # 8 KB leaves: all 8
 
 
 def test_no_plan_where_a_leaf_cannot_be_held():

@@ -15,8 +15,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tpinv.kernels.gluon_matmul_kernel import SUPPORTED_LEAVES, _contract_mm_ws_kernel
-from tpinv.kernels.launch import (cdiv, is_bound, launch_with, operands_key, remember, reused_descriptor,
-                                  sm_count)
+from tpinv.kernels.launch import (cdiv, device_capability, is_bound, launch_with, operands_key,
+                                  remember, reused_descriptor, sm_count)
 from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
 __all__ = ["SUPPORTED_LEAVES", "unsupported_reason", "supported", "gluon_matmul_cuda", "plan_for",
@@ -54,8 +54,8 @@ def unsupported_reason(x, w, leaves: int, out_dtype) -> str | None:
         return "x and w must be torch tensors"
     if not (x.is_cuda and w.is_cuda) or x.device != w.device:
         return f"x and w must be on one CUDA device, got {x.device} and {w.device}"
-    if _capability(x.device) != (9, 0):
-        return f"needs an sm_90 GPU (wgmma), got capability {_capability(x.device)}"
+    if device_capability(x.device) != (9, 0):
+        return f"needs an sm_90 GPU (wgmma), got capability {device_capability(x.device)}"
     if x.dtype not in _DTYPES or w.dtype != x.dtype:
         return f"x and w must both be bf16 or fp16, got {x.dtype} and {w.dtype}"
     if out_dtype not in (None, x.dtype, torch.float32):
@@ -214,14 +214,6 @@ def _plan(x, w, leaves: int, out_dtype: torch.dtype, cfg: GluonConfig) -> Launch
 
 
 _LAYOUTS: dict = {}
-_CAPABILITY: dict = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index]
 
 
 def _layout(block: list[int], gdt):

@@ -16,11 +16,11 @@ shared memory once (``cp.async``), takes its max there, and the sum and the outp
 memory: each element crosses L2 once each way, and the later passes cost no memory latency.
 A leaf is held as its ``BLOCK``-wide steps in up to three power-of-two buffers (5 steps = 4 + 1).
 
-Scheduling is the Triton by-leaves kernel's: a ticket counter hands out (row, group of ``GROUP``
-leaves) items in order, the programs of a row meet on a per-row counter (acquire/release atomics,
-GPU scope) after the maxima and after the sums (for the statistics alone, the last leaf sums to
-arrive combine the row and nobody waits), and a program takes a ticket only while it runs, so
-this cannot deadlock once ``leaves / GROUP`` programs can be resident.  :func:`held_plan` says
+Scheduling is the Triton by-leaves kernel's: a ticket counter hands out (row, leaf) items in
+order, the programs of a row meet on a per-row counter (acquire/release atomics, GPU scope) after
+the maxima and after the sums (for the statistics alone, the last leaf sum to arrive combines the
+row and nobody waits), and a program takes a ticket only while it runs, so this cannot deadlock
+once ``leaves`` programs can be resident.  :func:`held_plan` says
 where it runs (a leaf that fits :data:`SMEM_BUDGET`, and the table's choice); elsewhere the Triton
 by-leaves kernel runs, with the same bits.
 """
@@ -32,21 +32,23 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from tpinv.kernels.launch import cdiv
+
 __all__ = ["softmax_rows_held", "held_plan", "HELD_CONFIG", "SMEM_BUDGET"]
 
-#: Shared memory a program may hold its leaves in (bytes): two such programs fit an SM.
+#: Shared memory a program may hold its leaf in (bytes): two such programs fit an SM.
 SMEM_BUDGET = 100 * 1024
 #: The cp.async copy from global to shared memory (renamed ``async_load`` after Triton 3.6).
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: The CTA-wide barrier (``thread_barrier`` before Triton 3.7, ``barrier`` after).
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-#: Per (input dtype, statistics alone): (num_warps, programs per SM, leaves per program), from
-#: the H100 sweeps in docs/benchmarks.md; None where the L2 kernel measured faster.  Speed only:
-#: no choice here moves a bit.
+#: Per (input dtype, statistics alone): (num_warps, programs per SM), from the H100 sweeps in
+#: docs/benchmarks.md; None where the L2 kernel measured faster.  Speed only: no choice here
+#: moves a bit.
 HELD_CONFIG = {
-    (torch.float32, False): (8, 2, 1), (torch.float32, True): (8, 2, 1),
-    (torch.bfloat16, False): (4, 4, 1), (torch.bfloat16, True): None,
-    (torch.float16, False): (4, 4, 1), (torch.float16, True): None,
+    (torch.float32, False): (8, 2), (torch.float32, True): (8, 2),
+    (torch.bfloat16, False): (4, 4), (torch.bfloat16, True): None,
+    (torch.float16, False): (4, 4), (torch.float16, True): None,
 }
 
 
@@ -81,25 +83,23 @@ def _pair_tree(v, N: gl.constexpr, LOG2_N: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _held(a, b, c, g: gl.constexpr, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-          C: gl.constexpr, BLOCK: gl.constexpr):
-    """Step ``k`` of held leaf ``g``: steps ``[0, A)`` of every leaf live in ``a``, ``[A, A + B)``
-    in ``b``, the rest in ``c`` (shared-memory shapes are powers of two, so a leaf of, say, 5 steps
-    is 4 + 1)."""
+def _held(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr):
+    """Step ``k`` of the held leaf: steps ``[0, A)`` live in ``a``, ``[A, A + B)`` in ``b``, the
+    rest in ``c`` (shared-memory shapes are powers of two, so a leaf of, say, 5 steps is 4 + 1)."""
     if k < A:
-        return a.slice((g * A + k) * BLOCK, BLOCK)
+        return a.slice(k * BLOCK, BLOCK)
     elif k < A + B:
-        return b.slice((g * B + k - A) * BLOCK, BLOCK)
+        return b.slice((k - A) * BLOCK, BLOCK)
     else:
-        return c.slice((g * C + k - A - B) * BLOCK, BLOCK)
+        return c.slice((k - A - B) * BLOCK, BLOCK)
 
 
 @gluon.jit
-def _held_fp32(a, b, c, g: gl.constexpr, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-               C: gl.constexpr, BLOCK: gl.constexpr, lanes, leaf_len, layout: gl.constexpr):
-    """Step ``k`` of held leaf ``g`` in fp32, ``-inf`` past the leaf's end (the row kernel's
+def _held_fp32(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
+               lanes, leaf_len, layout: gl.constexpr):
+    """Step ``k`` of the held leaf in fp32, ``-inf`` past the leaf's end (the row kernel's
     masked load)."""
-    x = _held(a, b, c, g, k, A, B, C, BLOCK).load(layout).to(gl.float32)
+    x = _held(a, b, c, k, A, B, BLOCK).load(layout).to(gl.float32)
     return gl.where(k * BLOCK + lanes < leaf_len, x, float("-inf"))
 
 
@@ -115,82 +115,72 @@ def _meet(count_ptr, target):
 
 
 @gluon.jit
-def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, PROGRAMS: gl.constexpr,
-           GROUP: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-           C: gl.constexpr, BLOCK: gl.constexpr):
-    """Start the cp.async copies of ``item``'s leaves into ``a, b, c`` (none past the last item)
+def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.constexpr,
+           STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr):
+    """Start the cp.async copies of ``item``'s leaf into ``a, b, c`` (none past the last item)
     and close them as one group: no registers are held while they fly."""
     if item < n_items:
-        row = (item // PROGRAMS).to(gl.int64)
-        first = (item % PROGRAMS) * GROUP
-        x_first = x_ptr + row * stride_x + first.to(gl.int64) * leaf_len
-        for g in gl.static_range(GROUP):
-            for k in gl.static_range(STEPS):
-                _async_load(_held(a, b, c, g, k, A, B, C, BLOCK),
-                            x_first + g * leaf_len + k * BLOCK + lanes,
-                            mask=k * BLOCK + lanes < leaf_len, eviction_policy="evict_first")
+        row = (item // LEAVES).to(gl.int64)
+        x_leaf = x_ptr + row * stride_x + (item % LEAVES).to(gl.int64) * leaf_len
+        for k in gl.static_range(STEPS):
+            _async_load(_held(a, b, c, k, A, B, BLOCK), x_leaf + k * BLOCK + lanes,
+                        mask=k * BLOCK + lanes < leaf_len, eviction_policy="evict_first")
     async_copy.commit_group()
 
 
 @gluon.jit
 def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_len, stride_y,
              lanes, leaf_ids, MODE: gl.constexpr, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr,
-             PROGRAMS: gl.constexpr, GROUP: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr,
-             B: gl.constexpr, C: gl.constexpr, BLOCK: gl.constexpr, LOG2_BLOCK: gl.constexpr,
-             lanes_layout: gl.constexpr, small_layout: gl.constexpr):
-    """``item``'s leaves, already in ``a, b, c`` (what lies past a leaf's end is read as -inf):
-    their max, the row's meetings, their sums and, unless statistics alone, their output."""
-    row = (item // PROGRAMS).to(gl.int64)
-    first = (item % PROGRAMS) * GROUP             # this item's first leaf
+             STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
+             LOG2_BLOCK: gl.constexpr, lanes_layout: gl.constexpr, small_layout: gl.constexpr):
+    """``item``'s leaf, already in ``a, b, c`` (what lies past its end is read as -inf): its max,
+    the row's meetings, its sum and, unless statistics alone, its output."""
+    row = (item // LEAVES).to(gl.int64)
+    leaf = item % LEAVES
     parts = part_ptr + row * (2 * LEAVES)
-    # 1. the exact max of the held leaves, then the row's from every program's
+    # 1. the leaf's exact max, then the row's from every leaf's
     run = gl.full([BLOCK], float("-inf"), gl.float32, lanes_layout)
-    for g in gl.static_range(GROUP):
-        for k in gl.static_range(STEPS):
-            x = _held_fp32(a, b, c, g, k, A, B, C, BLOCK, lanes, leaf_len, lanes_layout)
-            run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
-    gl.store(parts + item % PROGRAMS, _nan_max(run))
-    _meet(sync_ptr + 1 + row, PROGRAMS)
-    m = _nan_max(gl.load(parts + leaf_ids, mask=leaf_ids < PROGRAMS, other=float("-inf"),
-                         volatile=True))
+    for k in gl.static_range(STEPS):
+        x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout)
+        run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
+    gl.store(parts + leaf, _nan_max(run))
+    _meet(sync_ptr + 1 + row, LEAVES)
+    m = _nan_max(gl.load(parts + leaf_ids, volatile=True))
     shift = _shift_of(m)
-    # 2. each leaf's sum from shared memory: the row kernel's lanes and fold (each thread
-    #    reads back the elements it copied, so no barrier is needed between the passes)
-    for g in gl.static_range(GROUP):
-        acc = gl.zeros([BLOCK], gl.float32, lanes_layout)
-        for k in gl.static_range(STEPS):
-            acc += gl.exp(_held_fp32(a, b, c, g, k, A, B, C, BLOCK, lanes, leaf_len,
-                                     lanes_layout) - shift)
-        gl.store(parts + LEAVES + first + g, _fold_lanes(acc, BLOCK, LOG2_BLOCK))
+    # 2. the leaf's sum from shared memory: the row kernel's lanes and fold (each thread reads
+    #    back the elements it copied, so no barrier is needed between the passes)
+    acc = gl.zeros([BLOCK], gl.float32, lanes_layout)
+    for k in gl.static_range(STEPS):
+        acc += gl.exp(_held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout) - shift)
+    gl.store(parts + LEAVES + leaf, _fold_lanes(acc, BLOCK, LOG2_BLOCK))
     if MODE == 0:
-        # the statistics alone: the row's last leaf sums to arrive combine them, no one waits
+        # the statistics alone: the row's last leaf sum to arrive combines them, no one waits
         _thread_barrier()
         seen = gl.atomic_add(sync_ptr + 1 + row, 1, sem="acq_rel", scope="gpu") + 1
-        if seen == 2 * PROGRAMS:
+        if seen == 2 * LEAVES:
             _thread_barrier()
             total = _pair_tree(gl.load(parts + LEAVES + leaf_ids, volatile=True), LEAVES,
                                LOG2_LEAVES, small_layout)
             gl.store(max_ptr + row, m)
             gl.store(total_ptr + row, total)
     else:
-        _meet(sync_ptr + 1 + row, 2 * PROGRAMS)
+        _meet(sync_ptr + 1 + row, 2 * LEAVES)
         total = _pair_tree(gl.load(parts + LEAVES + leaf_ids, volatile=True), LEAVES,
                            LOG2_LEAVES, small_layout)
-        if first == 0:
+        if leaf == 0:
             gl.store(max_ptr + row, m)
             gl.store(total_ptr + row, total)
-        # 3. the leaves' output from shared memory, the row kernel's per-element formula
-        y_first = y_ptr + row * stride_y + first.to(gl.int64) * leaf_len
-        for g in gl.static_range(GROUP):
-            for k in gl.static_range(STEPS):
-                offs = k * BLOCK + lanes
-                shifted = _held(a, b, c, g, k, A, B, C, BLOCK).load(lanes_layout).to(gl.float32) - shift
-                if MODE == 1:
-                    y = shifted - gl.log(total)
-                else:
-                    y = gl.div_rn(gl.exp(shifted), total)
-                gl.store(y_first + g * leaf_len + offs, y.to(y_ptr.dtype.element_ty),
-                         mask=offs < leaf_len, eviction_policy="evict_first")
+        # 3. the leaf's output from shared memory, the row kernel's per-element formula
+        y_leaf = y_ptr + row * stride_y + leaf.to(gl.int64) * leaf_len
+        for k in gl.static_range(STEPS):
+            offs = k * BLOCK + lanes
+            shifted = _held(a, b, c, k, A, B, BLOCK).load(lanes_layout).to(gl.float32) - shift
+            if MODE == 1:
+                y = shifted - gl.log(total)
+            else:
+                y = gl.div_rn(gl.exp(shifted), total)
+            gl.store(y_leaf + offs, y.to(y_ptr.dtype.element_ty), mask=offs < leaf_len,
+                     eviction_policy="evict_first")
     # the buffers are copied into again next: every thread is past its last read of them
     _thread_barrier()
 
@@ -198,38 +188,31 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_
 @gluon.jit
 def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, n_rows, leaf_len,
                          stride_x, stride_y, MODE: gl.constexpr, LEAVES: gl.constexpr,
-                         LOG2_LEAVES: gl.constexpr, GROUP: gl.constexpr,
-                         BLOCK: gl.constexpr, LOG2_BLOCK: gl.constexpr, STEPS: gl.constexpr,
-                         A: gl.constexpr, B: gl.constexpr, C: gl.constexpr, VEC: gl.constexpr,
+                         LOG2_LEAVES: gl.constexpr, BLOCK: gl.constexpr,
+                         LOG2_BLOCK: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr,
+                         B: gl.constexpr, C: gl.constexpr, VEC: gl.constexpr,
                          num_warps: gl.constexpr):
     lanes_layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [num_warps], [0])
     small_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     held_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     dtype: gl.constexpr = x_ptr.dtype.element_ty
-    PROGRAMS: gl.constexpr = LEAVES // GROUP      # programs that meet per row
-    a0 = gl.allocate_shared_memory(dtype, [GROUP * A * BLOCK], held_layout)
-    b0 = gl.allocate_shared_memory(dtype, [GROUP * B * BLOCK if B > 0 else 16], held_layout)
-    c0 = gl.allocate_shared_memory(dtype, [GROUP * C * BLOCK if C > 0 else 16], held_layout)
+    a = gl.allocate_shared_memory(dtype, [A * BLOCK], held_layout)
+    b = gl.allocate_shared_memory(dtype, [B * BLOCK if B > 0 else 16], held_layout)
+    c = gl.allocate_shared_memory(dtype, [C * BLOCK if C > 0 else 16], held_layout)
     lanes = gl.arange(0, BLOCK, layout=lanes_layout)
     leaf_ids = gl.arange(0, LEAVES, layout=small_layout)
-    n_items = n_rows * PROGRAMS
+    n_items = n_rows * LEAVES
     item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-    _issue(a0, b0, c0, x_ptr, stride_x, leaf_len, item, n_items, lanes, PROGRAMS, GROUP, STEPS,
-           A, B, C, BLOCK)
+    _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B, BLOCK)
     while item < n_items:
         async_copy.wait_group(0)
         _thread_barrier()
-        _process(a0, b0, c0, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_len,
-                 stride_y, lanes, leaf_ids, MODE, LEAVES, LOG2_LEAVES, PROGRAMS, GROUP, STEPS,
-                 A, B, C, BLOCK, LOG2_BLOCK, lanes_layout, small_layout)
+        _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_len, stride_y,
+                 lanes, leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, LOG2_BLOCK,
+                 lanes_layout, small_layout)
         item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-        _issue(a0, b0, c0, x_ptr, stride_x, leaf_len, item, n_items, lanes, PROGRAMS, GROUP,
-               STEPS, A, B, C, BLOCK)
-    async_copy.wait_group(0)
-
-
-def _steps(leaf_len: int, block: int) -> int:
-    return -(-leaf_len // block)
+        _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B,
+               BLOCK)
 
 
 def _powers(steps: int) -> tuple[int, int, int]:
@@ -240,35 +223,30 @@ def _powers(steps: int) -> tuple[int, int, int]:
 
 def held_plan(rows: torch.Tensor, leaves: int, block: int, stats: bool,
               config: tuple | None = None) -> tuple | None:
-    """``(num_warps, programs per SM, leaves per program)`` for ``rows`` cut in ``leaves``
-    (``stats``: the statistics alone), or None where this kernel does not run them: the table
-    says the L2 kernel is faster, a leaf's steps are not three powers of two, or one leaf does not
-    fit :data:`SMEM_BUDGET`.  ``config`` overrides the table (the group shrinks to fit)."""
+    """``(num_warps, programs per SM)`` for ``rows`` cut in ``leaves`` (``stats``: the statistics
+    alone), or None where this kernel does not run them: the table says the L2 kernel is faster,
+    a leaf's steps are not three powers of two, or a leaf does not fit :data:`SMEM_BUDGET`.
+    ``config`` overrides the table."""
     config = config or HELD_CONFIG.get((rows.dtype, stats))
-    if config is None:
+    steps = cdiv(rows.shape[1] // leaves, block)
+    if (config is None or bin(steps).count("1") > 3
+            or steps * block * rows.element_size() > SMEM_BUDGET):
         return None
-    warps, per_sm, group = config
-    steps = _steps(rows.shape[1] // leaves, block)
-    leaf_bytes = steps * block * rows.element_size()
-    group = min(group, leaves)
-    while group > 1 and group * leaf_bytes > SMEM_BUDGET:
-        group //= 2
-    if bin(steps).count("1") > 3 or group * leaf_bytes > SMEM_BUDGET:
-        return None
-    return warps, per_sm, group
+    return config
 
 
 def softmax_rows_held(rows: torch.Tensor, out, max_, total, parts, sync, leaves: int, mode: int,
-                      block: int, n_programs: int, num_warps: int, group: int) -> None:
-    """Launch the held-leaf kernel over the 2-D row-contiguous CUDA ``rows``, ``group`` leaves a
-    program (the caller, :func:`tpinv.kernels.triton_softmax_leaves.softmax_rows_by_leaves`,
-    checks, plans, allocates and zeroes ``sync``)."""
+                      block: int, n_programs: int, num_warps: int) -> None:
+    """Launch the held-leaf kernel over the 2-D row-contiguous CUDA ``rows`` (the caller,
+    :func:`tpinv.kernels.triton_softmax_leaves.softmax_rows_by_leaves`, checks, plans, allocates
+    and zeroes ``sync``)."""
     n_rows, width = rows.shape
     leaf_len = width // leaves
     target = rows if out is None else out
-    steps = _steps(leaf_len, block)
+    steps = cdiv(leaf_len, block)
     a, b, c = _powers(steps)
     _softmax_held_kernel[(n_programs,)](
         rows, target, max_, total, parts, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
-        MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, GROUP=group, BLOCK=block, LOG2_BLOCK=block.bit_length() - 1, STEPS=steps, A=a, B=b,
-        C=c, VEC=16 // rows.element_size(), num_warps=num_warps, enable_fp_fusion=False)
+        MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block,
+        LOG2_BLOCK=block.bit_length() - 1, STEPS=steps, A=a, B=b, C=c,
+        VEC=16 // rows.element_size(), num_warps=num_warps, enable_fp_fusion=False)

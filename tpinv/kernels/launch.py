@@ -35,7 +35,7 @@ try:
 except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
     _knobs = None
 
-__all__ = ["launch", "launch_with", "cdiv", "next_power_of_2", "sm_count", "bound_launches",
+__all__ = ["launch", "launch_with", "cdiv", "device_capability", "next_power_of_2", "sm_count", "bound_launches",
            "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
            "reused_descriptor", "descriptor_reuses", "rows_2d", "BIND", "REUSE_DESCRIPTORS", "DIRECT"]
 
@@ -60,6 +60,7 @@ _DIRECT_COUNT = [0]
 
 
 _SM_COUNT: dict = {}     # CUDA device index -> its multiprocessor count
+_CAPABILITY: dict = {}   # CUDA device index -> its (major, minor) compute capability
 
 
 def rows_2d(t: torch.Tensor) -> torch.Tensor:
@@ -77,6 +78,15 @@ def sm_count(device: torch.device) -> int:
     if count is None:
         count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return count
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of CUDA ``device`` (looked up once per device): what picks a kernel."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capability = _CAPABILITY.get(index)
+    if capability is None:
+        capability = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return capability
 
 
 def cdiv(x: int, y: int) -> int:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import launch
+from tpinv.kernels.launch import device_capability, launch
 from tpinv.kernels.triton_softmax import (_MODE_STATS, _leaf_sums_exp, _log2, _nan_max, _outputs,
                                           _pair_tree, _programs, _shift_of, _span_max, _write_chunk,
                                           leaf_block)
@@ -120,7 +120,7 @@ def _softmax_leaves_kernel(x_ptr, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr,
 def held_module(rows: torch.Tensor, leaf_len: int):
     """:mod:`tpinv.kernels.gluon_softmax` where its kernel may run ``rows`` (an sm_90 GPU, Gluon,
     16-byte aligned rows and leaves; :data:`HELD` on), else None; its ``held_plan`` decides."""
-    if not HELD[0] or torch.cuda.get_device_capability(rows.device) != (9, 0):
+    if not HELD[0] or device_capability(rows.device) != (9, 0):
         return None
     if not _HELD:
         try:
@@ -137,7 +137,7 @@ def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
                            config: tuple | None = None, held_config: tuple | None = None) -> tuple:
     """``(out or None, max, total)`` of a 2-D row-contiguous CUDA ``rows`` (checked by the caller),
     the bits of the row kernel.  The leaf is held in shared memory where it can be
-    (:func:`held_module`; ``held_config``: its (num_warps, programs per SM, leaves per program)),
+    (:func:`held_module`; ``held_config``: its (num_warps, programs per SM)),
     else read three times through L2 (``config``: (chunk, num_warps, programs per SM, stages))."""
     n_rows, width = rows.shape
     out, max_, total = _outputs(rows, mode)
@@ -151,11 +151,10 @@ def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
     plan = None if held is None else held.held_plan(rows, leaves, block, mode == _MODE_STATS,
                                                     held_config)
     if plan is not None:
-        warps, per_sm, group = plan
-        meeting = leaves // group
-        n_programs = max(meeting, _programs(n_rows * meeting, rows.device, per_sm))
+        warps, per_sm = plan
+        n_programs = max(leaves, _programs(n_rows * leaves, rows.device, per_sm))
         held.softmax_rows_held(rows, out, max_, total, parts, sync, leaves, mode, block,
-                               n_programs, warps, group)
+                               n_programs, warps)
         return out, max_, total
     chunk, warps, per_sm, stages = config or _CONFIG[rows.dtype, mode == _MODE_STATS]
     grid = (max(leaves, _programs(n_rows * leaves, rows.device, per_sm)),)
