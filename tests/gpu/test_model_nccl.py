@@ -5,7 +5,8 @@ bf16 and reads its JSON: gathered logits, per-token loss and every gathered para
 gradient equal between TP=1 and TP=2; negative control: the vanilla path's logits differ.
 With ``--engine`` the engine's generations (decode replayed from a CUDA graph) are equal too.
 ``launch/pretrain.py`` for 20 steps at TP=1 and TP=2 over NCCL gives the same per-step losses,
-gradient norms and final weights (the README's claim).  Skips without two CUDA devices.
+gradient norms and final weights (the README's claim).  An eager TP=2 training step makes one
+host synchronization a rank (``tools/gpu_sync_count.py``).  Skips without two CUDA devices.
 """
 from __future__ import annotations
 
@@ -77,3 +78,18 @@ def test_pretrain_20_steps_tp1_equals_tp2_on_two_gpus(tmp_path):
 
 def _curve(rows):
     return [(r["step"], r["loss_hex"], r["grad_norm_hex"]) for r in rows if "loss_hex" in r]
+
+
+def test_a_tp2_training_step_synchronizes_once_a_rank(tmp_path):
+    out = tmp_path / "syncs.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tools", "gpu_sync_count.py"), "--json", str(out)]
+    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = json.loads(out.read_text())["ranks"]
+    assert len(ranks) == 2
+    for row in ranks:
+        # the model's token-id check (the layer's IndexError) is the step's one host read
+        assert row["syncs"] == 1, row
+        # control: one loss.item() more is one synchronization more
+        assert row["control_syncs"] == row["syncs"] + 1, row

@@ -96,11 +96,13 @@ def _held(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.
 
 @gluon.jit
 def _held_fp32(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
-               lanes, leaf_len, layout: gl.constexpr):
+               lanes, leaf_len, layout: gl.constexpr, STEPS: gl.constexpr):
     """Step ``k`` of the held leaf in fp32, ``-inf`` past the leaf's end (the row kernel's
-    masked load)."""
+    masked load; only the last step can reach past it)."""
     x = _held(a, b, c, k, A, B, BLOCK).load(layout).to(gl.float32)
-    return gl.where(k * BLOCK + lanes < leaf_len, x, float("-inf"))
+    if k == STEPS - 1:
+        x = gl.where(k * BLOCK + lanes < leaf_len, x, float("-inf"))
+    return x
 
 
 @gluon.jit
@@ -123,8 +125,12 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
         row = (item // LEAVES).to(gl.int64)
         x_leaf = x_ptr + row * stride_x + (item % LEAVES).to(gl.int64) * leaf_len
         for k in gl.static_range(STEPS):
-            _async_load(_held(a, b, c, k, A, B, BLOCK), x_leaf + k * BLOCK + lanes,
-                        mask=k * BLOCK + lanes < leaf_len, eviction_policy="evict_first")
+            if k == STEPS - 1:
+                _async_load(_held(a, b, c, k, A, B, BLOCK), x_leaf + k * BLOCK + lanes,
+                            mask=k * BLOCK + lanes < leaf_len, eviction_policy="evict_first")
+            else:
+                _async_load(_held(a, b, c, k, A, B, BLOCK), x_leaf + k * BLOCK + lanes,
+                            eviction_policy="evict_first")
     async_copy.commit_group()
 
 
@@ -141,7 +147,7 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_
     # 1. the leaf's exact max, then the row's from every leaf's
     run = gl.full([BLOCK], float("-inf"), gl.float32, lanes_layout)
     for k in gl.static_range(STEPS):
-        x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout)
+        x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
         run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
     gl.store(parts + leaf, _nan_max(run))
     _meet(sync_ptr + 1 + row, LEAVES)
@@ -151,7 +157,8 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_
     #    back the elements it copied, so no barrier is needed between the passes)
     acc = gl.zeros([BLOCK], gl.float32, lanes_layout)
     for k in gl.static_range(STEPS):
-        acc += gl.exp(_held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout) - shift)
+        x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
+        acc += gl.exp(x - shift)
     gl.store(parts + LEAVES + leaf, _fold_lanes(acc, BLOCK, LOG2_BLOCK))
     if MODE == 0:
         # the statistics alone: the row's last leaf sum to arrive combines them, no one waits
@@ -179,8 +186,12 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_
                 y = shifted - gl.log(total)
             else:
                 y = gl.div_rn(gl.exp(shifted), total)
-            gl.store(y_leaf + offs, y.to(y_ptr.dtype.element_ty), mask=offs < leaf_len,
-                     eviction_policy="evict_first")
+            if k == STEPS - 1:
+                gl.store(y_leaf + offs, y.to(y_ptr.dtype.element_ty), mask=offs < leaf_len,
+                         eviction_policy="evict_first")
+            else:
+                gl.store(y_leaf + offs, y.to(y_ptr.dtype.element_ty),
+                         eviction_policy="evict_first")
     # the buffers are copied into again next: every thread is past its last read of them
     _thread_barrier()
 
