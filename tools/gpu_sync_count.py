@@ -14,26 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from tpinv.models import Transformer, get_config
-
-
-def counted(fn) -> list[str]:
-    """``file:line`` of each synchronizing call ``fn`` makes on this rank's device."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    return [f"{os.path.relpath(w.filename)}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
+from tpinv.testing.syncs import host_syncs
 
 
 def main() -> None:
@@ -63,8 +49,8 @@ def main() -> None:
         return loss
 
     step()
-    where = counted(step)
-    control = counted(lambda: step().item())
+    where = host_syncs(step)
+    control = host_syncs(lambda: step().item())
     rows = [None] * world
     dist.all_gather_object(rows, {"syncs": len(where), "where": where,
                                   "control_syncs": len(control), "control_where": control})

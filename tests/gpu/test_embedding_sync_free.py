@@ -60,24 +60,20 @@ def test_a_bad_id_stops_the_process_with_a_device_assert():
 
 
 def test_a_training_step_synchronizes_once_at_the_input_check():
-    import warnings
     from tpinv.models import Transformer, get_config
+    from tpinv.testing.syncs import host_syncs
     torch.manual_seed(0)
     model = Transformer(get_config("qwen3-tiny", dtype=torch.bfloat16)).cuda()
     tokens = torch.randint(0, model.args.vocab_size, (2, 16)).cuda()
 
     def step():
         model.zero_grad(set_to_none=True)
-        model.loss(tokens, tokens).sum().backward()
+        loss = model.loss(tokens, tokens).sum()
+        loss.backward()
+        return loss
 
     step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+    syncs = host_syncs(step)
     assert len(syncs) == 1, syncs
+    # control: one host read more is one synchronization more
+    assert len(host_syncs(lambda: step().item())) == 2

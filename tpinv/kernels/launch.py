@@ -70,23 +70,28 @@ def rows_2d(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
+def _per_device(cache: dict, device: torch.device, lookup):
+    """``lookup(index)`` of CUDA ``device``, asked of the driver once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    value = cache.get(index)
+    if value is None:
+        value = cache[index] = lookup(index)
+    return value
+
+
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of CUDA ``device`` (looked up once per device): what persistent grids are
     sized by."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _SM_COUNT.get(index)
-    if count is None:
-        count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
+    return _per_device(_SM_COUNT, device, _multiprocessors)
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:
     """Compute capability of CUDA ``device`` (looked up once per device): what picks a kernel."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    capability = _CAPABILITY.get(index)
-    if capability is None:
-        capability = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return capability
+    return _per_device(_CAPABILITY, device, torch.cuda.get_device_capability)
 
 
 def cdiv(x: int, y: int) -> int:

@@ -1,0 +1,31 @@
+"""Host synchronizations counted: where a CUDA call makes the host wait for the device.
+
+:func:`host_syncs` runs a function under ``torch.cuda.set_sync_debug_mode("warn")`` and returns
+the source line of each synchronizing call it made, so a test (or ``tools/gpu_sync_count.py``)
+can say how many a step makes and where.  The mode sees the calls torch marks as synchronizing
+(host reads of device values, ``.item()``, ``.tolist()``, ...): a count is a lower bound.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+__all__ = ["host_syncs"]
+
+
+def host_syncs(fn: Callable[[], object]) -> list[str]:
+    """``file:line`` (relative to the working directory) of each synchronizing call ``fn()``
+    makes on the current CUDA device; the device is idle before and after."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return [f"{os.path.relpath(w.filename)}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
