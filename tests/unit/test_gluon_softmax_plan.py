@@ -1,7 +1,7 @@
 """Where the held-leaf softmax kernel runs: :func:`tpinv.kernels.gluon_softmax.held_plan`.
 
 Host logic only (the kernel's bytes are compared on a GPU in ``tests/gpu/test_softmax_by_leaves.py``):
-the table's launch shapes for a Qwen3 row, the L2 kernel where the table says so, and no plan
+the table's launch shapes for a Qwen3 row, the L2 kernel where the table has no entry, and no plan
 where a leaf cannot be held.
 """
 from __future__ import annotations
@@ -29,10 +29,12 @@ def test_the_table_holds_a_qwen3_leaf():
     assert plan(QWEN3_VOCAB, torch.bfloat16, config=(8, 1)) == (8, 1)      # an explicit shape
 
 
-def test_the_table_sends_16_bit_statistics_through_l2():
+def test_a_case_the_table_leaves_out_goes_through_l2(monkeypatch):
     for dtype in (torch.bfloat16, torch.float16):
-        assert gluon_softmax.HELD_CONFIG[dtype, True] is None
+        assert plan(QWEN3_VOCAB, dtype, stats=True) == gluon_softmax.HELD_CONFIG[dtype, True]
+        monkeypatch.setitem(gluon_softmax.HELD_CONFIG, (dtype, True), None)
         assert plan(QWEN3_VOCAB, dtype, stats=True) is None
+        assert plan(QWEN3_VOCAB, dtype, stats=True, config=(4, 4)) == (4, 4)
 
 
 def test_no_plan_where_a_leaf_cannot_be_held():

@@ -17,11 +17,14 @@ memory: each element crosses L2 once each way, and the later passes cost no memo
 A leaf is held as its ``BLOCK``-wide steps in up to three power-of-two buffers (5 steps = 4 + 1).
 
 Scheduling is the Triton by-leaves kernel's: a ticket counter hands out (row, leaf) items in
-order, the programs of a row meet on a per-row counter (acquire/release atomics, GPU scope) after
-the maxima and after the sums (for the statistics alone, the last leaf sum to arrive combines the
-row and nobody waits), and a program takes a ticket only while it runs, so this cannot deadlock
-once ``leaves`` programs can be resident.  :func:`held_plan` says
-where it runs (a leaf that fits :data:`SMEM_BUDGET`, and the table's choice); elsewhere the Triton
+order, the programs of a row meet after the maxima and after the sums (for the statistics alone,
+the last leaf sum to arrive, by a per-row counter, combines the row and nobody waits), and a
+program takes a ticket only while it runs, so this cannot deadlock once ``leaves`` programs can
+be resident.  A meeting is one 64-bit slot per leaf, zero before the launch: a program publishes
+its value's bits with a written flag in one atomic exchange, and each thread holds all of the
+row's slots and polls them on its own until every flag is set, taking the values from that same
+load (no block barrier, no counter, no second round trip; no shuffle inside the polling loop, so
+threads may leave it at different polls).  :func:`held_plan` says where it runs (a leaf that fits :data:`SMEM_BUDGET`, and the table's choice); elsewhere the Triton
 by-leaves kernel runs, with the same bits.
 """
 from __future__ import annotations
@@ -43,12 +46,13 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 #: The CTA-wide barrier (``thread_barrier`` before Triton 3.7, ``barrier`` after).
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 #: Per (input dtype, statistics alone): (num_warps, programs per SM), from the H100 sweeps in
-#: docs/benchmarks.md; None where the L2 kernel measured faster.  Speed only: no choice here
-#: moves a bit.
+#: docs/benchmarks.md (4096 / 1024 rows, % of copy: fp32 log_softmax 86 / 82, statistics 71 / 67;
+#: bf16 log_softmax 79 / 72, statistics 57 / 51 against the L2 kernel's 57 / 43-47); None would
+#: send the case to the L2 kernel.  Speed only: no choice here moves a bit.
 HELD_CONFIG = {
-    (torch.float32, False): (8, 2), (torch.float32, True): (8, 2),
-    (torch.bfloat16, False): (4, 4), (torch.bfloat16, True): None,
-    (torch.float16, False): (4, 4), (torch.float16, True): None,
+    (torch.float32, False): (4, 2), (torch.float32, True): (4, 2),
+    (torch.bfloat16, False): (4, 4), (torch.bfloat16, True): (4, 4),
+    (torch.float16, False): (4, 4), (torch.float16, True): (4, 4),
 }
 
 
@@ -106,14 +110,21 @@ def _held_fp32(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def _meet(count_ptr, target):
-    """Publish this program's part (written before the call) and wait until ``target`` parts of
-    the row are published; every thread's later loads see them."""
-    _thread_barrier()
-    seen = gl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") + 1
-    while seen < target:
-        seen = gl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
-    _thread_barrier()
+def _publish(slot_ptr, value):
+    """Publish the fp32 ``value`` in its row's slot: its bits and a written flag in one 64-bit
+    word (the slots are zero before the launch), so a reader gets both in one load."""
+    word = (value.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF) | 0x100000000
+    gl.atomic_xchg(slot_ptr, word, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _gather(slot_ptr, ids):
+    """The fp32 values of the slots ``ids``, once every one of them is published.  Each thread
+    holds all of them and polls on its own: no barrier, no counter, no shuffle in the loop."""
+    words = gl.load(slot_ptr + ids, volatile=True)
+    while gl.min(words >> 32, axis=0) == 0:
+        words = gl.load(slot_ptr + ids, volatile=True)
+    return (words & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -135,7 +146,7 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
 
 
 @gluon.jit
-def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_len, stride_y,
+def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, leaf_len, stride_y,
              lanes, leaf_ids, MODE: gl.constexpr, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr,
              STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
              LOG2_BLOCK: gl.constexpr, lanes_layout: gl.constexpr, small_layout: gl.constexpr):
@@ -143,15 +154,14 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_
     the row's meetings, its sum and, unless statistics alone, its output."""
     row = (item // LEAVES).to(gl.int64)
     leaf = item % LEAVES
-    parts = part_ptr + row * (2 * LEAVES)
+    slots = slot_ptr + row * (2 * LEAVES)   # the leaf maxima, then the leaf sums
     # 1. the leaf's exact max, then the row's from every leaf's
     run = gl.full([BLOCK], float("-inf"), gl.float32, lanes_layout)
     for k in gl.static_range(STEPS):
         x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
         run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
-    gl.store(parts + leaf, _nan_max(run))
-    _meet(sync_ptr + 1 + row, LEAVES)
-    m = _nan_max(gl.load(parts + leaf_ids, volatile=True))
+    _publish(slots + leaf, _nan_max(run))
+    m = _nan_max(_gather(slots, leaf_ids))
     shift = _shift_of(m)
     # 2. the leaf's sum from shared memory: the row kernel's lanes and fold (each thread reads
     #    back the elements it copied, so no barrier is needed between the passes)
@@ -159,21 +169,20 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_
     for k in gl.static_range(STEPS):
         x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
         acc += gl.exp(x - shift)
-    gl.store(parts + LEAVES + leaf, _fold_lanes(acc, BLOCK, LOG2_BLOCK))
+    _publish(slots + LEAVES + leaf, _fold_lanes(acc, BLOCK, LOG2_BLOCK))
     if MODE == 0:
         # the statistics alone: the row's last leaf sum to arrive combines them, no one waits
         _thread_barrier()
         seen = gl.atomic_add(sync_ptr + 1 + row, 1, sem="acq_rel", scope="gpu") + 1
-        if seen == 2 * LEAVES:
+        if seen == LEAVES:
             _thread_barrier()
-            total = _pair_tree(gl.load(parts + LEAVES + leaf_ids, volatile=True), LEAVES,
-                               LOG2_LEAVES, small_layout)
+            total = _pair_tree(_gather(slots + LEAVES, leaf_ids), LEAVES, LOG2_LEAVES,
+                               small_layout)
             gl.store(max_ptr + row, m)
             gl.store(total_ptr + row, total)
     else:
-        _meet(sync_ptr + 1 + row, 2 * LEAVES)
-        total = _pair_tree(gl.load(parts + LEAVES + leaf_ids, volatile=True), LEAVES,
-                           LOG2_LEAVES, small_layout)
+        total = _pair_tree(_gather(slots + LEAVES, leaf_ids), LEAVES, LOG2_LEAVES,
+                           small_layout)
         if leaf == 0:
             gl.store(max_ptr + row, m)
             gl.store(total_ptr + row, total)
@@ -197,7 +206,7 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_
 
 
 @gluon.jit
-def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, n_rows, leaf_len,
+def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n_rows, leaf_len,
                          stride_x, stride_y, MODE: gl.constexpr, LEAVES: gl.constexpr,
                          LOG2_LEAVES: gl.constexpr, BLOCK: gl.constexpr,
                          LOG2_BLOCK: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr,
@@ -211,14 +220,18 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, n
     b = gl.allocate_shared_memory(dtype, [B * BLOCK if B > 0 else 16], held_layout)
     c = gl.allocate_shared_memory(dtype, [C * BLOCK if C > 0 else 16], held_layout)
     lanes = gl.arange(0, BLOCK, layout=lanes_layout)
-    leaf_ids = gl.arange(0, LEAVES, layout=small_layout)
+    # every thread holds all of a row's slots: a poll reduces in-thread, with no shuffle inside
+    # the polling loop (lanes leave it at different polls; a warp-wide shuffle there would
+    # wait for lanes that already left)
+    slot_layout: gl.constexpr = gl.BlockedLayout([LEAVES], [32], [num_warps], [0])
+    leaf_ids = gl.arange(0, LEAVES, layout=slot_layout)
     n_items = n_rows * LEAVES
     item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B, BLOCK)
     while item < n_items:
         async_copy.wait_group(0)
         _thread_barrier()
-        _process(a, b, c, item, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr, leaf_len, stride_y,
+        _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, leaf_len, stride_y,
                  lanes, leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, LOG2_BLOCK,
                  lanes_layout, small_layout)
         item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -246,18 +259,23 @@ def held_plan(rows: torch.Tensor, leaves: int, block: int, stats: bool,
     return config
 
 
-def softmax_rows_held(rows: torch.Tensor, out, max_, total, parts, sync, leaves: int, mode: int,
-                      block: int, n_programs: int, num_warps: int) -> None:
+def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: int, block: int,
+                      n_programs: int, num_warps: int) -> None:
     """Launch the held-leaf kernel over the 2-D row-contiguous CUDA ``rows`` (the caller,
-    :func:`tpinv.kernels.triton_softmax_leaves.softmax_rows_by_leaves`, checks, plans, allocates
-    and zeroes ``sync``)."""
+    :func:`tpinv.kernels.triton_softmax_leaves.softmax_rows_by_leaves`, checks, plans and
+    allocates the outputs)."""
     n_rows, width = rows.shape
     leaf_len = width // leaves
     target = rows if out is None else out
     steps = cdiv(leaf_len, block)
     a, b, c = _powers(steps)
+    # one zeroed buffer: the row's meeting slots, then the ticket and per-row counters (int32)
+    zeroed = torch.zeros(n_rows * 2 * leaves + n_rows // 2 + 1, dtype=torch.int64,
+                         device=rows.device)
+    slots = zeroed[:n_rows * 2 * leaves]
+    sync = zeroed[n_rows * 2 * leaves:].view(torch.int32)
     _softmax_held_kernel[(n_programs,)](
-        rows, target, max_, total, parts, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
+        rows, target, max_, total, slots, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
         MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block,
         LOG2_BLOCK=block.bit_length() - 1, STEPS=steps, A=a, B=b, C=c,
         VEC=16 // rows.element_size(), num_warps=num_warps, enable_fp_fusion=False)

@@ -24,7 +24,8 @@ waiting program belongs to is wholly held by running programs: this cannot deadl
 interpreter, which runs programs one after another: there the row kernel runs.
 
 On an sm_90 GPU a leaf that fits shared memory is held there instead of re-read through L2
-(:mod:`tpinv.kernels.gluon_softmax`, the same schedule and bits), where its table says so.
+(:mod:`tpinv.kernels.gluon_softmax`, the same schedule and bits, meetings by flagged slots),
+where its table says so.
 """
 from __future__ import annotations
 
@@ -145,17 +146,16 @@ def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
         return out, max_, total
     leaf_len = width // leaves
     block = leaf_block(leaf_len)
-    parts = torch.empty((n_rows, 2 * leaves), dtype=torch.float32, device=rows.device)
-    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=rows.device)  # ticket, then a count per row
     held = None if config is not None else held_module(rows, leaf_len)
     plan = None if held is None else held.held_plan(rows, leaves, block, mode == _MODE_STATS,
                                                     held_config)
     if plan is not None:
         warps, per_sm = plan
         n_programs = max(leaves, _programs(n_rows * leaves, rows.device, per_sm))
-        held.softmax_rows_held(rows, out, max_, total, parts, sync, leaves, mode, block,
-                               n_programs, warps)
+        held.softmax_rows_held(rows, out, max_, total, leaves, mode, block, n_programs, warps)
         return out, max_, total
+    parts = torch.empty((n_rows, 2 * leaves), dtype=torch.float32, device=rows.device)
+    sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=rows.device)  # ticket, then a count per row
     chunk, warps, per_sm, stages = config or _CONFIG[rows.dtype, mode == _MODE_STATS]
     grid = (max(leaves, _programs(n_rows * leaves, rows.device, per_sm)),)
     target = rows if out is None else out
