@@ -1,8 +1,8 @@
-"""Where the held-leaf softmax kernel runs: :func:`tpinv.kernels.gluon_softmax.held_plan`.
+"""Where and how the held-leaf softmax kernel runs (:mod:`tpinv.kernels.gluon_softmax`).
 
 Host logic only (the kernel's bytes are compared on a GPU in ``tests/gpu/test_softmax_by_leaves.py``):
-the table's launch shapes for a Qwen3 row, the L2 kernel where the table has no entry, and no plan
-where a leaf cannot be held.
+the table's launch shapes for a Qwen3 row, the L2 kernel where the table has no entry, no plan
+where a leaf cannot be held, and the register cap that lets a plan's programs share an SM.
 """
 from __future__ import annotations
 
@@ -44,3 +44,17 @@ def test_no_plan_where_a_leaf_cannot_be_held():
     assert plan(fits * 4096 * 8, torch.float32) is not None
     assert plan((fits + 1) * 4096 * 8, torch.float32) is None
     assert plan(QWEN3_VOCAB, torch.float32, leaves=2) is None
+
+
+def test_registers_are_capped_so_the_programs_an_sm_fit():
+    """Five 4-warp programs an SM get 96 registers a thread (5 x 128 x 96 fits the 65,536; the
+    next allocation step, 104, does not); four or fewer, and fp32's two, need no cap."""
+    cap = gluon_softmax.register_cap
+    registers = gluon_softmax.REGISTERS_PER_SM
+    assert cap(4, 5) == 96
+    assert 5 * 4 * 32 * 96 <= registers < 5 * 4 * 32 * 104
+    assert cap(4, 6) == 80 and cap(8, 4) == 64
+    assert cap(4, 4) is None and cap(4, 2) is None and cap(8, 2) is None
+    assert cap(4, 0.01) is None                              # a fraction of an SM is one program
+    warps, per_sm = gluon_softmax.HELD_CONFIG[torch.bfloat16, False]
+    assert cap(warps, per_sm) is not None                    # the table's bf16 shape is capped

@@ -29,6 +29,8 @@ by-leaves kernel runs, with the same bits.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton.language as tl
 from triton.experimental import gluon
@@ -37,22 +39,25 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.launch import cdiv
 
-__all__ = ["softmax_rows_held", "held_plan", "HELD_CONFIG", "SMEM_BUDGET"]
+__all__ = ["softmax_rows_held", "held_plan", "register_cap", "HELD_CONFIG", "SMEM_BUDGET"]
 
 #: Shared memory a program may hold its leaf in (bytes): two such programs fit an SM.
 SMEM_BUDGET = 100 * 1024
+#: 32-bit registers of one SM (sm_90).
+REGISTERS_PER_SM = 64 * 1024
 #: The cp.async copy from global to shared memory (renamed ``async_load`` after Triton 3.6).
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: The CTA-wide barrier (``thread_barrier`` before Triton 3.7, ``barrier`` after).
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 #: Per (input dtype, statistics alone): (num_warps, programs per SM), from the H100 sweeps in
 #: docs/benchmarks.md (4096 / 1024 rows, % of copy: fp32 log_softmax 86 / 82, statistics 71 / 67;
-#: bf16 log_softmax 79 / 72, statistics 57 / 51 against the L2 kernel's 57 / 43-47); None would
-#: send the case to the L2 kernel.  Speed only: no choice here moves a bit.
+#: bf16 at five programs, registers capped by :func:`register_cap`: log_softmax 80 / 72.5,
+#: statistics 60 / 53, against four programs' 79 / 72 and 57 / 51); None would send the case to
+#: the L2 kernel.  Speed only: no choice here moves a bit.
 HELD_CONFIG = {
     (torch.float32, False): (4, 2), (torch.float32, True): (4, 2),
-    (torch.bfloat16, False): (4, 4), (torch.bfloat16, True): (4, 4),
-    (torch.float16, False): (4, 4), (torch.float16, True): (4, 4),
+    (torch.bfloat16, False): (4, 5), (torch.bfloat16, True): (4, 5),
+    (torch.float16, False): (4, 5), (torch.float16, True): (4, 5),
 }
 
 
@@ -259,11 +264,20 @@ def held_plan(rows: torch.Tensor, leaves: int, block: int, stats: bool,
     return config
 
 
+def register_cap(num_warps: int, per_sm: float) -> int | None:
+    """The registers a thread may use so that ``per_sm`` programs of ``num_warps`` fit one SM's
+    :data:`REGISTERS_PER_SM` (allocated in eights), or None where 128 or more fit: the kernel's
+    own allocation (113-127 at 4 warps, 59-64 at 8; sm_90, Triton 3.6) needs no cap there.
+    Speed only: a cap moves registers to local memory, never an operation."""
+    budget = REGISTERS_PER_SM // (math.ceil(per_sm) * num_warps * 32) // 8 * 8
+    return None if budget >= 128 else budget
+
+
 def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: int, block: int,
-                      n_programs: int, num_warps: int) -> None:
+                      n_programs: int, num_warps: int, per_sm: float) -> None:
     """Launch the held-leaf kernel over the 2-D row-contiguous CUDA ``rows`` (the caller,
     :func:`tpinv.kernels.triton_softmax_leaves.softmax_rows_by_leaves`, checks, plans and
-    allocates the outputs)."""
+    allocates the outputs), ``per_sm`` programs an SM."""
     n_rows, width = rows.shape
     leaf_len = width // leaves
     target = rows if out is None else out
@@ -274,8 +288,10 @@ def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: i
                          device=rows.device)
     slots = zeroed[:n_rows * 2 * leaves]
     sync = zeroed[n_rows * 2 * leaves:].view(torch.int32)
+    cap = register_cap(num_warps, per_sm)
     _softmax_held_kernel[(n_programs,)](
         rows, target, max_, total, slots, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
         MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block,
         LOG2_BLOCK=block.bit_length() - 1, STEPS=steps, A=a, B=b, C=c,
-        VEC=16 // rows.element_size(), num_warps=num_warps, enable_fp_fusion=False)
+        VEC=16 // rows.element_size(), num_warps=num_warps, enable_fp_fusion=False,
+        **({} if cap is None else {"maxnreg": cap}))

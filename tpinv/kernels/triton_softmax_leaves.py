@@ -152,7 +152,8 @@ def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
     if plan is not None:
         warps, per_sm = plan
         n_programs = max(leaves, _programs(n_rows * leaves, rows.device, per_sm))
-        held.softmax_rows_held(rows, out, max_, total, leaves, mode, block, n_programs, warps)
+        held.softmax_rows_held(rows, out, max_, total, leaves, mode, block, n_programs, warps,
+                               per_sm)
         return out, max_, total
     parts = torch.empty((n_rows, 2 * leaves), dtype=torch.float32, device=rows.device)
     sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=rows.device)  # ticket, then a count per row
