@@ -24,8 +24,9 @@ be resident.  A meeting is one 64-bit slot per leaf, zero before the launch: a p
 its value's bits with a written flag in one atomic exchange, and each thread holds all of the
 row's slots and polls them on its own until every flag is set, taking the values from that same
 load (no block barrier, no counter, no second round trip; no shuffle inside the polling loop, so
-threads may leave it at different polls).  :func:`held_plan` says where it runs (a leaf that fits :data:`SMEM_BUDGET`, and the table's choice); elsewhere the Triton
-by-leaves kernel runs, with the same bits.
+threads may leave it at different polls).  :func:`held_plan` says where it runs (a leaf that
+fits :data:`SMEM_BUDGET`, and the table's choice; :func:`register_cap` lets the table's programs
+an SM fit its registers); elsewhere the Triton by-leaves kernel runs, with the same bits.
 """
 from __future__ import annotations
 
