@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tpinv.models import Transformer, get_config
-from tpinv.testing.syncs import host_syncs
+from tpinv.testing.syncs import training_step_syncs
 
 
 def main() -> None:
@@ -41,16 +41,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, model.args.vocab_size, (opts.batch, opts.seq), generator=gen).to(device)
     targets = torch.randint(0, model.args.vocab_size, (opts.batch, opts.seq), generator=gen).to(device)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = model.loss(tokens, targets).sum()
-        loss.backward()
-        return loss
-
-    step()
-    where = host_syncs(step)
-    control = host_syncs(lambda: step().item())
+    where, control = training_step_syncs(model, tokens, targets)
     rows = [None] * world
     dist.all_gather_object(rows, {"syncs": len(where), "where": where,
                                   "control_syncs": len(control), "control_where": control})

@@ -61,19 +61,11 @@ def test_a_bad_id_stops_the_process_with_a_device_assert():
 
 def test_a_training_step_synchronizes_once_at_the_input_check():
     from tpinv.models import Transformer, get_config
-    from tpinv.testing.syncs import host_syncs
+    from tpinv.testing.syncs import training_step_syncs
     torch.manual_seed(0)
     model = Transformer(get_config("qwen3-tiny", dtype=torch.bfloat16)).cuda()
     tokens = torch.randint(0, model.args.vocab_size, (2, 16)).cuda()
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = model.loss(tokens, tokens).sum()
-        loss.backward()
-        return loss
-
-    step()
-    syncs = host_syncs(step)
+    syncs, control = training_step_syncs(model, tokens, tokens)
     assert len(syncs) == 1, syncs
     # control: one host read more is one synchronization more
-    assert len(host_syncs(lambda: step().item())) == 2
+    assert len(control) == 2, control

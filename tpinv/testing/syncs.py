@@ -2,7 +2,8 @@
 
 :func:`host_syncs` runs a function under ``torch.cuda.set_sync_debug_mode("warn")`` and returns
 the source line of each synchronizing call it made, so a test (or ``tools/gpu_sync_count.py``)
-can say how many a step makes and where.  The mode sees the calls torch marks as synchronizing
+can say how many a step makes and where; :func:`training_step_syncs` counts one eager training step
+of a model with the control beside it.  The mode sees the calls torch marks as synchronizing
 (host reads of device values, ``.item()``, ``.tolist()``, ...): a count is a lower bound.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["host_syncs"]
+__all__ = ["host_syncs", "training_step_syncs"]
 
 
 def host_syncs(fn: Callable[[], object]) -> list[str]:
@@ -29,3 +30,17 @@ def host_syncs(fn: Callable[[], object]) -> list[str]:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     return [f"{os.path.relpath(w.filename)}:{w.lineno}" for w in seen if "synchroniz" in str(w.message)]
+
+
+def training_step_syncs(model, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[list[str], list[str]]:
+    """``(step, control)``: :func:`host_syncs` of one eager training step of ``model`` (zero the
+    gradients, ``model.loss(tokens, targets).sum()``, backward), run once before to warm every
+    cache, and of the same step plus one ``loss.item()`` (the control: one more)."""
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = model.loss(tokens, targets).sum()
+        loss.backward()
+        return loss
+
+    step()
+    return host_syncs(step), host_syncs(lambda: step().item())
