@@ -301,6 +301,44 @@ def test_gradients_match_fp64_autograd(dtype, window):
         assert rel(o, r) <= 2 * rel(w, r) + floor, (name, rel(o, r), rel(w, r))
 
 
+def _per_head_rel(x, ref):
+    """Relative error of each (batch row, head) of ``[B, H, T, D]`` gradients against fp64."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).flatten(2).norm(dim=-1) / ref.flatten(2).norm(dim=-1).clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (16, 8), (8, 2)], ids=["gqa1", "gqa2", "gqa4"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", [(3, 77, 77), (2, 333, 700)], ids=["77", "333x700"])
+def test_dk_dv_of_every_head_match_fp64_and_repeat(heads, causal, shape):
+    """dK and dV of every (batch row, kv head) within twice SDPA's own error of fp64 plus 1e-3,
+    and the same bytes on every call.  A whole-tensor error bound can hide one wrong head (a
+    dK/dV kernel that misordered its shared-memory reuse left one head's dK five times off while
+    the tensor's error stayed within 0.015); control: one key slot's dK zeroed fails the bound."""
+    (hq, hkv), (B, S, T) = heads, shape
+    q = rand(B, hq, S, D, seed=70)
+    k, v = rand(B, hkv, T, D, seed=71), rand(B, hkv, T, D, seed=72)
+    pos = arange_pos(B, S, T - S)
+    dout = rand(B, hq, S, D, seed=73)
+    out, lse = fwd(q, k, v, pos, None, causal)
+    grads = [attention_backward_cuda(dout, None, q, k, v, out, lse, pos, None, causal, None, None)
+             for _ in range(3)]
+    for again in grads[1:]:
+        for name, a, b in zip("qkv", again, grads[0]):
+            assert_same_bits(a, b, f"d{name} on a repeated call")
+    vis = vis_of(pos, T, causal=causal)
+    ref = grads_autograd(q, k, v, vis, dout, torch.float64)
+    van = grads_autograd(q, k, v, vis, dout)
+    for name, o, r, w in zip("kv", grads[0][1:], ref[1:], van[1:]):
+        bound = 2 * _per_head_rel(w, r) + 1e-3
+        err = _per_head_rel(o, r)
+        assert (err <= bound).all(), (f"d{name}", err.max().item(), bound.min().item())
+    broken = grads[0][1].clone()
+    broken[0, 0, T // 2] = 0
+    assert not (_per_head_rel(broken, ref[1]) <= 2 * _per_head_rel(van[1], ref[1]) + 1e-3).all(), \
+        "control: a zeroed key slot passed the per-head bound"
+
+
 def test_grad_lse_matches_fp64_autograd():
     B, S = 1, 300
     q, k, v = qkv(B, S, S, seed=13, dtype=torch.float32)

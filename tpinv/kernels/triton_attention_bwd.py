@@ -9,11 +9,14 @@ With ``p = exp(s - lse)`` recomputed from the forward's score ``s = dot(q, k) * 
 * ``dK, dV``: one program per (KV block of ``KV_BLOCK`` slots, batch row, kv head) walks
   the tiles of the flattened interleaved rows ``r = s * g + hg`` (all ``g`` query heads of
   the kv head together) in increasing order: ``dV += p^T dO``, ``dK += dS^T q`` in fp32
-  (times ``scale`` at the end).  Only tiles between the first and the last row that may
-  see the block are visited; the others would add exact zeros.  Rows appended after a
-  request (right padding: zero ``dO`` and ``dlse``) add exact zeros, so a request's dK/dV
-  are the same bits alone or padded, at any batch size; tensor parallelism splits kv
-  heads, never the ``g`` rows of one, so the sums are the same at any TP size;
+  (times ``scale`` at the end).  ``p^T`` and ``dS^T`` are computed slot-major, from
+  ``k q^T`` and ``v dO^T``, so they feed the next dots from registers as they are; each of
+  their elements is the same dot product as in ``q k^T``.  Only tiles between the first and
+  the last row that may see the block are visited; the others would add exact zeros.  Tiles
+  whose rows all see the whole block skip the visibility test (the same values).  Rows
+  appended after a request (right padding: zero ``dO`` and ``dlse``) add exact zeros, so a
+  request's dK/dV are the same bits alone or padded, at any batch size; tensor parallelism
+  splits kv heads, never the ``g`` rows of one, so the sums are the same at any TP size;
 * ``dQ``: one program per row tile (the forward's tiling and config) walks the KV blocks
   in slot order from absolute slot 0: ``dQ += dS k`` (times ``scale``), so a query's
   gradient does not depend on what else is in the call.
@@ -26,9 +29,10 @@ fp32 tile, and the tensor cores chain a dot's k16 steps in increasing k whatever
 exact zeros.  So the slots a dK/dV program owns, the rows it takes per step, the rows a dQ
 program owns and the slots it takes per step are meant as speed choices -- but that rests on
 how Triton lowers each tile, so only shapes checked on the device to give the table's bytes
-are listed (:data:`BACKWARD_CANDIDATES`, all run by ``tests/gpu/test_triton_attention.py``;
-one shape tried on an H200, 128 slots, 32 rows, 8 warps, 3 stages, gave other bytes and is
-not used: ``docs/benchmarks.md``).
+are listed (:data:`BACKWARD_CANDIDATES`, all run by ``tests/gpu/test_triton_attention.py``).
+The kernel before the slot-major one transposed ``p`` and ``dS`` in registers and, in some
+shapes, gave one head a wrong dK that changed from call to call (``docs/benchmarks.md``); the
+GPU tests now bound every head's error and repeat each call.
 
 Slots no row of a dQ tile may see are zeroed before ``dS k`` (``0 * NaN`` cannot leak);
 the dK/dV kernel masks ``p`` and ``dS`` so junk in a slot reaches only that slot's zero
@@ -81,15 +85,13 @@ _BACKWARD_TABLE = {
     128: BackwardConfig(KV_BLOCK, 32, 4, 3, 64, 32, 4, 3),    # 1.33-1.38x the shape before (H200)
     256: BackwardConfig(KV_BLOCK, 64, 8, 2, 64, KV_BLOCK, 8, 2),
 }
-#: Launch shapes for 16-bit inputs checked on the device (an H200, bf16, head dim 128, GQA 2 and 4)
-#: to give the table's bytes; the GPU tests run each beside the table's.  The first is the
-#: head-dim-128 table shape before 2026-11-26.
+#: Launch shapes for 16-bit inputs checked on the device (an H200, bf16, head dim 128, GQA 1, 2 and
+#: 4) to give the table's bytes; the GPU tests run each beside the table's.
 BACKWARD_CANDIDATES = (
-    BackwardConfig(KV_BLOCK, 64, 8, 2, 64, KV_BLOCK, 4, 3),
-    BackwardConfig(KV_BLOCK, 32, 4, 2, 64, KV_BLOCK, 4, 3),
+    BackwardConfig(KV_BLOCK, 64, 4, 2, 64, KV_BLOCK, 4, 3),
     BackwardConfig(KV_BLOCK, 16, 4, 3, 64, KV_BLOCK, 4, 3),
-    BackwardConfig(128, 32, 8, 2, 64, KV_BLOCK, 4, 3),
-    BackwardConfig(KV_BLOCK, 32, 4, 3, 128, 32, 8, 3),
+    BackwardConfig(128, 32, 8, 3, 64, KV_BLOCK, 4, 3),
+    BackwardConfig(128, 64, 8, 2, 128, 32, 8, 3),
     BackwardConfig(KV_BLOCK, 32, 4, 3, 64, 16, 4, 3),
 )
 
@@ -132,16 +134,20 @@ def _delta_kernel(do_ptr, o_ptr, dlse_ptr, delta_ptr, s_db, s_dh, s_ds, s_ob, s_
 
 
 @triton.jit
-def _tile_span(qpos_ptr, s_pb, s_ps, b, S, j0, j_last, window, CAUSAL: tl.constexpr,
-               WINDOW: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
-               SCAN: tl.constexpr):
-    """Row tiles ``[t_lo, t_hi)`` spanning every row that may see a slot of ``[j0, j_last]``."""
+def _tile_span(qpos_ptr, s_pb, s_ps, b, S, j0, j_last, T, window, CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, G: tl.constexpr,
+               BLOCK_M: tl.constexpr, KB: tl.constexpr, SCAN: tl.constexpr):
+    """Row tiles ``[t_lo, t_hi)`` spanning every row that may see a slot of ``[j0, j_last]``, and
+    ``[f_lo, f_hi)`` inside it whose rows are all valid and see every slot of the block (no
+    visibility test needed there; empty with a window or a mask, or past ``T``)."""
     s_first = tl.min(tl.full([SCAN], _BIG, tl.int64), 0)
     s_last = -s_first
+    s_part = s_last      # the last row that sees only part of the block (or none of it)
     for s0 in range(0, S, SCAN):
         s = s0 + tl.arange(0, SCAN)
-        cand = s < S
-        pos = tl.load(qpos_ptr + b * s_pb + s.to(tl.int64) * s_ps, mask=cand, other=0)
+        inside = s < S
+        pos = tl.load(qpos_ptr + b * s_pb + s.to(tl.int64) * s_ps, mask=inside, other=0)
+        cand = inside
         if CAUSAL:
             cand = cand & (pos >= j0)
         if WINDOW:
@@ -149,9 +155,19 @@ def _tile_span(qpos_ptr, s_pb, s_ps, b, S, j0, j_last, window, CAUSAL: tl.conste
         s64 = s.to(tl.int64)
         s_first = tl.minimum(s_first, tl.min(tl.where(cand, s64, _BIG), 0))
         s_last = tl.maximum(s_last, tl.max(tl.where(cand, s64, -_BIG), 0))
-    t_lo = (s_first * G) // BLOCK_M
-    t_hi = tl.where(s_last >= 0, (s_last * G + G - 1) // BLOCK_M + 1, t_lo)
-    return t_lo.to(tl.int32), t_hi.to(tl.int32)
+        if CAUSAL:
+            s_part = tl.maximum(s_part, tl.max(tl.where(inside & (pos < j_last), s64, -_BIG), 0))
+    seen = s_last >= 0
+    t_lo = tl.where(seen, (s_first * G) // BLOCK_M, 0)
+    t_hi = tl.where(seen, (s_last * G + G - 1) // BLOCK_M + 1, 0)
+    f_hi = tl.minimum(t_hi, (S * G) // BLOCK_M)
+    f_lo = tl.where(s_part >= 0, (s_part * G + G - 1) // BLOCK_M + 1, t_lo)
+    f_lo = tl.minimum(tl.maximum(f_lo, t_lo), f_hi)
+    if WINDOW or HAS_MASK:
+        f_lo = t_hi
+    f_lo = tl.where(j0 + KB <= T, f_lo, t_hi)
+    f_hi = tl.maximum(f_hi, f_lo)
+    return t_lo.to(tl.int32), f_lo.to(tl.int32), f_hi.to(tl.int32), t_hi.to(tl.int32)
 
 
 @triton.jit
@@ -167,6 +183,55 @@ def _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid, off
     lse = tl.load(lse_ptr + b * s_lb + head * s_lh + s64 * s_ls, mask=valid, other=0.0)
     delta = tl.load(delta_ptr + b * s_xb + head * s_xh + s64, mask=valid, other=0.0)
     return q, do, lse, delta
+
+
+@triton.jit
+def _visibility_t(pos, valid, slots, T, window, mask_row_ptr, s_mt, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
+    """``[slots, rows]`` bool: may the row at ``pos`` see key slot ``j`` (``visibility``'s transpose)."""
+    sl = slots.to(tl.int64)[:, None]
+    vis = valid[None, :] & (sl < T)
+    if CAUSAL:
+        vis = vis & (sl <= pos[None, :])
+    if WINDOW:
+        vis = vis & (sl > pos[None, :] - window)
+    if HAS_MASK:   # read as [rows, slots], along the mask's rows (the transposed read broke ptxas 12.8)
+        m = tl.load(mask_row_ptr[:, None] + slots.to(tl.int64)[None, :] * s_mt, mask=tl.trans(vis),
+                    other=0)
+        vis = vis & tl.trans(m != 0)
+    return vis
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr,
+               mask_ptr, s_pb, s_ps, s_mb, s_ms, s_mt, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
+               s_lb, s_lh, s_ls, s_xb, s_xh, S, T, D, window, scale, MASKED: tl.constexpr,
+               G: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, DP: tl.constexpr):
+    """One row tile's terms, with the block's slots as the dots' rows: ``dV += p^T dO``,
+    ``dK += dS^T q`` (``p^T``, ``dS^T`` computed as ``[slots, rows]`` from ``k q^T`` and ``v dO^T``)."""
+    valid, s_idx, hg, pos = row_tile(t, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
+    head = hk * G + hg
+    s64 = s_idx.to(tl.int64)
+    offs_d = tl.arange(0, DP)
+    q, do, lse, delta = _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
+                                         offs_d, D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
+                                         s_lb, s_lh, s_ls, s_xb, s_xh)
+    st = tl.dot(k, tl.trans(q), input_precision="ieee") * scale
+    if MASKED:
+        vis = _visibility_t(pos, valid, slots, T, window, mask_ptr + b * s_mb + s64 * s_ms, s_mt,
+                            CAUSAL, WINDOW, HAS_MASK)
+        pt = tl.where(vis, tl.exp(st - lse[None, :]), 0.0)
+    else:
+        pt = tl.exp(st - lse[None, :])
+    dv = tl.dot(pt.to(do.dtype), do, dv, input_precision="ieee")
+    dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
+    if MASKED:
+        dst = tl.where(vis, pt * (dpt - delta[None, :]), 0.0)
+    else:
+        dst = pt * (dpt - delta[None, :])
+    dk = tl.dot(dst.to(q.dtype), q, dk, input_precision="ieee")
+    return dk, dv
 
 
 @triton.jit
@@ -186,25 +251,26 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask
     k = load_kv_block(k_ptr + b * s_kb + hk * s_kh, s_kt, slots, offs_d, T, D)
     v = load_kv_block(v_ptr + b * s_vb + hk * s_vh, s_vt, slots, offs_d, T, D)
     j_last = tl.minimum(n * KB + KB, T) - 1
-    t_lo, t_hi = _tile_span(qpos_ptr, s_pb, s_ps, b, S, n * KB, j_last, window, CAUSAL, WINDOW,
-                            G, BLOCK_M, SCAN)
+    t_lo, f_lo, f_hi, t_hi = _tile_span(qpos_ptr, s_pb, s_ps, b, S, n * KB, j_last, T, window,
+                                        CAUSAL, WINDOW, HAS_MASK, G, BLOCK_M, KB, SCAN)
     dk = tl.zeros([KB, DP], tl.float32)
     dv = tl.zeros([KB, DP], tl.float32)
-    for t in range(t_lo, t_hi):
-        valid, s_idx, hg, pos = row_tile(t, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
-        head = hk * G + hg
-        s64 = s_idx.to(tl.int64)
-        q, do, lse, delta = _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
-                                             offs_d, D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
-                                             s_lb, s_lh, s_ls, s_xb, s_xh)
-        vis = visibility(pos, valid, slots, T, window, mask_ptr + b * s_mb + s64 * s_ms, s_mt,
-                         CAUSAL, WINDOW, HAS_MASK)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        p = tl.where(vis, tl.exp(s - lse[:, None]), 0.0)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision="ieee")
-        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision="ieee")
+    # the row tiles in increasing order; those in [f_lo, f_hi) see the whole block
+    for t in range(t_lo, f_lo):
+        dk, dv = _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr,
+                            delta_ptr, mask_ptr, s_pb, s_ps, s_mb, s_ms, s_mt, s_qb, s_qh, s_qs,
+                            s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, T, D, window, scale,
+                            True, G, CAUSAL, WINDOW, HAS_MASK, BLOCK_M, DP)
+    for t in range(f_lo, f_hi):
+        dk, dv = _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr,
+                            delta_ptr, mask_ptr, s_pb, s_ps, s_mb, s_ms, s_mt, s_qb, s_qh, s_qs,
+                            s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, T, D, window, scale,
+                            False, G, CAUSAL, WINDOW, HAS_MASK, BLOCK_M, DP)
+    for t in range(f_hi, t_hi):
+        dk, dv = _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr,
+                            delta_ptr, mask_ptr, s_pb, s_ps, s_mb, s_ms, s_mt, s_qb, s_qh, s_qs,
+                            s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, T, D, window, scale,
+                            True, G, CAUSAL, WINDOW, HAS_MASK, BLOCK_M, DP)
     ok_out = (slots < T)[:, None] & (offs_d < D)[None, :]
     sl = slots.to(tl.int64)[:, None]
     tl.store(dk_ptr + b * s_kgb + hk * s_kgh + sl * s_kgt + offs_d[None, :],
