@@ -186,6 +186,20 @@ def _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid, off
 
 
 @triton.jit
+def _query_tile(t, b, hk, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, s_pb, s_ps, s_qb, s_qh,
+                s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, G: tl.constexpr,
+                BLOCK_M: tl.constexpr, DP: tl.constexpr):
+    """Row tile ``t`` of kv head ``hk``: ``(valid, pos, head, s, q, dO, lse, delta)``."""
+    valid, s_idx, hg, pos = row_tile(t, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
+    head = hk * G + hg
+    s64 = s_idx.to(tl.int64)
+    q, do, lse, delta = _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
+                                         tl.arange(0, DP), D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
+                                         s_lb, s_lh, s_ls, s_xb, s_xh)
+    return valid, pos, head, s64, q, do, lse, delta
+
+
+@triton.jit
 def _visibility_t(pos, valid, slots, T, window, mask_row_ptr, s_mt, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, HAS_MASK: tl.constexpr):
     """``[slots, rows]`` bool: may the row at ``pos`` see key slot ``j`` (``visibility``'s transpose)."""
@@ -210,13 +224,9 @@ def _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr, 
                HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, DP: tl.constexpr):
     """One row tile's terms, with the block's slots as the dots' rows: ``dV += p^T dO``,
     ``dK += dS^T q`` (``p^T``, ``dS^T`` computed as ``[slots, rows]`` from ``k q^T`` and ``v dO^T``)."""
-    valid, s_idx, hg, pos = row_tile(t, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
-    head = hk * G + hg
-    s64 = s_idx.to(tl.int64)
-    offs_d = tl.arange(0, DP)
-    q, do, lse, delta = _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
-                                         offs_d, D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
-                                         s_lb, s_lh, s_ls, s_xb, s_xh)
+    valid, pos, head, s64, q, do, lse, delta = _query_tile(
+        t, b, hk, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, s_pb, s_ps, s_qb, s_qh, s_qs, s_db,
+        s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, G, BLOCK_M, DP)
     st = tl.dot(k, tl.trans(q), input_precision="ieee") * scale
     if MASKED:
         vis = _visibility_t(pos, valid, slots, T, window, mask_ptr + b * s_mb + s64 * s_ms, s_mt,
@@ -315,13 +325,10 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_p
     bh = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
     hk = (bh % Hkv).to(tl.int64)
-    valid, s_idx, hg, pos = row_tile(tile, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
-    head = hk * G + hg
-    s64 = s_idx.to(tl.int64)
+    valid, pos, head, s64, q, do, lse, delta = _query_tile(
+        tile, b, hk, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, s_pb, s_ps, s_qb, s_qh, s_qs, s_db,
+        s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, G, BLOCK_M, DP)
     offs_d = tl.arange(0, DP)
-    q, do, lse, delta = _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
-                                         offs_d, D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
-                                         s_lb, s_lh, s_ls, s_xb, s_xh)
     k_base = k_ptr + b * s_kb + hk * s_kh
     v_base = v_ptr + b * s_vb + hk * s_vh
     mrow = mask_ptr + b * s_mb + s64 * s_ms
