@@ -17,7 +17,6 @@ that are not a multiple of 64, several batch rows.  ``--json`` writes the counts
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from collections import defaultdict
@@ -26,13 +25,7 @@ import torch
 
 from tpinv.core.dtypes import dtype_from_name
 from tpinv.models import Transformer, get_config
-
-
-def digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's raw bytes (shape and dtype included)."""
-    h = hashlib.sha256(f"{tuple(t.shape)}|{t.dtype}|".encode())
-    h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
-    return h.hexdigest()
+from tpinv.testing.bits import bits
 
 
 def repeated_step_digests(model, tokens: torch.Tensor, targets: torch.Tensor,
@@ -45,10 +38,10 @@ def repeated_step_digests(model, tokens: torch.Tensor, targets: torch.Tensor,
         model.zero_grad(set_to_none=True)
         loss = model.loss(tokens, targets)
         loss.sum().backward()
-        seen["loss"].add(digest(loss))
+        seen["loss"].add(bits(loss))
         for name, p in model.named_parameters():
             if p.grad is not None:
-                seen[f"grad {name}"].add(digest(p.grad))
+                seen[f"grad {name}"].add(bits(p.grad))
     return dict(seen)
 
 

@@ -217,7 +217,8 @@ def test_ragged_batch_right_and_left_padding_equal_alone():
 
 
 def test_masked_and_unmasked_paths_give_the_same_bits():
-    """An all-True mask and a window wider than T take the masked path everywhere."""
+    """An all-True mask and a window wider than T take the masked path everywhere, forward and
+    backward."""
     B, S = 2, 600
     q, k, v = qkv(B, S, S, seed=7)
     pos = arange_pos(B, S)
@@ -229,6 +230,19 @@ def test_masked_and_unmasked_paths_give_the_same_bits():
         assert_same_bits(lse, ref_lse, str(kw))
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, S, H, D] memory
     assert_same_bits(fwd(strided, k, v, pos)[0], ref, 'fwd(strided, k, v, pos)[0]')
+    # the backward: without a mask or window, row tiles that see a whole key block skip the
+    # visibility test; with either, every tile takes it
+    dout = rand(B, HQ, S, D, seed=9)
+    want = attention_backward_cuda(dout, None, q, k, v, ref, ref_lse, pos, None, True, None, None)
+    for kw in (dict(mask=ones), dict(window=10 ** 6), dict(mask=ones, window=10 ** 6)):
+        got = attention_backward_cuda(dout, None, q, k, v, ref, ref_lse, pos, kw.get("mask"), True,
+                                      kw.get("window"), None)
+        for name, a, b in zip("qkv", got, want):
+            assert_same_bits(a, b, f"d{name} {kw}")
+    hidden = ones.clone()
+    hidden[0, S - 1, 5] = False        # control: one row no longer sees key 5
+    moved = attention_backward_cuda(dout, None, q, k, v, ref, ref_lse, pos, hidden, True, None, None)
+    assert not same_bits(moved[1][0, :, 5], want[1][0, :, 5]), "control: hiding a key from a row moved nothing"
 
 
 def test_empty_and_blind_queries():
