@@ -15,17 +15,21 @@ Order fixed, per query row:
 * the chunks' states merged into the row's state in increasing chunk order by
   ``m' = max(m, m_c)``, ``a = exp(m - m')``, ``b = exp(m_c - m')`` (each exactly 1 at the max),
   ``l = l * a + l_c * b``, ``acc = acc * a + acc_c * b``;
-* ``out = acc / l`` (correctly rounded), rounded once to the input dtype;
-  ``lse = m + log(l)`` in fp32.
+* ``out = acc * (1 / l)`` (the reciprocal correctly rounded, once a row), rounded once to the
+  input dtype; ``lse = m + log(l)`` in fp32.
 
 A chunk's state depends only on the row and the chunk, so a call with few rows and many keys
 (decode) may compute its chunks in parallel programs and merge them in a second kernel
 (:mod:`tpinv.kernels.triton_attention_split`): the same operations on the same values, the
 same bits as one program walking the chunks.
 
-One launch config per (dtype, padded head dim) serves every call (prefill, chunked
-prefill, decode; any B, S, T), so every dot and every row reduction runs the same
-instruction sequence on a row wherever it sits.  A slot a row cannot see gets ``p = 0``
+A call whose keys all lie in the first chunk (``T <= KV_BLOCK * KV_CHUNK_BLOCKS``) never
+merges: its launch leaves the merged state out (``MERGE=False``: one fp32 accumulator in
+registers, not two) and may take a larger row tile.  Its bits are the merging kernel's: merging
+one chunk into the empty state gives the chunk's own ``(acc, m, l)``, up to the sign of a zero
+``acc`` entry, which ``finish_rows`` drops.  Launch configs come from two tables per (dtype,
+padded head dim), never from B or S; every config's dots run the same wgmma instructions on a
+row, so a row's bits do not depend on the tile it sits in (the GPU tests run each config).  A slot a row cannot see gets ``p = 0``
 exactly; slots no row of the tile can see are zeroed before the dots (junk or NaN in an
 unused KV-cache slot cannot leak through ``0 * NaN``); a block no row sees leaves
 ``(m, l, acc)`` bit-identical, so blocks outside the tile's visible range are skipped.
@@ -48,8 +52,8 @@ from tpinv.kernels.launch import cdiv, launch, next_power_of_2
 from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 
-__all__ = ["attention_forward_cuda", "AttentionConfig", "forward_config", "padded_head_dim",
-           "MAX_HEAD_DIM", "KV_CHUNK_BLOCKS"]
+__all__ = ["attention_forward_cuda", "AttentionConfig", "forward_config", "one_chunk", "padded_head_dim",
+           "MAX_HEAD_DIM", "KV_CHUNK_BLOCKS", "FORWARD_CANDIDATES"]
 
 #: Largest head dim the kernels take (padded to a power of two >= 16 inside).
 MAX_HEAD_DIM = 256
@@ -65,12 +69,17 @@ class AttentionConfig:
     num_stages: int
 
 
-#: The one forward config per (dtype, padded head dim); never a function of B, S or T.
+#: The forward config per (dtype, padded head dim) of calls whose keys span chunks.
 _FORWARD_TABLE = {
     16: AttentionConfig(64, 4, 3), 32: AttentionConfig(64, 4, 3),
     64: AttentionConfig(64, 4, 3), 128: AttentionConfig(64, 4, 3),
     256: AttentionConfig(64, 8, 2),
 }
+#: The config of calls whose keys lie in the first chunk (the kernel without merged state; the
+#: same shapes measured best among five on an H200: docs/benchmarks.md).
+_ONE_CHUNK_TABLE = dict(_FORWARD_TABLE)
+#: Launch configs for 16-bit inputs that the GPU tests run beside the tables' (same bits).
+FORWARD_CANDIDATES = (AttentionConfig(64, 4, 2), AttentionConfig(128, 8, 3), AttentionConfig(128, 4, 2))
 
 
 def padded_head_dim(D: int) -> int:
@@ -83,9 +92,17 @@ def padded_head_dim(D: int) -> int:
 _FP32_CONFIG = AttentionConfig(32, 4, 1)
 
 
-def forward_config(dtype: torch.dtype, DP: int) -> AttentionConfig:
-    """The forward's launch config for ``dtype`` and padded head dim ``DP`` (nothing else)."""
-    return _FP32_CONFIG if dtype == torch.float32 else _FORWARD_TABLE[DP]
+def forward_config(dtype: torch.dtype, DP: int, one_chunk: bool = False) -> AttentionConfig:
+    """The forward's launch config for ``dtype``, padded head dim ``DP`` and whether the call's
+    keys lie in one chunk (nothing else)."""
+    if dtype == torch.float32:
+        return _FP32_CONFIG
+    return (_ONE_CHUNK_TABLE if one_chunk else _FORWARD_TABLE)[DP]
+
+
+def one_chunk(T: int) -> bool:
+    """Do key slots ``[0, T)`` lie in the first chunk (no chunk merge in any row)?"""
+    return cdiv(T, KV_BLOCK) <= KV_CHUNK_BLOCKS
 
 
 # ------------------------------------------------------------------ shared device helpers
@@ -244,10 +261,12 @@ def end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB: tl.constexpr):
 
 @triton.jit
 def finish_rows(acc, m_i, l_i):
-    """``(out, lse)`` of row states: ``acc / l`` correctly rounded, ``m + log(l)``."""
+    """``(out, lse)`` of row states: ``acc * (1 / l)`` (the reciprocal correctly rounded, once a
+    row: a division an element cost the forward 8%), ``m + log(l)``."""
     seen = l_i != 0.0  # 0: no visible key; NaN (a NaN key or value seen) propagates as in PyTorch
     l_safe = tl.where(seen, l_i, 1.0)
-    res = tl.where(seen[:, None], tl.math.div_rn(acc, l_safe[:, None]), 0.0) + 0.0
+    inv = tl.math.div_rn(tl.full(l_safe.shape, 1.0, tl.float32), l_safe)
+    res = tl.where(seen[:, None], acc * inv[:, None], 0.0) + 0.0
     return res, tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
 
 
@@ -258,7 +277,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, out_ptr, lse_ptr,
                      S, T, D, Hkv, n_tiles, window, scale,
                      G: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                      HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, KB: tl.constexpr,
-                     DP: tl.constexpr, CB: tl.constexpr):
+                     DP: tl.constexpr, CB: tl.constexpr, MERGE: tl.constexpr):
     tile = n_tiles - 1 - tl.program_id(0)  # longest causal tiles first (speed only)
     bh = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
@@ -277,26 +296,32 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, out_ptr, lse_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DP], tl.float32)
-    acc_r = tl.zeros([BLOCK_M, DP], tl.float32)  # the merged state of the chunks before
-    m_r = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_r = tl.zeros([BLOCK_M], tl.float32)
+    if MERGE:
+        acc_r = tl.zeros([BLOCK_M, DP], tl.float32)  # the merged state of the chunks before
+        m_r = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_r = tl.zeros([BLOCK_M], tl.float32)
     if WINDOW:  # blocks at the window's start that some rows see only in part
         for blk in range(lo, f_lo):
             acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos,
                                        valid, mask_row_ptr, s_mt, T, D, window, scale, True, CAUSAL,
                                        WINDOW, HAS_MASK, KB, DP)
-            acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
+            if MERGE:
+                acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk,
+                                                              hi, CB)
     for blk in range(f_lo, f_hi):
         acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
                                    mask_row_ptr, s_mt, T, D, window, scale, False, CAUSAL,
                                    WINDOW, HAS_MASK, KB, DP)
-        acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
+        if MERGE:
+            acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
     for blk in range(f_hi, hi):
         acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
                                    mask_row_ptr, s_mt, T, D, window, scale, True, CAUSAL,
                                    WINDOW, HAS_MASK, KB, DP)
-        acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
-    acc, m_i, l_i = merge_state(acc_r, m_r, l_r, acc, m_i, l_i)  # the last chunk
+        if MERGE:
+            acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
+    if MERGE:
+        acc, m_i, l_i = merge_state(acc_r, m_r, l_r, acc, m_i, l_i)  # the last chunk
     res, lse = finish_rows(acc, m_i, l_i)
     o_rows = out_ptr + b * s_ob + head * s_oh + s64 * s_os
     tl.store(o_rows[:, None] + offs_d[None, :], res.to(out_ptr.dtype.element_ty),
@@ -340,12 +365,15 @@ def resolve_scale(scale: Optional[float], D: int) -> float:
 def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
                            mask: Optional[torch.Tensor] = None, causal: bool = True,
                            window: Optional[int] = None, scale: Optional[float] = None, *,
-                           split: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           split: Optional[bool] = None, config: Optional[AttentionConfig] = None,
+                           merge: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, S, D] in q.dtype, lse [B, Hq, S] fp32)`` of ``tpinv::attention``.
 
-    ``split`` picks the launch, never the bits: chunks in parallel programs
-    (:mod:`tpinv.kernels.triton_attention_split`; needs every query row of a kv head in one
-    row tile), one program per row tile (``False``), or by speed (``None``).
+    ``split``, ``config`` and ``merge`` pick the launch, never the bits: chunks in parallel
+    programs (:mod:`tpinv.kernels.triton_attention_split`; needs every query row of a kv head
+    in one row tile), one program per row tile (``False``), or by speed (``None``); a launch
+    config other than the table's (16-bit inputs); the merging kernel even when the keys lie
+    in one chunk (``True``; ``False`` needs them in one chunk).
     """
     g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     B, Hq, S, D = q.shape
@@ -362,7 +390,15 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         raise ValueError(f"B * Hkv = {B * Hkv} exceeds the grid limit 65535; split the batch")
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     m, (s_mb, s_ms, s_mt) = mask_args(mask, q)
-    cfg = forward_config(q.dtype, DP)
+    single = one_chunk(T)
+    if merge is None:
+        merge = not single
+    elif not merge and not single:
+        raise ValueError(f"merge=False needs every key slot in the first chunk: T = {T} > "
+                         f"{KV_BLOCK * KV_CHUNK_BLOCKS}")
+    if config is not None and q.dtype == torch.float32:
+        raise ValueError("attention_forward_cuda: config= is for bf16/fp16 inputs (fp32 has one shape)")
+    cfg = config or forward_config(q.dtype, DP, one_chunk=not merge)
     n_tiles = cdiv(S * g, cfg.block_m)
     if split is None:
         split = _split_module().use_split(B, Hkv, S * g, cfg.block_m, T, KV_BLOCK, KV_CHUNK_BLOCKS,
@@ -384,6 +420,6 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         lse.stride(0), lse.stride(1),
         S, T, D, Hkv, n_tiles, int(window or 0), scale,
         G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None,
-        BLOCK_M=cfg.block_m, KB=KV_BLOCK, DP=DP, CB=KV_CHUNK_BLOCKS,
+        BLOCK_M=cfg.block_m, KB=KV_BLOCK, DP=DP, CB=KV_CHUNK_BLOCKS, MERGE=bool(merge),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out, lse
