@@ -25,12 +25,13 @@ same bits as one program walking the chunks.
 
 A call whose keys all lie in the first chunk (``T <= KV_BLOCK * KV_CHUNK_BLOCKS``) never
 merges: its launch leaves the merged state out (``MERGE=False``: one fp32 accumulator in
-registers, not two) and may take a larger row tile.  Its bits are the merging kernel's: merging
+registers, not two) and has its own config table.  Its bits are the merging kernel's: merging
 one chunk into the empty state gives the chunk's own ``(acc, m, l)``, up to the sign of a zero
-``acc`` entry, which ``finish_rows`` drops.  Launch configs come from two tables per (dtype,
-padded head dim), never from B or S; every config's dots run the same wgmma instructions on a
-row, so a row's bits do not depend on the tile it sits in (the GPU tests run each config).  A slot a row cannot see gets ``p = 0``
-exactly; slots no row of the tile can see are zeroed before the dots (junk or NaN in an
+``acc`` entry, which ``finish_rows`` drops.  Launch configs come from the tables per (dtype,
+padded head dim), never from B or S.  For 16-bit inputs every listed config (64 or 128 rows a
+tile, wgmma dots) gives a row the same bits wherever it sits; 32-row tiles run other tensor-core
+instructions and do not, so none is listed (the GPU tests run each config).  A slot a row
+cannot see gets ``p = 0`` exactly; slots no row of the tile can see are zeroed before the dots (junk or NaN in an
 unused KV-cache slot cannot leak through ``0 * NaN``); a block no row sees leaves
 ``(m, l, acc)`` bit-identical, so blocks outside the tile's visible range are skipped.
 Blocks every row of the tile sees entirely take a path without the visibility test: it
