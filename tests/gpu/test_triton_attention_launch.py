@@ -84,8 +84,8 @@ def test_one_chunk_call_runs_without_the_merge_and_equals_a_longer_cache():
         long = fwd(q, with_junk(k, cap), with_junk(v, cap), pos)
     finally:
         ta.launch = real
-    assert seen == [(False, ta.forward_config(q.dtype, D, one_chunk=True).block_m),
-                    (True, ta.forward_config(q.dtype, D).block_m)], seen
+    block_m = ta.forward_config(q.dtype, D).block_m
+    assert seen == [(False, block_m), (True, block_m)], seen
     for a, b in zip(short, long):
         assert_same_bits(a, b, "one chunk vs two")
     k2 = k.clone()

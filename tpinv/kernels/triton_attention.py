@@ -25,10 +25,11 @@ same bits as one program walking the chunks.
 
 A call whose keys all lie in the first chunk (``T <= KV_BLOCK * KV_CHUNK_BLOCKS``) never
 merges: its launch leaves the merged state out (``MERGE=False``: one fp32 accumulator in
-registers, not two) and has its own config table.  Its bits are the merging kernel's: merging
+registers, not two).  Its bits are the merging kernel's: merging
 one chunk into the empty state gives the chunk's own ``(acc, m, l)``, up to the sign of a zero
-``acc`` entry, which ``finish_rows`` drops.  Launch configs come from the tables per (dtype,
-padded head dim), never from B or S.  For 16-bit inputs every listed config (64 or 128 rows a
+``acc`` entry, which ``finish_rows`` drops.  The launch config comes from a table per (dtype,
+padded head dim), never from B, S or T (for the kernel without merged state too: it was the
+best or tied among five on an H200 at one-chunk prefill shapes, docs/benchmarks.md).  For 16-bit inputs every listed config (64 or 128 rows a
 tile, wgmma dots) gives a row the same bits wherever it sits; 32-row tiles run other tensor-core
 instructions and do not, so none is listed (the GPU tests run each config).  A slot a row
 cannot see gets ``p = 0`` exactly; slots no row of the tile can see are zeroed before the dots (junk or NaN in an
@@ -70,15 +71,12 @@ class AttentionConfig:
     num_stages: int
 
 
-#: The forward config per (dtype, padded head dim) of calls whose keys span chunks.
+#: The forward config per (dtype, padded head dim).
 _FORWARD_TABLE = {
     16: AttentionConfig(64, 4, 3), 32: AttentionConfig(64, 4, 3),
     64: AttentionConfig(64, 4, 3), 128: AttentionConfig(64, 4, 3),
     256: AttentionConfig(64, 8, 2),
 }
-#: The config of calls whose keys lie in the first chunk (the kernel without merged state; the
-#: same shapes measured best among five on an H200: docs/benchmarks.md).
-_ONE_CHUNK_TABLE = dict(_FORWARD_TABLE)
 #: Launch configs for 16-bit inputs that the GPU tests run beside the tables' (same bits).
 FORWARD_CANDIDATES = (AttentionConfig(64, 4, 2), AttentionConfig(128, 8, 3), AttentionConfig(128, 4, 2))
 
@@ -93,12 +91,9 @@ def padded_head_dim(D: int) -> int:
 _FP32_CONFIG = AttentionConfig(32, 4, 1)
 
 
-def forward_config(dtype: torch.dtype, DP: int, one_chunk: bool = False) -> AttentionConfig:
-    """The forward's launch config for ``dtype``, padded head dim ``DP`` and whether the call's
-    keys lie in one chunk (nothing else)."""
-    if dtype == torch.float32:
-        return _FP32_CONFIG
-    return (_ONE_CHUNK_TABLE if one_chunk else _FORWARD_TABLE)[DP]
+def forward_config(dtype: torch.dtype, DP: int) -> AttentionConfig:
+    """The forward's launch config for ``dtype`` and padded head dim ``DP`` (nothing else)."""
+    return _FP32_CONFIG if dtype == torch.float32 else _FORWARD_TABLE[DP]
 
 
 def one_chunk(T: int) -> bool:
@@ -399,7 +394,7 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
                          f"{KV_BLOCK * KV_CHUNK_BLOCKS}")
     if config is not None and q.dtype == torch.float32:
         raise ValueError("attention_forward_cuda: config= is for bf16/fp16 inputs (fp32 has one shape)")
-    cfg = config or forward_config(q.dtype, DP, one_chunk=not merge)
+    cfg = config or forward_config(q.dtype, DP)
     n_tiles = cdiv(S * g, cfg.block_m)
     if split is None:
         split = _split_module().use_split(B, Hkv, S * g, cfg.block_m, T, KV_BLOCK, KV_CHUNK_BLOCKS,
