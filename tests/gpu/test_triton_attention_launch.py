@@ -62,7 +62,7 @@ def test_forward_launch_shapes_do_not_move_bits(case, T):
     assert not same_bits(moved[0][1, 0], want[0][1, 0]), "control: a changed value moved nothing"
 
 
-def test_one_chunk_call_runs_without_the_merge_and_equals_a_longer_cache():
+def test_one_chunk_call_runs_without_the_merge_and_equals_a_longer_cache(monkeypatch):
     """Keys in one chunk launch the kernel without merged state (asserted on the launch), and
     its bytes equal the merging kernel's over a cache that spans two chunks, whose extra slots
     hold NaN and are seen by no row."""
@@ -77,13 +77,11 @@ def test_one_chunk_call_runs_without_the_merge_and_equals_a_longer_cache():
             seen.append((kwargs["MERGE"], kwargs["BLOCK_M"]))
         return real(fn, grid, *args, **kwargs)
 
-    ta.launch = spy
-    try:
-        short = fwd(q, k, v, pos)
-        cap = KV_BLOCK * ta.KV_CHUNK_BLOCKS + 200
-        long = fwd(q, with_junk(k, cap), with_junk(v, cap), pos)
-    finally:
-        ta.launch = real
+    monkeypatch.setattr(ta, "launch", spy)
+    short = fwd(q, k, v, pos)
+    cap = KV_BLOCK * ta.KV_CHUNK_BLOCKS + 200
+    long = fwd(q, with_junk(k, cap), with_junk(v, cap), pos)
+    monkeypatch.undo()
     block_m = ta.forward_config(q.dtype, D).block_m
     assert seen == [(False, block_m), (True, block_m)], seen
     for a, b in zip(short, long):

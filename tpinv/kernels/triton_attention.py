@@ -96,9 +96,14 @@ def forward_config(dtype: torch.dtype, DP: int) -> AttentionConfig:
     return _FP32_CONFIG if dtype == torch.float32 else _FORWARD_TABLE[DP]
 
 
+def n_chunks(T: int, kb: int, cb: int) -> int:
+    """Chunks of ``cb`` blocks of ``kb`` key slots covering ``T`` slots."""
+    return cdiv(cdiv(T, kb), cb)
+
+
 def one_chunk(T: int) -> bool:
     """Do key slots ``[0, T)`` lie in the first chunk (no chunk merge in any row)?"""
-    return cdiv(T, KV_BLOCK) <= KV_CHUNK_BLOCKS
+    return n_chunks(T, KV_BLOCK, KV_CHUNK_BLOCKS) <= 1
 
 
 # ------------------------------------------------------------------ shared device helpers

@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import cdiv, launch, next_power_of_2
-from tpinv.kernels.triton_attention import forward_block, block_ranges, finish_rows, merge_state, row_tile
+from tpinv.kernels.launch import launch, next_power_of_2
+from tpinv.kernels.triton_attention import (block_ranges, finish_rows, forward_block, merge_state, n_chunks,
+                                           row_tile)
 
 __all__ = ["split_forward_cuda", "chunk_states_cuda", "merge_chunks_cuda", "SplitLaunch", "use_split",
            "n_chunks"]
@@ -41,11 +42,6 @@ SPLIT_MAX_HEADS = 128
 MERGE_GROUP, MERGE_GROUP_ELEMENTS, MERGE_WARPS = 8, 4096, 4
 #: Most bytes of chunk states a split call may allocate (speed and memory only).
 SPLIT_MAX_STATE_BYTES = 64 << 20
-
-
-def n_chunks(T: int, kb: int, cb: int) -> int:
-    """Chunks of ``cb`` blocks of ``kb`` key slots covering ``T`` slots."""
-    return cdiv(cdiv(T, kb), cb)
 
 
 def use_split(B: int, Hkv: int, rows: int, block_m: int, T: int, kb: int, cb: int,
