@@ -195,8 +195,9 @@ def reused_descriptor(cache: Optional[dict], t: torch.Tensor, build):
 
 def _specialization(args: tuple) -> tuple:
     """The key of ``args``: tensors by dtype and 16-byte alignment, ints and None by value, bools
-    tagged (Triton compiles bools apart from ints), floats by type.  Raises TypeError for
-    anything else (the launch then goes through Triton)."""
+    tagged (Triton compiles bools apart from ints), floats by type, host TMA descriptors by
+    dtype, block shape and padding (Triton keys them by dtype and block shape).  Raises
+    TypeError for anything else (the launch then goes through Triton)."""
     key = []
     for a in args:
         t = type(a)
@@ -208,12 +209,18 @@ def _specialization(args: tuple) -> tuple:
             key.append((bool, a))
         elif t is float:
             key.append(float)
+        elif t is _DESCRIPTOR:
+            key.append((_DESCRIPTOR, a.base.dtype, tuple(a.block_shape), a.padding))
         else:
             raise TypeError(t)
     return tuple(key)
 
 
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _DESCRIPTOR
+except ImportError:          # Triton before 3.4: no host descriptors
+    _DESCRIPTOR = None
 
 
 def _parameters(fn) -> tuple:

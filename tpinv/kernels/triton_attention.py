@@ -36,7 +36,9 @@ cannot see gets ``p = 0`` exactly; slots no row of the tile can see are zeroed b
 unused KV-cache slot cannot leak through ``0 * NaN``); a block no row sees leaves
 ``(m, l, acc)`` bit-identical, so blocks outside the tile's visible range are skipped.
 Blocks every row of the tile sees entirely take a path without the visibility test: it
-computes the same bits for each row as the masked path.  A query that sees no key gets
+computes the same bits for each row as the masked path.  K/V blocks come through TMA
+descriptors wherever one can read them, else pointer loads: the same tiles, the same bits
+(:mod:`tpinv.kernels.triton_attention_tma`).  A query that sees no key gets
 ``out = 0`` and ``lse = -inf``.  Semantics are those of :mod:`tpinv.kernels.reference_attention`;
 bits differ from the CPU kernel.
 """
@@ -51,6 +53,7 @@ import triton
 import triton.language as tl
 
 from tpinv.kernels.launch import cdiv, launch, next_power_of_2
+from tpinv.kernels.triton_attention_tma import kv_descriptors, load_kv_tma
 from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 
@@ -211,10 +214,13 @@ def load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB: tl.constexpr, DP: 
 
 @triton.jit
 def forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid, mask_row_ptr, s_mt,
-               T, D, window, scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               T, D, window, scale, k_desc, v_desc, b32, hk32, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, KB: tl.constexpr,
-               DP: tl.constexpr):
-    slots, k, v = load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB, DP)
+               DP: tl.constexpr, TMA: tl.constexpr):
+    if TMA:
+        slots, k, v = load_kv_tma(k_desc, v_desc, b32, hk32, blk, KB, DP)
+    else:
+        slots, k, v = load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB, DP)
     if MASKED:
         vis = visibility(pos, valid, slots, T, window, mask_row_ptr, s_mt, CAUSAL, WINDOW,
                          HAS_MASK)
@@ -272,15 +278,17 @@ def finish_rows(acc, m_i, l_i):
 
 
 @triton.jit
-def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, out_ptr, lse_ptr,
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, mask_ptr, out_ptr, lse_ptr,
                      s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_pb, s_ps,
                      s_mb, s_ms, s_mt, s_ob, s_oh, s_os, s_lb, s_lh,
                      S, T, D, Hkv, n_tiles, window, scale,
                      G: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                      HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, KB: tl.constexpr,
-                     DP: tl.constexpr, CB: tl.constexpr, MERGE: tl.constexpr):
+                     DP: tl.constexpr, CB: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr):
     tile = n_tiles - 1 - tl.program_id(0)  # longest causal tiles first (speed only)
     bh = tl.program_id(1)
+    b32 = bh // Hkv
+    hk32 = bh % Hkv
     b = (bh // Hkv).to(tl.int64)
     hk = (bh % Hkv).to(tl.int64)
     valid, s_idx, hg, pos = row_tile(tile, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
@@ -304,21 +312,21 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, out_ptr, lse_ptr,
     if WINDOW:  # blocks at the window's start that some rows see only in part
         for blk in range(lo, f_lo):
             acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos,
-                                       valid, mask_row_ptr, s_mt, T, D, window, scale, True, CAUSAL,
-                                       WINDOW, HAS_MASK, KB, DP)
+                                       valid, mask_row_ptr, s_mt, T, D, window, scale, k_desc, v_desc, b32, hk32, True, CAUSAL,
+                                       WINDOW, HAS_MASK, KB, DP, TMA)
             if MERGE:
                 acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk,
                                                               hi, CB)
     for blk in range(f_lo, f_hi):
         acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
-                                   mask_row_ptr, s_mt, T, D, window, scale, False, CAUSAL,
-                                   WINDOW, HAS_MASK, KB, DP)
+                                   mask_row_ptr, s_mt, T, D, window, scale, k_desc, v_desc, b32, hk32, False, CAUSAL,
+                                   WINDOW, HAS_MASK, KB, DP, TMA)
         if MERGE:
             acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
     for blk in range(f_hi, hi):
         acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
-                                   mask_row_ptr, s_mt, T, D, window, scale, True, CAUSAL,
-                                   WINDOW, HAS_MASK, KB, DP)
+                                   mask_row_ptr, s_mt, T, D, window, scale, k_desc, v_desc, b32, hk32, True, CAUSAL,
+                                   WINDOW, HAS_MASK, KB, DP, TMA)
         if MERGE:
             acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
     if MERGE:
@@ -367,14 +375,17 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
                            mask: Optional[torch.Tensor] = None, causal: bool = True,
                            window: Optional[int] = None, scale: Optional[float] = None, *,
                            split: Optional[bool] = None, config: Optional[AttentionConfig] = None,
-                           merge: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           merge: Optional[bool] = None, tma: Optional[bool] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, S, D] in q.dtype, lse [B, Hq, S] fp32)`` of ``tpinv::attention``.
 
-    ``split``, ``config`` and ``merge`` pick the launch, never the bits: chunks in parallel
-    programs (:mod:`tpinv.kernels.triton_attention_split`; needs every query row of a kv head
-    in one row tile), one program per row tile (``False``), or by speed (``None``); a launch
-    config other than the table's (16-bit inputs); the merging kernel even when the keys lie
-    in one chunk (``True``; ``False`` needs them in one chunk).
+    ``split``, ``config``, ``merge`` and ``tma`` pick the launch, never the bits: chunks in
+    parallel programs (:mod:`tpinv.kernels.triton_attention_split`; needs every query row of a
+    kv head in one row tile), one program per row tile (``False``), or by speed (``None``); a
+    launch config other than the table's (16-bit inputs); the merging kernel even when the keys
+    lie in one chunk (``True``; ``False`` needs them in one chunk); K/V blocks read through TMA
+    descriptors (``None``: wherever :func:`kv_descriptors` can, ``True``: must, with one program
+    per row tile; ``False``: pointer loads).
     """
     g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     B, Hq, S, D = q.shape
@@ -401,20 +412,29 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         raise ValueError("attention_forward_cuda: config= is for bf16/fp16 inputs (fp32 has one shape)")
     cfg = config or forward_config(q.dtype, DP)
     n_tiles = cdiv(S * g, cfg.block_m)
+    if split is None and tma:
+        split = False
     if split is None:
         split = _split_module().use_split(B, Hkv, S * g, cfg.block_m, T, KV_BLOCK, KV_CHUNK_BLOCKS,
                                           DP)
     elif split and n_tiles > 1:
         raise ValueError(f"split=True needs every query row of a kv head in one row tile: "
                          f"S * g = {S * g} > {cfg.block_m}")
+    if split and tma:
+        raise ValueError("tma=True needs split=False: the chunks-in-parallel launch reads k/v "
+                         "through pointer loads")
     if split:
         sp = _split_module()
         sp.split_forward_cuda(sp.SplitLaunch(q, k, v, q_pos, m, (s_mb, s_ms, s_mt), g, causal,
                                              window, scale, mask is not None, cfg, DP, KV_BLOCK,
                                              KV_CHUNK_BLOCKS), out, lse)
         return out, lse
+    descs = kv_descriptors(k, v, KV_BLOCK, DP) if tma is not False and q.dtype != torch.float32 else None
+    if tma and descs is None:
+        raise ValueError("tma=True: these k/v cannot be read through TMA descriptors")
+    k_desc, v_desc = descs or (k, v)
     launch(_attn_fwd_kernel, (n_tiles, B * Hkv),
-        q, k, v, q_pos, m, out, lse,
+        q, k, v, k_desc, v_desc, q_pos, m, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), q_pos.stride(0), q_pos.stride(1),
         s_mb, s_ms, s_mt, out.stride(0), out.stride(1), out.stride(2),
@@ -422,5 +442,5 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         S, T, D, Hkv, n_tiles, int(window or 0), scale,
         G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None,
         BLOCK_M=cfg.block_m, KB=KV_BLOCK, DP=DP, CB=KV_CHUNK_BLOCKS, MERGE=bool(merge),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        TMA=descs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out, lse

@@ -34,6 +34,11 @@ The kernel before the slot-major one transposed ``p`` and ``dS`` in registers an
 shapes, gave one head a wrong dK that changed from call to call (``docs/benchmarks.md``); the
 GPU tests now bound every head's error and repeat each call.
 
+The dQ kernel reads K/V blocks, and both kernels the interleaved ``q``/``dO`` rows, through TMA
+descriptors wherever one can (:mod:`tpinv.kernels.triton_attention_tma`: the same tiles, the same
+bits); the dK/dV kernel only without a window or a mask: with either, ptxas 12.8 (Triton 3.6's)
+crashed compiling it, so those take its pointer loads.
+
 Slots no row of a dQ tile may see are zeroed before ``dS k`` (``0 * NaN`` cannot leak);
 the dK/dV kernel masks ``p`` and ``dS`` so junk in a slot reaches only that slot's zero
 gradient.  ``q`` and ``grad_out`` must be finite on every row.  Semantics are those of
@@ -52,6 +57,7 @@ from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 from tpinv.kernels.reference_attention_bwd import check_backward_inputs
+from tpinv.kernels.triton_attention_tma import kv_descriptors, load_kv_tma, row_descriptor
 from tpinv.kernels.triton_attention import (block_ranges, clean_kv,
                                             last_dim_contiguous, load_kv_block, load_kv_blocks, mask_args,
                                             padded_head_dim, poison_rows, resolve_scale,
@@ -187,15 +193,26 @@ def _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid, off
 
 @triton.jit
 def _query_tile(t, b, hk, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, s_pb, s_ps, s_qb, s_qh,
-                s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, G: tl.constexpr,
-                BLOCK_M: tl.constexpr, DP: tl.constexpr):
-    """Row tile ``t`` of kv head ``hk``: ``(valid, pos, head, s, q, dO, lse, delta)``."""
+                s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, q_desc, do_desc,
+                G: tl.constexpr, BLOCK_M: tl.constexpr, DP: tl.constexpr, TMA: tl.constexpr):
+    """Row tile ``t`` of kv head ``hk``: ``(valid, pos, head, s, q, dO, lse, delta)``; with
+    ``TMA`` the ``q`` and ``dO`` tiles come through descriptors of ``[B, S, Hkv, G, D]``
+    (:func:`~tpinv.kernels.triton_attention.row_descriptor`): the same rows, the same zeros."""
     valid, s_idx, hg, pos = row_tile(t, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
     head = hk * G + hg
     s64 = s_idx.to(tl.int64)
-    q, do, lse, delta = _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
-                                         tl.arange(0, DP), D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
-                                         s_lb, s_lh, s_ls, s_xb, s_xh)
+    if TMA:
+        s0 = (t * (BLOCK_M // G)).to(tl.int32)
+        b32 = b.to(tl.int32)
+        hk32 = hk.to(tl.int32)
+        q = q_desc.load([b32, s0, hk32, 0, 0]).reshape(BLOCK_M, DP)
+        do = do_desc.load([b32, s0, hk32, 0, 0]).reshape(BLOCK_M, DP)
+        lse = tl.load(lse_ptr + b * s_lb + head * s_lh + s64 * s_ls, mask=valid, other=0.0)
+        delta = tl.load(delta_ptr + b * s_xb + head * s_xh + s64, mask=valid, other=0.0)
+    else:
+        q, do, lse, delta = _load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
+                                             tl.arange(0, DP), D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
+                                             s_lb, s_lh, s_ls, s_xb, s_xh)
     return valid, pos, head, s64, q, do, lse, delta
 
 
@@ -219,14 +236,14 @@ def _visibility_t(pos, valid, slots, T, window, mask_row_ptr, s_mt, CAUSAL: tl.c
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr,
                mask_ptr, s_pb, s_ps, s_mb, s_ms, s_mt, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
-               s_lb, s_lh, s_ls, s_xb, s_xh, S, T, D, window, scale, MASKED: tl.constexpr,
-               G: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-               HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, DP: tl.constexpr):
+               s_lb, s_lh, s_ls, s_xb, s_xh, S, T, D, window, scale, q_desc, do_desc,
+               MASKED: tl.constexpr, G: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, DP: tl.constexpr, TMA: tl.constexpr):
     """One row tile's terms, with the block's slots as the dots' rows: ``dV += p^T dO``,
     ``dK += dS^T q`` (``p^T``, ``dS^T`` computed as ``[slots, rows]`` from ``k q^T`` and ``v dO^T``)."""
     valid, pos, head, s64, q, do, lse, delta = _query_tile(
         t, b, hk, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, s_pb, s_ps, s_qb, s_qh, s_qs, s_db,
-        s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, G, BLOCK_M, DP)
+        s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, q_desc, do_desc, G, BLOCK_M, DP, TMA)
     st = tl.dot(k, tl.trans(q), input_precision="ieee") * scale
     if MASKED:
         vis = _visibility_t(pos, valid, slots, T, window, mask_ptr + b * s_mb + s64 * s_ms, s_mt,
@@ -245,13 +262,13 @@ def _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr, 
 
 
 @triton.jit
-def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_ptr,
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, qpos_ptr, mask_ptr,
                  dk_ptr, dv_ptr, s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
                  s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, s_pb, s_ps, s_mb, s_ms, s_mt,
                  s_kgb, s_kgh, s_kgt, s_vgb, s_vgh, s_vgt,
                  S, T, D, Hkv, window, scale, G: tl.constexpr, CAUSAL: tl.constexpr,
                  WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-                 KB: tl.constexpr, DP: tl.constexpr, SCAN: tl.constexpr):
+                 KB: tl.constexpr, DP: tl.constexpr, SCAN: tl.constexpr, TMA: tl.constexpr):
     n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // Hkv).to(tl.int64)
@@ -270,17 +287,17 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask
         dk, dv = _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr,
                             delta_ptr, mask_ptr, s_pb, s_ps, s_mb, s_ms, s_mt, s_qb, s_qh, s_qs,
                             s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, T, D, window, scale,
-                            True, G, CAUSAL, WINDOW, HAS_MASK, BLOCK_M, DP)
+                            q_desc, do_desc, True, G, CAUSAL, WINDOW, HAS_MASK, BLOCK_M, DP, TMA)
     for t in range(f_lo, f_hi):
         dk, dv = _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr,
                             delta_ptr, mask_ptr, s_pb, s_ps, s_mb, s_ms, s_mt, s_qb, s_qh, s_qs,
                             s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, T, D, window, scale,
-                            False, G, CAUSAL, WINDOW, HAS_MASK, BLOCK_M, DP)
+                            q_desc, do_desc, False, G, CAUSAL, WINDOW, HAS_MASK, BLOCK_M, DP, TMA)
     for t in range(f_hi, t_hi):
         dk, dv = _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr,
                             delta_ptr, mask_ptr, s_pb, s_ps, s_mb, s_ms, s_mt, s_qb, s_qh, s_qs,
                             s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, T, D, window, scale,
-                            True, G, CAUSAL, WINDOW, HAS_MASK, BLOCK_M, DP)
+                            q_desc, do_desc, True, G, CAUSAL, WINDOW, HAS_MASK, BLOCK_M, DP, TMA)
     ok_out = (slots < T)[:, None] & (offs_d < D)[None, :]
     sl = slots.to(tl.int64)[:, None]
     tl.store(dk_ptr + b * s_kgb + hk * s_kgh + sl * s_kgt + offs_d[None, :],
@@ -291,10 +308,13 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask
 
 @triton.jit
 def _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid, mask_row_ptr,
-              s_mt, T, D, window, scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, KB: tl.constexpr,
-              DP: tl.constexpr):
-    slots, k, v = load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB, DP)
+              s_mt, T, D, window, scale, k_desc, v_desc, b32, hk32, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, KB: tl.constexpr,
+              DP: tl.constexpr, TMA: tl.constexpr):
+    if TMA:
+        slots, k, v = load_kv_tma(k_desc, v_desc, b32, hk32, blk, KB, DP)
+    else:
+        slots, k, v = load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB, DP)
     if MASKED:
         vis = visibility(pos, valid, slots, T, window, mask_row_ptr, s_mt, CAUSAL, WINDOW,
                          HAS_MASK)
@@ -315,19 +335,21 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_ptr, dq_ptr,
+def _dq_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, q_desc, do_desc, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_ptr, dq_ptr,
                s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_db, s_dh, s_ds,
                s_lb, s_lh, s_ls, s_xb, s_xh, s_pb, s_ps, s_mb, s_ms, s_mt, s_gb, s_gh, s_gs,
                S, T, D, Hkv, n_tiles, window, scale, G: tl.constexpr, CAUSAL: tl.constexpr,
                WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
-               KB: tl.constexpr, DP: tl.constexpr):
+               KB: tl.constexpr, DP: tl.constexpr, TMA: tl.constexpr):
     tile = n_tiles - 1 - tl.program_id(0)
     bh = tl.program_id(1)
+    b32 = bh // Hkv
+    hk32 = bh % Hkv
     b = (bh // Hkv).to(tl.int64)
     hk = (bh % Hkv).to(tl.int64)
     valid, pos, head, s64, q, do, lse, delta = _query_tile(
         tile, b, hk, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, s_pb, s_ps, s_qb, s_qh, s_qs, s_db,
-        s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, G, BLOCK_M, DP)
+        s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, q_desc, do_desc, G, BLOCK_M, DP, TMA)
     offs_d = tl.arange(0, DP)
     k_base = k_ptr + b * s_kb + hk * s_kh
     v_base = v_ptr + b * s_vb + hk * s_vh
@@ -337,14 +359,16 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_p
     if WINDOW:
         for blk in range(lo, f_lo):
             dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid,
-                           mrow, s_mt, T, D, window, scale, True, CAUSAL, WINDOW, HAS_MASK, KB,
-                           DP)
+                           mrow, s_mt, T, D, window, scale, k_desc, v_desc, b32, hk32, True, CAUSAL,
+                           WINDOW, HAS_MASK, KB, DP, TMA)
     for blk in range(f_lo, f_hi):
         dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid, mrow,
-                       s_mt, T, D, window, scale, False, CAUSAL, WINDOW, HAS_MASK, KB, DP)
+                       s_mt, T, D, window, scale, k_desc, v_desc, b32, hk32, False, CAUSAL, WINDOW,
+                       HAS_MASK, KB, DP, TMA)
     for blk in range(f_hi, hi):
         dq = _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid, mrow,
-                       s_mt, T, D, window, scale, True, CAUSAL, WINDOW, HAS_MASK, KB, DP)
+                       s_mt, T, D, window, scale, k_desc, v_desc, b32, hk32, True, CAUSAL, WINDOW,
+                       HAS_MASK, KB, DP, TMA)
     tl.store((dq_ptr + b * s_gb + head * s_gh + s64 * s_gs)[:, None] + offs_d[None, :],
              (dq * scale + 0.0).to(dq_ptr.dtype.element_ty),
              mask=valid[:, None] & (offs_d < D)[None, :])
@@ -364,12 +388,15 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
                             mask: Optional[torch.Tensor] = None, causal: bool = True,
                             window: Optional[int] = None, scale: Optional[float] = None, *,
                             grad_kv_dtype: Optional[torch.dtype] = None,
-                            config: Optional[BackwardConfig] = None
+                            config: Optional[BackwardConfig] = None, tma: Optional[bool] = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``tpinv::attention`` (dtypes of ``q, k, v``); ``grad_lse`` may be
     None (zeros).  ``grad_kv_dtype`` stores dK and dV in that dtype instead (the same fp32
     sums, rounded once to it: fp32 keeps them unrounded for a caller that adds them up).
-    ``config``: launch shapes other than the table's (the same bits; 16-bit inputs only)."""
+    ``config``: launch shapes other than the table's (the same bits; 16-bit inputs only).
+    ``tma``: the kernels read q, grad_out (and the dQ kernel K and V) through TMA descriptors
+    (``None``: where they can, ``True``: must, ``False``: pointer loads) -- the same tiles,
+    the same bits."""
     g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     _check_backward_inputs(grad_out, grad_lse, q, out, lse)
     B, Hq, S, D = q.shape
@@ -401,14 +428,26 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
     common = dict(G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None, DP=DP)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
                *lse.stride(), delta.stride(0), delta.stride(1), *q_pos.stride(), s_mb, s_ms, s_mt)
+    rows = None
+    if tma is not False and window is None and mask is None:   # ptxas crashed on the others
+        rows = (row_descriptor(q, g, config.dkdv_rows, DP), row_descriptor(grad_out, g, config.dkdv_rows, DP))
+        rows = None if any(r is None for r in rows) else rows
+    if tma and rows is None:
+        raise ValueError("tma=True: the dK/dV kernel cannot read these q/grad_out through TMA "
+                         "descriptors (or a window or mask is set)")
     launch(_dkdv_kernel, (cdiv(T, config.dkdv_slots), B * Hkv),
-        q, k, v, grad_out, lse, delta, q_pos, m, dk, dv, *strides, *dk.stride()[:3],
+        q, k, v, grad_out, *(rows or (q, grad_out)), lse, delta, q_pos, m, dk, dv, *strides, *dk.stride()[:3],
         *dv.stride()[:3], S, T, D, Hkv, int(window or 0), scale, BLOCK_M=config.dkdv_rows,
-        KB=config.dkdv_slots, SCAN=POS_SCAN, num_warps=config.dkdv_warps,
+        KB=config.dkdv_slots, SCAN=POS_SCAN, TMA=rows is not None, num_warps=config.dkdv_warps,
         num_stages=config.dkdv_stages, enable_fp_fusion=False, **common)
     n_tiles = cdiv(S * g, config.dq_rows)
+    descs = kv_descriptors(k, v, config.dq_slots, DP) if tma is not False else None
+    rows = (row_descriptor(q, g, config.dq_rows, DP), row_descriptor(grad_out, g, config.dq_rows, DP))
+    descs = None if descs is None or any(r is None for r in rows) else (*descs, *rows)
+    if tma and descs is None:
+        raise ValueError("tma=True: these k/v cannot be read through TMA descriptors")
     launch(_dq_kernel, (n_tiles, B * Hkv),
-        q, k, v, grad_out, lse, delta, q_pos, m, dq, *strides, *dq.stride()[:3],
+        q, k, v, *(descs or (k, v, q, grad_out)), grad_out, lse, delta, q_pos, m, dq, *strides, *dq.stride()[:3],
         S, T, D, Hkv, n_tiles, int(window or 0), scale, BLOCK_M=config.dq_rows, KB=config.dq_slots,
-        num_warps=config.dq_warps, num_stages=config.dq_stages, enable_fp_fusion=False, **common)
+        TMA=descs is not None, num_warps=config.dq_warps, num_stages=config.dq_stages, enable_fp_fusion=False, **common)
     return dq, dk, dv

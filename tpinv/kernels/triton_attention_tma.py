@@ -1,0 +1,74 @@
+"""TMA descriptors for the attention kernels: the same tiles as the pointer loads, so the same bits.
+
+A descriptor copies a box of a tensor into shared memory and fills zeros where the box runs past
+the tensor's shape, exactly the zeros the masked pointer loads put past ``T``, past ``S`` and past
+the head dim.  The kernels take a descriptor wherever one can read the tensor (a 16-bit dtype,
+16-byte aligned address and strides, Triton 3.4+ on a GPU) and pointer loads elsewhere; either
+way a tile holds the same values, the dots the same operands, and the GPU tests hold both paths
+to the same bytes.  Two readings:
+
+* K/V blocks of ``[B, Hkv, T, D]``: boxes ``[1, 1, KB, DP]`` (:func:`kv_descriptors`);
+* the interleaved query rows ``r = s * g + hg`` of one kv head: ``x`` ``[B, Hq, S, D]`` read as
+  ``[B, S, Hkv, g, D]`` in boxes ``[1, rows / g, 1, g, DP]``, whose row-major order is the
+  rows' (:func:`row_descriptor`); any strides, so ``[B, S, H, D]``-laid-out projections too.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpinv.kernels.triton_elementwise import interpreting
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:                  # Triton before 3.4: pointer loads only
+    TensorDescriptor = None
+
+__all__ = ["descriptor", "kv_descriptors", "row_descriptor", "load_kv_tma"]
+
+
+def descriptor(t: torch.Tensor, shape: list, strides: list, block: list):
+    """A TMA descriptor reading ``t`` as ``shape``/``strides`` (elements) in ``block`` tiles, or
+    ``None`` where none can (no TMA in this Triton, the interpreter, not a 16-bit dtype, an
+    address, a stride or the last dim not 16-byte aligned).  A dim of size 1 is never stepped,
+    so its stride is replaced by an aligned one."""
+    if TensorDescriptor is None or interpreting() or t.element_size() != 2 or not t.is_cuda:
+        return None
+    if strides[-1] != 1 or t.data_ptr() % 16 or shape[-1] % 8:
+        return None
+    strides = [st if n > 1 else 8 for n, st in zip(shape, strides)]
+    if any(st <= 0 or st % 8 for st in strides[:-1]):
+        return None
+    return TensorDescriptor(t, list(shape), strides, list(block))
+
+
+def kv_descriptors(k: torch.Tensor, v: torch.Tensor, KB: int, DP: int):
+    """TMA descriptors of ``k`` and ``v`` ``[B, Hkv, T, D]`` with ``[1, 1, KB, DP]`` blocks, or
+    ``None`` (:func:`descriptor`).  Either way the kernels get the same tiles: the copy fills
+    zeros past ``T`` and ``D`` as the masked loads do."""
+    kd = descriptor(k, list(k.shape), list(k.stride()), [1, 1, KB, DP])
+    vd = descriptor(v, list(v.shape), list(v.stride()), [1, 1, KB, DP])
+    return None if kd is None or vd is None else (kd, vd)
+
+
+def row_descriptor(x: torch.Tensor, g: int, rows: int, DP: int):
+    """A TMA descriptor of ``x`` ``[B, Hq, S, D]`` read as ``[B, S, Hkv, g, D]`` in blocks of
+    ``[1, rows / g, 1, g, DP]``: a row tile of the interleaved rows ``r = s * g + hg`` of one kv
+    head, in that order (zeros past ``S`` and ``D``); ``None`` (:func:`descriptor`, or ``g`` not
+    a power of two dividing ``rows``)."""
+    if g & (g - 1) or rows % g:
+        return None
+    B, Hq, S, D = x.shape
+    sb, sh, ss, sd = x.stride()
+    return descriptor(x, [B, S, Hq // g, g, D], [sb, ss, sh * g, sh, sd], [1, rows // g, 1, g, DP])
+
+
+@triton.jit
+def load_kv_tma(k_desc, v_desc, b, hk, blk, KB: tl.constexpr, DP: tl.constexpr):
+    """``(slots, K, V)`` of key block ``blk`` through TMA descriptors over ``[B, Hkv, T, D]``:
+    the same tiles as :func:`load_kv_blocks` (the copy fills zeros past ``T`` and ``D``)."""
+    slots = blk * KB + tl.arange(0, KB)
+    k = k_desc.load([b, hk, blk * KB, 0]).reshape(KB, DP)
+    v = v_desc.load([b, hk, blk * KB, 0]).reshape(KB, DP)
+    return slots, k, v
