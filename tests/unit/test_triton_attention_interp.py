@@ -209,6 +209,50 @@ def check_split_chunks():
     ta.KV_CHUNK_BLOCKS = table
 
 
+def check_tma_loads():
+    """Tiles read through TMA descriptors (K/V blocks; a kv head's interleaved q/dO rows read as
+    ``[B, S, Hkv, g, D]``) == pointer loads, raw bytes, forward and backward, head-major and
+    ``[B, S, H, D]``-strided q and dO, a padded head dim (24 of 32).  ``tma=True`` proves the
+    descriptor path ran (it raises where it cannot: fp32; the dK/dV kernel with a window or
+    mask).  Without host descriptors (Triton < 3.4) no descriptor is built.  Control (the cases
+    without a mask): a changed value slot moves ``out``."""
+    from tpinv.kernels import triton_attention_tma as tm
+    if tm.TensorDescriptor is None:
+        q, k, v = cases.qkv(1, 1, 2, 8, 8, 16, FP16)
+        assert tm.kv_descriptors(k, v, 64, 16) is None
+        return
+    for B, Hkv, g, S, T, D, mode in ((2, 2, 2, 70, 70, 24, "causal"), (1, 1, 4, 40, 130, 16, "window"),
+                                     (2, 1, 2, 20, 90, 16, "mask"), (1, 2, 1, 33, 100, 24, "full")):
+        q, k, v, pos, mask, causal, window = _parity_case((B, Hkv, g, S, T, D, mode), FP16)
+        args = (pos, mask, causal, window, None)
+        want = fwd(q, k, v, *args, split=False, tma=False)
+        dout = cases.randn(*q.shape, dtype=FP16)
+        gwant = bwd(dout, None, q, k, v, *want, *args, tma=False)
+        dkdv_tma = window is None and mask is None
+        for qq, dd in ((q, dout), (_bshd(q), _bshd(dout))):
+            got = fwd(qq, k, v, *args, split=False, tma=True)
+            for a, b in zip(got, want):
+                assert_same_bits(a.contiguous(), b, f"forward {mode}")
+            ggot = bwd(dd, None, qq, k, v, *want, *args, tma=True if dkdv_tma else None)
+            for a, b in zip(ggot, gwant):
+                assert_same_bits(a.contiguous(), b, f"backward {mode}")
+        if not dkdv_tma:
+            with pytest.raises(ValueError, match="window or mask"):
+                bwd(dout, None, q, k, v, *want, *args, tma=True)
+        if mask is None:                 # the last query of batch row 0 sees its own slot
+            v2 = v.clone()
+            v2[0, 0, int(pos[0, -1])] += 1.0
+            moved = fwd(q, k, v2, *args, split=False, tma=True)
+            assert not torch.equal(moved[0][0, 0, -1], want[0][0, 0, -1]), "control: a changed value moved nothing"
+    q, k, v = cases.qkv(1, 1, 2, 8, 8, 16, FP32)
+    with pytest.raises(ValueError, match="TMA"):
+        fwd(q, k, v, cases.arange_pos(1, 8), tma=True)
+
+
+def _bshd(x):
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 CHECKS = seeded_checks(dict(globals()), _setup)
 test_interpreter = interpreted_test(__file__, CHECKS, process_per_check=True)
 

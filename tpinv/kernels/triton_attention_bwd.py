@@ -202,7 +202,7 @@ def _query_tile(t, b, hk, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, s_pb, s_p
     head = hk * G + hg
     s64 = s_idx.to(tl.int64)
     if TMA:
-        s0 = (t * (BLOCK_M // G)).to(tl.int32)
+        s0 = t * (BLOCK_M // G)  # int32 in the kernel (a Python int under the interpreter)
         b32 = b.to(tl.int32)
         hk32 = hk.to(tl.int32)
         q = q_desc.load([b32, s0, hk32, 0, 0]).reshape(BLOCK_M, DP)

@@ -3,9 +3,9 @@
 A descriptor copies a box of a tensor into shared memory and fills zeros where the box runs past
 the tensor's shape, exactly the zeros the masked pointer loads put past ``T``, past ``S`` and past
 the head dim.  The kernels take a descriptor wherever one can read the tensor (a 16-bit dtype,
-16-byte aligned address and strides, Triton 3.4+ on a GPU) and pointer loads elsewhere; either
-way a tile holds the same values, the dots the same operands, and the GPU tests hold both paths
-to the same bytes.  Two readings:
+16-byte aligned address and strides, Triton 3.4+, on a GPU or in Triton's interpreter) and
+pointer loads elsewhere; either way a tile holds the same values, the dots the same operands,
+and the tests (GPU and interpreter) hold both paths to the same bytes.  Two readings:
 
 * K/V blocks of ``[B, Hkv, T, D]``: boxes ``[1, 1, KB, DP]`` (:func:`kv_descriptors`);
 * the interleaved query rows ``r = s * g + hg`` of one kv head: ``x`` ``[B, Hq, S, D]`` read as
@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.triton_elementwise import interpreting
-
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:                  # Triton before 3.4: pointer loads only
@@ -30,10 +28,11 @@ __all__ = ["descriptor", "kv_descriptors", "row_descriptor", "load_kv_tma"]
 
 def descriptor(t: torch.Tensor, shape: list, strides: list, block: list):
     """A TMA descriptor reading ``t`` as ``shape``/``strides`` (elements) in ``block`` tiles, or
-    ``None`` where none can (no TMA in this Triton, the interpreter, not a 16-bit dtype, an
-    address, a stride or the last dim not 16-byte aligned).  A dim of size 1 is never stepped,
-    so its stride is replaced by an aligned one."""
-    if TensorDescriptor is None or interpreting() or t.element_size() != 2 or not t.is_cuda:
+    ``None`` where none can (no host descriptors in this Triton, not a 16-bit dtype, an address,
+    a stride or the last dim not 16-byte aligned).  A dim of size 1 is never stepped, so its
+    stride is replaced by an aligned one.  Triton's interpreter reads descriptors too (CPU
+    tensors), so the CPU tests run this path."""
+    if TensorDescriptor is None or t.element_size() != 2:
         return None
     if strides[-1] != 1 or t.data_ptr() % 16 or shape[-1] % 8:
         return None
