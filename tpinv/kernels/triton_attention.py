@@ -53,9 +53,9 @@ import triton
 import triton.language as tl
 
 from tpinv.kernels.launch import cdiv, launch, next_power_of_2
-from tpinv.kernels.triton_attention_tma import kv_descriptors, load_kv_tma
 from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
+from tpinv.kernels.triton_attention_tma import kv_descriptors, load_kv_tma
 
 __all__ = ["attention_forward_cuda", "AttentionConfig", "forward_config", "one_chunk", "padded_head_dim",
            "MAX_HEAD_DIM", "KV_CHUNK_BLOCKS", "FORWARD_CANDIDATES"]
@@ -214,9 +214,9 @@ def load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB: tl.constexpr, DP: 
 
 @triton.jit
 def forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid, mask_row_ptr, s_mt,
-               T, D, window, scale, k_desc, v_desc, b32, hk32, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, KB: tl.constexpr,
-               DP: tl.constexpr, TMA: tl.constexpr):
+                  T, D, window, scale, k_desc, v_desc, b32, hk32, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+                  KB: tl.constexpr, DP: tl.constexpr, TMA: tl.constexpr):
     if TMA:
         slots, k, v = load_kv_tma(k_desc, v_desc, b32, hk32, blk, KB, DP)
     else:
@@ -312,21 +312,22 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, qpos_ptr, mask_ptr, ou
     if WINDOW:  # blocks at the window's start that some rows see only in part
         for blk in range(lo, f_lo):
             acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos,
-                                       valid, mask_row_ptr, s_mt, T, D, window, scale, k_desc, v_desc, b32, hk32, True, CAUSAL,
-                                       WINDOW, HAS_MASK, KB, DP, TMA)
+                                          valid, mask_row_ptr, s_mt, T, D, window, scale, k_desc,
+                                          v_desc, b32, hk32, True, CAUSAL, WINDOW, HAS_MASK, KB,
+                                          DP, TMA)
             if MERGE:
                 acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk,
                                                               hi, CB)
     for blk in range(f_lo, f_hi):
         acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
-                                   mask_row_ptr, s_mt, T, D, window, scale, k_desc, v_desc, b32, hk32, False, CAUSAL,
-                                   WINDOW, HAS_MASK, KB, DP, TMA)
+                                      mask_row_ptr, s_mt, T, D, window, scale, k_desc, v_desc, b32,
+                                      hk32, False, CAUSAL, WINDOW, HAS_MASK, KB, DP, TMA)
         if MERGE:
             acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
     for blk in range(f_hi, hi):
         acc, m_i, l_i = forward_block(acc, m_i, l_i, q, k_base, v_base, s_kt, s_vt, blk, pos, valid,
-                                   mask_row_ptr, s_mt, T, D, window, scale, k_desc, v_desc, b32, hk32, True, CAUSAL,
-                                   WINDOW, HAS_MASK, KB, DP, TMA)
+                                      mask_row_ptr, s_mt, T, D, window, scale, k_desc, v_desc, b32,
+                                      hk32, True, CAUSAL, WINDOW, HAS_MASK, KB, DP, TMA)
         if MERGE:
             acc_r, m_r, l_r, acc, m_i, l_i = end_of_chunk(acc_r, m_r, l_r, acc, m_i, l_i, blk, hi, CB)
     if MERGE:
@@ -429,7 +430,7 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
                                              window, scale, mask is not None, cfg, DP, KV_BLOCK,
                                              KV_CHUNK_BLOCKS), out, lse)
         return out, lse
-    descs = kv_descriptors(k, v, KV_BLOCK, DP) if tma is not False and q.dtype != torch.float32 else None
+    descs = kv_descriptors(k, v, KV_BLOCK, DP) if tma is not False else None
     if tma and descs is None:
         raise ValueError("tma=True: these k/v cannot be read through TMA descriptors")
     k_desc, v_desc = descs or (k, v)
@@ -442,5 +443,6 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         S, T, D, Hkv, n_tiles, int(window or 0), scale,
         G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None,
         BLOCK_M=cfg.block_m, KB=KV_BLOCK, DP=DP, CB=KV_CHUNK_BLOCKS, MERGE=bool(merge),
-        TMA=descs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        TMA=descs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False)
     return out, lse

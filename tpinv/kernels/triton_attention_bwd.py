@@ -57,11 +57,10 @@ from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 from tpinv.kernels.reference_attention_bwd import check_backward_inputs
+from tpinv.kernels.triton_attention import (block_ranges, clean_kv, last_dim_contiguous, load_kv_block,
+                                            load_kv_blocks, mask_args, padded_head_dim, poison_rows,
+                                            resolve_scale, row_tile, visibility)
 from tpinv.kernels.triton_attention_tma import kv_descriptors, load_kv_tma, row_descriptor
-from tpinv.kernels.triton_attention import (block_ranges, clean_kv,
-                                            last_dim_contiguous, load_kv_block, load_kv_blocks, mask_args,
-                                            padded_head_dim, poison_rows, resolve_scale,
-                                            row_tile, visibility)
 
 __all__ = ["attention_backward_cuda", "BackwardConfig", "backward_config", "BACKWARD_CANDIDATES",
            "DELTA_ROWS", "POS_SCAN"]
@@ -262,7 +261,8 @@ def _dkdv_tile(dk, dv, k, v, t, b, hk, slots, qpos_ptr, q_ptr, do_ptr, lse_ptr, 
 
 
 @triton.jit
-def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, qpos_ptr, mask_ptr,
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, qpos_ptr,
+                 mask_ptr,
                  dk_ptr, dv_ptr, s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
                  s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, s_pb, s_ps, s_mb, s_ms, s_mt,
                  s_kgb, s_kgh, s_kgt, s_vgb, s_vgh, s_vgt,
@@ -335,7 +335,8 @@ def _dq_block(dq, q, do, lse, delta, k_base, v_base, s_kt, s_vt, blk, pos, valid
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, q_desc, do_desc, do_ptr, lse_ptr, delta_ptr, qpos_ptr, mask_ptr, dq_ptr,
+def _dq_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, q_desc, do_desc, do_ptr, lse_ptr, delta_ptr,
+               qpos_ptr, mask_ptr, dq_ptr,
                s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_db, s_dh, s_ds,
                s_lb, s_lh, s_ls, s_xb, s_xh, s_pb, s_ps, s_mb, s_ms, s_mt, s_gb, s_gh, s_gs,
                S, T, D, Hkv, n_tiles, window, scale, G: tl.constexpr, CAUSAL: tl.constexpr,
@@ -447,7 +448,9 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
     if tma and descs is None:
         raise ValueError("tma=True: these k/v cannot be read through TMA descriptors")
     launch(_dq_kernel, (n_tiles, B * Hkv),
-        q, k, v, *(descs or (k, v, q, grad_out)), grad_out, lse, delta, q_pos, m, dq, *strides, *dq.stride()[:3],
+        q, k, v, *(descs or (k, v, q, grad_out)), grad_out, lse, delta, q_pos, m, dq, *strides,
+        *dq.stride()[:3],
         S, T, D, Hkv, n_tiles, int(window or 0), scale, BLOCK_M=config.dq_rows, KB=config.dq_slots,
-        TMA=descs is not None, num_warps=config.dq_warps, num_stages=config.dq_stages, enable_fp_fusion=False, **common)
+        TMA=descs is not None, num_warps=config.dq_warps, num_stages=config.dq_stages,
+        enable_fp_fusion=False, **common)
     return dq, dk, dv

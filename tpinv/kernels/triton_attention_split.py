@@ -77,16 +77,17 @@ def chunk_state(q, k_base, v_base, s_kt, s_vt, c, lo, f_lo, f_hi, hi, pos, valid
     if WINDOW:  # blocks at the window's start that some rows see only in part
         for blk in range(b0, tl.minimum(f_lo, b1)):
             acc_c, m_c, l_c = forward_block(acc_c, m_c, l_c, q, k_base, v_base, s_kt, s_vt, blk, pos,
-                                         valid, mask_row_ptr, s_mt, T, D, window, scale, k_base, v_base, 0, 0, True,
-                                         CAUSAL, WINDOW, HAS_MASK, KB, DP, False)
+                                         valid, mask_row_ptr, s_mt, T, D, window, scale, k_base,
+                                         v_base, 0, 0, True, CAUSAL, WINDOW, HAS_MASK, KB, DP,
+                                         False)
     for blk in range(tl.maximum(b0, f_lo), tl.minimum(f_hi, b1)):
         acc_c, m_c, l_c = forward_block(acc_c, m_c, l_c, q, k_base, v_base, s_kt, s_vt, blk, pos,
-                                     valid, mask_row_ptr, s_mt, T, D, window, scale, k_base, v_base, 0, 0, False, CAUSAL,
-                                     WINDOW, HAS_MASK, KB, DP, False)
+                                     valid, mask_row_ptr, s_mt, T, D, window, scale, k_base,
+                                     v_base, 0, 0, False, CAUSAL, WINDOW, HAS_MASK, KB, DP, False)
     for blk in range(tl.maximum(b0, f_hi), b1):
         acc_c, m_c, l_c = forward_block(acc_c, m_c, l_c, q, k_base, v_base, s_kt, s_vt, blk, pos,
-                                     valid, mask_row_ptr, s_mt, T, D, window, scale, k_base, v_base, 0, 0, True, CAUSAL,
-                                     WINDOW, HAS_MASK, KB, DP, False)
+                                     valid, mask_row_ptr, s_mt, T, D, window, scale, k_base,
+                                     v_base, 0, 0, True, CAUSAL, WINDOW, HAS_MASK, KB, DP, False)
     return acc_c, m_c, l_c
 
 
