@@ -57,9 +57,9 @@ from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 from tpinv.kernels.reference_attention_bwd import check_backward_inputs
-from tpinv.kernels.triton_attention import (block_ranges, clean_kv, last_dim_contiguous, load_kv_block,
-                                            load_kv_blocks, mask_args, padded_head_dim, poison_rows,
-                                            resolve_scale, row_tile, visibility)
+from tpinv.kernels.triton_attention import last_dim_contiguous, mask_args, padded_head_dim, resolve_scale
+from tpinv.kernels.triton_attention_tiles import (block_ranges, clean_kv, load_kv_block, load_kv_blocks,
+                                                  poison_rows, row_tile, visibility)
 from tpinv.kernels.triton_attention_tma import kv_descriptors, load_kv_tma, row_descriptor
 
 __all__ = ["attention_backward_cuda", "BackwardConfig", "backward_config", "BACKWARD_CANDIDATES",

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from tpinv.kernels.launch import launch, next_power_of_2
-from tpinv.kernels.triton_attention import (block_ranges, finish_rows, forward_block, merge_state, n_chunks,
-                                           row_tile)
+from tpinv.kernels.triton_attention import finish_rows, forward_block, merge_state, n_chunks
+from tpinv.kernels.triton_attention_tiles import block_ranges, row_tile
 
 __all__ = ["split_forward_cuda", "chunk_states_cuda", "merge_chunks_cuda", "SplitLaunch", "use_split",
            "n_chunks"]

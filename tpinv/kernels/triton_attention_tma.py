@@ -65,8 +65,9 @@ def row_descriptor(x: torch.Tensor, g: int, rows: int, DP: int):
 
 @triton.jit
 def load_kv_tma(k_desc, v_desc, b, hk, blk, KB: tl.constexpr, DP: tl.constexpr):
-    """``(slots, K, V)`` of key block ``blk`` through TMA descriptors over ``[B, Hkv, T, D]``:
-    the same tiles as :func:`load_kv_blocks` (the copy fills zeros past ``T`` and ``D``)."""
+    """``(slots, K, V)`` of key block ``blk`` through TMA descriptors over ``[B, Hkv, T, D]``: the
+    same tiles as :func:`~tpinv.kernels.triton_attention_tiles.load_kv_blocks` (the copy fills
+    zeros past ``T`` and ``D``)."""
     slots = blk * KB + tl.arange(0, KB)
     k = k_desc.load([b, hk, blk * KB, 0]).reshape(KB, DP)
     v = v_desc.load([b, hk, blk * KB, 0]).reshape(KB, DP)
