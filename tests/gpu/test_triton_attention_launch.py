@@ -165,7 +165,7 @@ def test_tma_loads_give_the_pointer_loads_bits(case, monkeypatch):
             assert_same_bits(a.contiguous(), b, f"d{name}")
     monkeypatch.undo()
     dkdv_tma = window is None and mask is None
-    assert seen == 2 * [("_attn_fwd_kernel", True), ("_dkdv_kernel", dkdv_tma), ("_dq_kernel", True)], seen
+    assert seen == 2 * [("_attn_fwd_kernel", True), ("dkdv_kernel", dkdv_tma), ("_dq_kernel", True)], seen
     v2 = v.clone()
     v2[1, 0, T - 3] += 1.0
     moved = attention_forward_cuda(q, k, v2, *fargs, split=False)

@@ -4,8 +4,9 @@ Each helper is one step of the order :mod:`tpinv.kernels.triton_attention` defin
 so the forward, the chunks-in-parallel path and the dQ kernel take the same step the same way:
 which rows a tile holds (the interleaved ``r = s * g + hg``), which key blocks some row of it may
 see and which every row sees whole, which slots a row sees, the zeroing of slots no row sees
-(junk or NaN in an unused cache slot cannot leak through ``0 * NaN``), and the masked pointer
-loads of a key block (zeros past ``T`` and past the head dim).
+(junk or NaN in an unused cache slot cannot leak through ``0 * NaN``), the masked pointer
+loads of a key block (zeros past ``T`` and past the head dim), and the backward's query tile
+(``q``, ``dO``, ``lse``, ``Delta`` of its rows, through descriptors where the caller has them).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["row_tile", "block_ranges", "visibility", "clean_kv", "poison_rows", "load_kv_block",
-           "load_kv_blocks"]
+           "load_kv_blocks", "load_query_rows", "query_tile"]
 
 _BIG = tl.constexpr(1 << 62)
 
@@ -115,3 +116,43 @@ def load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB: tl.constexpr, DP: 
     offs_d = tl.arange(0, DP)
     return (slots, load_kv_block(k_base, s_kt, slots, offs_d, T, D),
             load_kv_block(v_base, s_vt, slots, offs_d, T, D))
+
+
+@triton.jit
+def load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid, offs_d, D,
+                     s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh):
+    """``q``, ``dO`` ``[rows, DP]`` and ``lse``, ``delta`` ``[rows]`` of a row tile (zeros
+    where a row is not valid or past the head dim)."""
+    ok2 = valid[:, None] & (offs_d < D)[None, :]
+    q = tl.load((q_ptr + b * s_qb + head * s_qh + s64 * s_qs)[:, None] + offs_d[None, :],
+                mask=ok2, other=0.0)
+    do = tl.load((do_ptr + b * s_db + head * s_dh + s64 * s_ds)[:, None] + offs_d[None, :],
+                 mask=ok2, other=0.0)
+    lse = tl.load(lse_ptr + b * s_lb + head * s_lh + s64 * s_ls, mask=valid, other=0.0)
+    delta = tl.load(delta_ptr + b * s_xb + head * s_xh + s64, mask=valid, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def query_tile(t, b, hk, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, s_pb, s_ps, s_qb, s_qh,
+                s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, q_desc, do_desc,
+                G: tl.constexpr, BLOCK_M: tl.constexpr, DP: tl.constexpr, TMA: tl.constexpr):
+    """Row tile ``t`` of kv head ``hk``: ``(valid, pos, head, s, q, dO, lse, delta)``; with
+    ``TMA`` the ``q`` and ``dO`` tiles come through descriptors of ``[B, S, Hkv, G, D]``
+    (:func:`~tpinv.kernels.triton_attention.row_descriptor`): the same rows, the same zeros."""
+    valid, s_idx, hg, pos = row_tile(t, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
+    head = hk * G + hg
+    s64 = s_idx.to(tl.int64)
+    if TMA:
+        s0 = t * (BLOCK_M // G)  # int32 in the kernel (a Python int under the interpreter)
+        b32 = b.to(tl.int32)
+        hk32 = hk.to(tl.int32)
+        q = q_desc.load([b32, s0, hk32, 0, 0]).reshape(BLOCK_M, DP)
+        do = do_desc.load([b32, s0, hk32, 0, 0]).reshape(BLOCK_M, DP)
+        lse = tl.load(lse_ptr + b * s_lb + head * s_lh + s64 * s_ls, mask=valid, other=0.0)
+        delta = tl.load(delta_ptr + b * s_xb + head * s_xh + s64, mask=valid, other=0.0)
+    else:
+        q, do, lse, delta = load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
+                                             tl.arange(0, DP), D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
+                                             s_lb, s_lh, s_ls, s_xb, s_xh)
+    return valid, pos, head, s64, q, do, lse, delta
