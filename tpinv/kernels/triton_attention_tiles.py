@@ -120,7 +120,7 @@ def load_kv_blocks(k_base, v_base, s_kt, s_vt, blk, T, D, KB: tl.constexpr, DP: 
 
 @triton.jit
 def load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid, offs_d, D,
-                     s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh):
+                    s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh):
     """``q``, ``dO`` ``[rows, DP]`` and ``lse``, ``delta`` ``[rows]`` of a row tile (zeros
     where a row is not valid or past the head dim)."""
     ok2 = valid[:, None] & (offs_d < D)[None, :]
@@ -135,11 +135,11 @@ def load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid, offs
 
 @triton.jit
 def query_tile(t, b, hk, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, s_pb, s_ps, s_qb, s_qh,
-                s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, q_desc, do_desc,
-                G: tl.constexpr, BLOCK_M: tl.constexpr, DP: tl.constexpr, TMA: tl.constexpr):
+               s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_xb, s_xh, S, D, q_desc, do_desc,
+               G: tl.constexpr, BLOCK_M: tl.constexpr, DP: tl.constexpr, TMA: tl.constexpr):
     """Row tile ``t`` of kv head ``hk``: ``(valid, pos, head, s, q, dO, lse, delta)``; with
     ``TMA`` the ``q`` and ``dO`` tiles come through descriptors of ``[B, S, Hkv, G, D]``
-    (:func:`~tpinv.kernels.triton_attention.row_descriptor`): the same rows, the same zeros."""
+    (:func:`~tpinv.kernels.triton_attention_tma.row_descriptor`): the same rows, the same zeros."""
     valid, s_idx, hg, pos = row_tile(t, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
     head = hk * G + hg
     s64 = s_idx.to(tl.int64)
@@ -153,6 +153,6 @@ def query_tile(t, b, hk, qpos_ptr, q_ptr, do_ptr, lse_ptr, delta_ptr, s_pb, s_ps
         delta = tl.load(delta_ptr + b * s_xb + head * s_xh + s64, mask=valid, other=0.0)
     else:
         q, do, lse, delta = load_query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, head, s64, valid,
-                                             tl.arange(0, DP), D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
-                                             s_lb, s_lh, s_ls, s_xb, s_xh)
+                                            tl.arange(0, DP), D, s_qb, s_qh, s_qs, s_db, s_dh, s_ds,
+                                            s_lb, s_lh, s_ls, s_xb, s_xh)
     return valid, pos, head, s64, q, do, lse, delta
