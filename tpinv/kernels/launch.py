@@ -196,8 +196,8 @@ def reused_descriptor(cache: Optional[dict], t: torch.Tensor, build):
 def _specialization(args: tuple) -> tuple:
     """The key of ``args``: tensors by dtype and 16-byte alignment, ints and None by value, bools
     tagged (Triton compiles bools apart from ints), floats by type, host TMA descriptors by
-    dtype, block shape and padding (Triton keys them by dtype and block shape).  Raises
-    TypeError for anything else (the launch then goes through Triton)."""
+    dtype, block shape and padding where it has one (Triton 3.6 keys them by dtype and block
+    shape).  Raises TypeError for anything else (the launch then goes through Triton)."""
     key = []
     for a in args:
         t = type(a)
@@ -210,7 +210,7 @@ def _specialization(args: tuple) -> tuple:
         elif t is float:
             key.append(float)
         elif t is _DESCRIPTOR:
-            key.append((_DESCRIPTOR, a.base.dtype, tuple(a.block_shape), a.padding))
+            key.append((_DESCRIPTOR, a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None)))
         else:
             raise TypeError(t)
     return tuple(key)
