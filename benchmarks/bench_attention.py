@@ -8,9 +8,12 @@ medians of ``triton.testing.do_bench`` (L2 flushed before each run).  ``ratio = 
 the bitwise invariance checks on the device and prints PASS/FAIL for each.  ``--long`` adds
 long-context prefill at B=1, S=T=8192, 16384 and 32768 (with ``--check``: the last chunk of
 queries and the last decode step at S=32768 equal the whole prefill's rows, bitwise).
-``--sweep-backward`` instead times the backward's launch shapes (bits checked against the table's).
+``--sweep-backward`` instead times the backward's launch shapes (bits checked against the table's);
+``--loads`` instead times the forward and the backward with their tiles read through masked
+pointer loads and through TMA descriptors (bits checked equal), from CUDA-graph replays.
 
     python -m benchmarks.bench_attention [--check] [--json PATH] [--quick] [--long] [--sweep-backward]
+                                         [--loads]
 """
 from __future__ import annotations
 
@@ -227,6 +230,45 @@ def sweep_backward() -> list[dict]:
     return out
 
 
+#: (B, S, Hq, Hkv) of ``--loads``: Qwen3-0.6B's training shape, a Qwen3-8B prefill, short sequences.
+LOADS_SHAPES = ((4, 1024, 16, 8), (1, 4096, 32, 8), (8, 512, 16, 8), (16, 256, 16, 8))
+
+
+def compare_loads(shapes=LOADS_SHAPES) -> list[dict]:
+    """The forward and the backward with pointer loads (``tma=False``) and TMA descriptors
+    (``tma=True``) at Qwen3-0.6B's training shape, a Qwen3-8B prefill and short sequences: the
+    outputs' bytes compared, each call timed from CUDA-graph replays (no host time)."""
+    from tpinv.kernels.triton_attention import attention_forward_cuda as fwd
+    from tpinv.kernels.triton_attention_bwd import attention_backward_cuda as bwd
+    out = []
+    print(f"{'B x S':>10}{'Hq/Hkv':>8} | {'fwd ptr us':>10}{'tma':>8}{'x':>6} | {'bwd ptr us':>10}{'tma':>8}"
+          f"{'x':>6} | same bits")
+    for B, S, hq, hkv in shapes:
+        q, k, v = _inputs(B, S, S, seed=S + B, hq=hq, hkv=hkv)
+        dout = torch.randn_like(q)
+        pos = torch.arange(S, device="cuda").expand(B, S).contiguous()
+        r = dict(kind="loads", B=B, S=S, Hq=hq, Hkv=hkv)
+        outs = {}
+        for tma in (False, True):
+            name = "tma" if tma else "ptr"
+            o, lse = fwd(q, k, v, pos, None, True, None, None, split=False, tma=tma)
+            grads = bwd(dout, None, q, k, v, o, lse, pos, None, True, None, None, tma=tma)
+            outs[name] = (o, lse, *grads)
+            r[f"fwd_{name}_us"] = graph_time_us(
+                lambda i, tma=tma: fwd(q, k, v, pos, None, True, None, None, split=False, tma=tma), 1, 100.0)
+            r[f"bwd_{name}_us"] = graph_time_us(
+                lambda i, tma=tma, o=o, lse=lse: bwd(dout, None, q, k, v, o, lse, pos, None, True, None, None,
+                                                     tma=tma), 1, 250.0)
+        r["same_bits"] = all(same_bits(a, b) for a, b in zip(outs["ptr"], outs["tma"]))
+        r["fwd_speedup"] = r["fwd_ptr_us"] / r["fwd_tma_us"]
+        r["bwd_speedup"] = r["bwd_ptr_us"] / r["bwd_tma_us"]
+        print(f"{f'{B} x {S}':>10}{f'{hq}/{hkv}':>8} | {r['fwd_ptr_us']:>10.1f}{r['fwd_tma_us']:>8.1f}"
+              f"{r['fwd_speedup']:>6.2f} | {r['bwd_ptr_us']:>10.1f}{r['bwd_tma_us']:>8.1f}"
+              f"{r['bwd_speedup']:>6.2f} | {r['same_bits']}", flush=True)
+        out.append(r)
+    return out
+
+
 def kernel_resources() -> list[dict]:
     """Registers and spills of every compiled forward kernel (from Triton's per-device cache)."""
     from tpinv.kernels import triton_attention
@@ -246,12 +288,14 @@ def main(argv=None) -> int:
     ap.add_argument("--long", action="store_true", help="also B=1 prefill at S=8192, 16384, 32768")
     ap.add_argument("--sweep-backward", action="store_true",
                     help="only the backward's launch shapes, bits checked and timed")
+    ap.add_argument("--loads", action="store_true",
+                    help="only pointer loads vs TMA descriptors, forward and backward, bits checked")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    if args.sweep_backward:
-        swept = sweep_backward()
+    if args.sweep_backward or args.loads:
+        swept = sweep_backward() if args.sweep_backward else compare_loads()
         if args.json:
             write_json(args.json, dict(meta=dict(device=torch.cuda.get_device_name(), torch=torch.__version__),
                                        records=swept))
