@@ -34,10 +34,15 @@ try:
     from triton.runtime.driver import driver as _driver
 except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
     _knobs = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:          # Triton before 3.4: no host TMA descriptors (callers use pointer loads)
+    TensorDescriptor = None
 
 __all__ = ["launch", "launch_with", "cdiv", "device_capability", "next_power_of_2", "sm_count", "bound_launches",
            "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
-           "reused_descriptor", "descriptor_reuses", "rows_2d", "BIND", "REUSE_DESCRIPTORS", "DIRECT"]
+           "reused_descriptor", "descriptor_reuses", "rows_2d", "BIND", "REUSE_DESCRIPTORS", "DIRECT",
+           "TensorDescriptor"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
 BIND = [True]
@@ -209,18 +214,14 @@ def _specialization(args: tuple) -> tuple:
             key.append((bool, a))
         elif t is float:
             key.append(float)
-        elif t is _DESCRIPTOR:
-            key.append((_DESCRIPTOR, a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None)))
+        elif t is TensorDescriptor:
+            key.append((TensorDescriptor, a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None)))
         else:
             raise TypeError(t)
     return tuple(key)
 
 
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor as _DESCRIPTOR
-except ImportError:          # Triton before 3.4: no host descriptors
-    _DESCRIPTOR = None
 
 
 def _parameters(fn) -> tuple:

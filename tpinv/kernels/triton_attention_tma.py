@@ -18,10 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:                  # Triton before 3.4: pointer loads only
-    TensorDescriptor = None
+from tpinv.kernels.launch import TensorDescriptor
 
 __all__ = ["descriptor", "kv_descriptors", "row_descriptor", "load_kv_tma"]
 

@@ -36,15 +36,10 @@ import triton.language as tl
 
 from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, TreeAccumulator, check_divisible,
                                  check_dtype, check_leaves)
-from tpinv.kernels.launch import (cdiv, is_bound, launch, launch_with, operands_key, remember,
-                                  reused_descriptor)
+from tpinv.kernels.launch import (TensorDescriptor, cdiv, is_bound, launch, launch_with, operands_key,
+                                  remember, reused_descriptor)
 from tpinv.kernels.tiles import (GLUON_MIN_ROWS, MAX_LEAVES_PER_CTA, MatmulConfig, block_k,
                                  check_config, launch_config)
-
-try:  # host-side tensor-memory-access descriptors (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: pointer loads only
-    TensorDescriptor = None
 
 _INT32_MAX = 2**31 - 1
 
