@@ -3,12 +3,14 @@
 # comparison with the vanilla path and (2 GPUs) the reducer and the decoder at TP=1 vs TP=2.
 # Run from the repository root on the GPU machine; results go to $OUT (default runs/gpu).
 # STEPS (default all but matmul) picks a subset, run in this order:
-#   reduce,model,e2e,tests,attention,elementwise,softmax,matmul,gluon,host
-# TESTS (default tests/gpu) narrows the test step; MODEL_SEQ (default 256) is the 2-GPU model's length.
+#   reduce,model,e2e,tests,attention,loads,elementwise,softmax,matmul,gluon,host
+# TESTS (default tests/gpu) narrows the test step; MODEL_SEQ (default 256) is the 2-GPU model's length;
+# E2E_RUNS (default 1) repeats the end-to-end step in the same call (bench_e2e_<i>.json), so a ratio
+# that moves between machines is read more than once on one machine.
 set -u
 OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
 STEPS=${STEPS:-reduce,model,e2e,tests,attention,elementwise,softmax}
-TESTS=${TESTS:-tests/gpu}; MODEL_SEQ=${MODEL_SEQ:-256}
+TESTS=${TESTS:-tests/gpu}; MODEL_SEQ=${MODEL_SEQ:-256}; E2E_RUNS=${E2E_RUNS:-1}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 # tpinv.models is the top-level models/ folder mapped by setup.cfg: install in place, offline.
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
@@ -27,8 +29,11 @@ if [ "$NGPU" -ge 2 ] && want model; then
     --json "$OUT/gpu_model_tp.json" 2>&1 | grep -v "^W1" | tail -20
 fi
 if want e2e; then
-  echo "== end to end: training step and decode, invariant vs vanilla"
-  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_e2e --model qwen3-0.6b --json "$OUT/bench_e2e.json" 2>&1 | tail -6
+  for i in $(seq 1 "$E2E_RUNS"); do
+    json="$OUT/bench_e2e.json"; [ "$E2E_RUNS" -gt 1 ] && json="$OUT/bench_e2e_$i.json"
+    echo "== end to end: training step and decode, invariant vs vanilla (run $i of $E2E_RUNS)"
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_e2e --model qwen3-0.6b --json "$json" 2>&1 | tail -6
+  done
 fi
 if want tests; then
   echo "== GPU tests"
@@ -38,6 +43,10 @@ fi
 if want attention; then
   echo "== attention vs SDPA"
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m benchmarks.bench_attention --check --json "$OUT/bench_attention.json" 2>&1 | tail -25
+fi
+if want loads; then
+  echo "== attention: pointer loads vs TMA descriptors (forward and backward, graph-timed, bits checked)"
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m benchmarks.bench_attention --loads --json "$OUT/bench_attention_loads.json" 2>&1 | tail -25
 fi
 if want elementwise; then
   echo "== SiLU-and-mul and RoPE bandwidth"
