@@ -214,8 +214,8 @@ def check_tma_loads():
     ``[B, S, Hkv, g, D]``) == pointer loads, raw bytes, forward and backward, head-major and
     ``[B, S, H, D]``-strided q and dO, a padded head dim (24 of 32).  ``tma=True`` proves the
     descriptor path ran (it raises where it cannot: fp32; the dK/dV kernel with a window or
-    mask).  Without host descriptors (Triton < 3.4) no descriptor is built.  Control (the cases
-    without a mask): a changed value slot moves ``out``."""
+    mask).  Without host descriptors (Triton < 3.4) no descriptor is built.  Controls (the cases
+    without a mask): a changed value slot moves ``out``, a changed key slot moves its ``dK``."""
     from tpinv.kernels import triton_attention_tma as tm
     if tm.TensorDescriptor is None:
         q, k, v = cases.qkv(1, 1, 2, 8, 8, 16, FP16)
@@ -244,6 +244,11 @@ def check_tma_loads():
             v2[0, 0, int(pos[0, -1])] += 1.0
             moved = fwd(q, k, v2, *args, split=False, tma=True)
             assert_bits_differ(moved[0][0, 0, -1], want[0][0, 0, -1], "control: a changed value moved nothing")
+            slot = int(pos[0, -1])
+            k2 = k.clone()
+            k2[0, 0, slot] += 1.0
+            gmoved = bwd(dout, None, q, k2, v, *want, *args, tma=True if dkdv_tma else None)
+            assert_bits_differ(gmoved[1][0, 0, slot], gwant[1][0, 0, slot], "control: a changed key moved no dK")
     q, k, v = cases.qkv(1, 1, 2, 8, 8, 16, FP32)
     with pytest.raises(ValueError, match="TMA"):
         fwd(q, k, v, cases.arange_pos(1, 8), tma=True)
