@@ -195,8 +195,10 @@ def check_split_chunks():
                 launch = sp.SplitLaunch(q, k, v, pos, *ta.mask_args(None, q), 2, True, None,
                                         ta.resolve_scale(None, 16), False,
                                         ta.forward_config(dtype, 16), 16, KV_BLOCK, cb)
-                acc_st, ml_st = sp.chunk_states_cuda(launch)
                 out, lse = torch.empty_like(par[0]), torch.empty_like(par[1])
+                acc_st, ml_st = sp.split_forward_cuda(launch, out, lse)
+                assert_same_bits(out, par[0], "the split launch's states")
+                out.zero_()
                 sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
                 assert_same_bits(out, par[0], "merge of the written states")
                 dropped = (T // 3) // (KV_BLOCK * cb)  # the chunk of the last row's largest score

@@ -6,15 +6,18 @@ state depends only on the row and the chunk, so when every query row of a kv hea
 row tile (``S * g <= BLOCK_M``: decode, short chunked prefill) the chunks need not wait for
 each other:
 
-* :func:`_chunk_states_kernel`: one program per (chunk, batch row, kv head) computes the
-  chunk's state of every row of the tile (:func:`chunk_state`: the forward's own
-  ``forward_block`` on the same tile, the same blocks, the same visibility and NaN handling)
-  and writes it in fp32;
-* :func:`_merge_chunks_kernel`: one program per (batch row, kv head) merges the written
-  states in chunk order with the forward's own ``merge_state`` and ``finish_rows``, over the
-  chunk range the forward's program computes from the same rows.
+One launch, :func:`_split_kernel`, one program per (chunk, batch row, kv head):
 
-Both kernels run the forward's jit functions on the same values in the same order, so
+* each program computes its chunk's state of every row of the tile (:func:`chunk_state`: the
+  forward's own ``forward_block`` on the same tile, the same blocks, the same visibility and
+  NaN handling) and writes it in fp32;
+* then it counts itself in on its pair's counter (release); the pair's last program to arrive
+  (acquire) merges the written states in chunk order with the forward's own ``merge_state``
+  and ``finish_rows`` (:func:`merge_chunk_states`), over the chunk range the forward's
+  program computes from the same rows.  Nobody waits, and which program merges changes no
+  value: the states and their order are fixed.
+
+Every value comes from the forward's jit functions on the same values in the same order, so
 ``out`` and ``lse`` are bit-identical to the one-program forward; only the time differs.
 Which path a call takes is a speed choice (:func:`use_split`), never a bits choice.
 """
@@ -30,16 +33,15 @@ from tpinv.kernels.launch import launch, next_power_of_2
 from tpinv.kernels.triton_attention import finish_rows, forward_block, merge_state, n_chunks
 from tpinv.kernels.triton_attention_tiles import block_ranges, row_tile
 
-__all__ = ["split_forward_cuda", "chunk_states_cuda", "merge_chunks_cuda", "SplitLaunch", "use_split",
-           "n_chunks"]
+__all__ = ["split_forward_cuda", "merge_chunks_cuda", "SplitLaunch", "use_split", "n_chunks"]
 
 #: Most (batch row x kv head) pairs for which chunks in parallel pay off (speed only; on an
 #: H100 at 4096 cached tokens: faster at 128 pairs, 109 against 117 us; slower at 256, 201
 #: against 196 us; docs/benchmarks.md).
 SPLIT_MAX_HEADS = 128
 #: The merge loads the states of up to MERGE_GROUP chunks at once, at most
-#: MERGE_GROUP_ELEMENTS values, with MERGE_WARPS warps (speed only: the merge order is fixed).
-MERGE_GROUP, MERGE_GROUP_ELEMENTS, MERGE_WARPS = 8, 4096, 4
+#: MERGE_GROUP_ELEMENTS values (speed only: the merge order is fixed).
+MERGE_GROUP, MERGE_GROUP_ELEMENTS = 8, 4096
 #: Most bytes of chunk states a split call may allocate (speed and memory only).
 SPLIT_MAX_STATE_BYTES = 64 << 20
 
@@ -92,44 +94,13 @@ def chunk_state(q, k_base, v_base, s_kt, s_vt, c, lo, f_lo, f_hi, hi, pos, valid
 
 
 @triton.jit
-def _chunk_states_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, acc_st_ptr, ml_st_ptr,
-                         s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_pb, s_ps,
-                         s_mb, s_ms, s_mt, S, T, D, Hkv, n_chunk, window, scale,
-                         G: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                         HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, KB: tl.constexpr,
-                         DP: tl.constexpr, CB: tl.constexpr, ROWS: tl.constexpr):
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // Hkv).to(tl.int64)
-    hk = (bh % Hkv).to(tl.int64)
-    valid, s_idx, hg, pos = row_tile(0, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
-    lo, f_lo, f_hi, hi = block_ranges(pos, valid, T, window, CAUSAL, WINDOW, HAS_MASK, KB)
-    c_lo, c_hi = chunk_range(lo, hi, CB)
-    if (c >= c_lo) & (c < c_hi):
-        head = hk * G + hg
-        s64 = s_idx.to(tl.int64)
-        offs_d = tl.arange(0, DP)
-        q = tl.load((q_ptr + b * s_qb + head * s_qh + s64 * s_qs)[:, None] + offs_d[None, :],
-                    mask=valid[:, None] & (offs_d < D)[None, :], other=0.0)
-        acc_c, m_c, l_c = chunk_state(q, k_ptr + b * s_kb + hk * s_kh, v_ptr + b * s_vb + hk * s_vh,
-                                      s_kt, s_vt, c, lo, f_lo, f_hi, hi, pos, valid,
-                                      mask_ptr + b * s_mb + s64 * s_ms, s_mt, T, D, window, scale,
-                                      CAUSAL, WINDOW, HAS_MASK, BLOCK_M, KB, DP, CB)
-        rows = tl.arange(0, BLOCK_M)
-        keep = rows < S * G
-        at = (bh.to(tl.int64) * n_chunk + c) * ROWS + rows
-        tl.store(acc_st_ptr + at[:, None] * DP + offs_d[None, :], acc_c, mask=keep[:, None])
-        tl.store(ml_st_ptr + at * 2, m_c, mask=keep)
-        tl.store(ml_st_ptr + at * 2 + 1, l_c, mask=keep)
-
-
-@triton.jit
-def _merge_chunks_kernel(qpos_ptr, acc_st_ptr, ml_st_ptr, out_ptr, lse_ptr, s_pb, s_ps,
-                         s_ob, s_oh, s_os, s_lb, s_lh, S, T, D, Hkv, n_chunk, window,
-                         G: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                         HAS_MASK: tl.constexpr, KB: tl.constexpr, DP: tl.constexpr,
-                         CB: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
-    bh = tl.program_id(0)
+def merge_chunk_states(qpos_ptr, acc_st_ptr, ml_st_ptr, out_ptr, lse_ptr, bh, s_pb, s_ps, s_ob,
+                       s_oh, s_os, s_lb, s_lh, S, T, D, Hkv, n_chunk, window, G: tl.constexpr,
+                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, HAS_MASK: tl.constexpr,
+                       KB: tl.constexpr, DP: tl.constexpr, CB: tl.constexpr, ROWS: tl.constexpr,
+                       GROUP: tl.constexpr):
+    """Fill the ``(batch row, kv head)`` pair ``bh``'s ``out`` and ``lse`` from its written chunk
+    states, merged in chunk order over the chunk range the forward's program computes."""
     b = (bh // Hkv).to(tl.int64)
     hk = (bh % Hkv).to(tl.int64)
     valid, s_idx, hg, pos = row_tile(0, b, qpos_ptr, s_pb, s_ps, S, G, ROWS)
@@ -145,10 +116,11 @@ def _merge_chunks_kernel(qpos_ptr, acc_st_ptr, ml_st_ptr, out_ptr, lse_ptr, s_pb
             c = g + j
             ok = valid & (rows * 0 + c < c_hi)
             at = (bh.to(tl.int64) * n_chunk + c) * ROWS + rows
+            # volatile: the states were written by other programs of this launch
             acc_c = tl.load(acc_st_ptr + at[:, None] * DP + offs_d[None, :], mask=ok[:, None],
-                            other=0.0)
-            m_c = tl.load(ml_st_ptr + at * 2, mask=ok, other=float("-inf"))
-            l_c = tl.load(ml_st_ptr + at * 2 + 1, mask=ok, other=0.0)
+                            other=0.0, volatile=True)
+            m_c = tl.load(ml_st_ptr + at * 2, mask=ok, other=float("-inf"), volatile=True)
+            l_c = tl.load(ml_st_ptr + at * 2 + 1, mask=ok, other=0.0, volatile=True)
             if c < c_hi:
                 acc, m_i, l_i = merge_state(acc, m_i, l_i, acc_c, m_c, l_c)
     res, lse = finish_rows(acc, m_i, l_i)
@@ -157,6 +129,49 @@ def _merge_chunks_kernel(qpos_ptr, acc_st_ptr, ml_st_ptr, out_ptr, lse_ptr, s_pb
     tl.store((out_ptr + b * s_ob + head * s_oh + s64 * s_os)[:, None] + offs_d[None, :],
              res.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_d < D)[None, :])
     tl.store(lse_ptr + b * s_lb + head * s_lh + s64, lse, mask=valid)
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, acc_st_ptr, ml_st_ptr, count_ptr,
+                  out_ptr, lse_ptr, s_qb, s_qh, s_qs, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_pb,
+                  s_ps, s_mb, s_ms, s_mt, s_ob, s_oh, s_os, s_lb, s_lh, S, T, D, Hkv, n_chunk,
+                  n_programs, window, scale, G: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+                  KB: tl.constexpr, DP: tl.constexpr, CB: tl.constexpr, ROWS: tl.constexpr,
+                  GROUP: tl.constexpr, STATES: tl.constexpr):
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    if STATES:
+        b = (bh // Hkv).to(tl.int64)
+        hk = (bh % Hkv).to(tl.int64)
+        valid, s_idx, hg, pos = row_tile(0, b, qpos_ptr, s_pb, s_ps, S, G, BLOCK_M)
+        lo, f_lo, f_hi, hi = block_ranges(pos, valid, T, window, CAUSAL, WINDOW, HAS_MASK, KB)
+        c_lo, c_hi = chunk_range(lo, hi, CB)
+        if (c >= c_lo) & (c < c_hi):
+            head = hk * G + hg
+            s64 = s_idx.to(tl.int64)
+            offs_d = tl.arange(0, DP)
+            q = tl.load((q_ptr + b * s_qb + head * s_qh + s64 * s_qs)[:, None] + offs_d[None, :],
+                        mask=valid[:, None] & (offs_d < D)[None, :], other=0.0)
+            acc_c, m_c, l_c = chunk_state(q, k_ptr + b * s_kb + hk * s_kh,
+                                          v_ptr + b * s_vb + hk * s_vh, s_kt, s_vt, c, lo, f_lo,
+                                          f_hi, hi, pos, valid, mask_ptr + b * s_mb + s64 * s_ms,
+                                          s_mt, T, D, window, scale, CAUSAL, WINDOW, HAS_MASK,
+                                          BLOCK_M, KB, DP, CB)
+            rows = tl.arange(0, BLOCK_M)
+            keep = rows < S * G
+            at = (bh.to(tl.int64) * n_chunk + c) * ROWS + rows
+            tl.store(acc_st_ptr + at[:, None] * DP + offs_d[None, :], acc_c, mask=keep[:, None])
+            tl.store(ml_st_ptr + at * 2, m_c, mask=keep)
+            tl.store(ml_st_ptr + at * 2 + 1, l_c, mask=keep)
+    # the pair's last program to arrive merges (acquire/release, GPU scope; nobody waits)
+    tl.debug_barrier()
+    seen = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu") + 1
+    if seen == n_programs:
+        tl.debug_barrier()
+        merge_chunk_states(qpos_ptr, acc_st_ptr, ml_st_ptr, out_ptr, lse_ptr, bh, s_pb, s_ps,
+                           s_ob, s_oh, s_os, s_lb, s_lh, S, T, D, Hkv, n_chunk, window, G, CAUSAL,
+                           WINDOW, HAS_MASK, KB, DP, CB, ROWS, GROUP)
 
 
 class SplitLaunch(NamedTuple):
@@ -186,40 +201,41 @@ def _rows_p(a: SplitLaunch) -> int:
     return max(2, next_power_of_2(a.q.shape[2] * a.g))
 
 
-def chunk_states_cuda(a: SplitLaunch) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(acc [B * Hkv, chunks, rows, DP], (m, l) [B * Hkv, chunks, rows, 2])`` in fp32: every
-    chunk's state of every query row (only the chunks a row's tile visits are written)."""
+def _launch(a: SplitLaunch, acc_st: torch.Tensor, ml_st: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, states: bool) -> None:
     q, k, v = a.q, a.k, a.v
     B, _, S, D = q.shape
     Hkv, T = k.shape[1], k.shape[2]
-    nc, rows_p = n_chunks(T, a.KB, a.CB), _rows_p(a)
-    acc_st = torch.empty((B * Hkv, nc, rows_p, a.DP), dtype=torch.float32, device=q.device)
-    ml_st = torch.empty((B * Hkv, nc, rows_p, 2), dtype=torch.float32, device=q.device)
+    nc, rows_p = acc_st.shape[1], acc_st.shape[2]
+    programs = nc if states else 1
+    count = torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
     s_mb, s_ms, s_mt = a.mask_strides
-    launch(_chunk_states_kernel, (nc, B * Hkv),
-           q, k, v, a.q_pos, a.mask, acc_st, ml_st,
+    launch(_split_kernel, (programs, B * Hkv),
+           q, k, v, a.q_pos, a.mask, acc_st, ml_st, count, out, lse,
            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
            v.stride(0), v.stride(1), v.stride(2), a.q_pos.stride(0), a.q_pos.stride(1),
-           s_mb, s_ms, s_mt, S, T, D, Hkv, nc, int(a.window or 0), a.scale,
+           s_mb, s_ms, s_mt, out.stride(0), out.stride(1), out.stride(2),
+           lse.stride(0), lse.stride(1), S, T, D, Hkv, nc, programs, int(a.window or 0), a.scale,
            BLOCK_M=a.cfg.block_m, **a.flags(rows_p),
+           GROUP=max(1, min(MERGE_GROUP, MERGE_GROUP_ELEMENTS // (rows_p * a.DP))), STATES=states,
            num_warps=a.cfg.num_warps, num_stages=a.cfg.num_stages, enable_fp_fusion=False)
+
+
+def split_forward_cuda(a: SplitLaunch, out: torch.Tensor,
+                       lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fill ``out`` and ``lse`` through chunks in parallel, in one launch.  Returns the chunk
+    states it merged: ``(acc [B * Hkv, chunks, rows, DP], (m, l) [B * Hkv, chunks, rows, 2])``
+    in fp32 (only the chunks a row's tile visits are written)."""
+    B, Hkv, T = a.q.shape[0], a.k.shape[1], a.k.shape[2]
+    nc, rows_p = n_chunks(T, a.KB, a.CB), _rows_p(a)
+    acc_st = torch.empty((B * Hkv, nc, rows_p, a.DP), dtype=torch.float32, device=a.q.device)
+    ml_st = torch.empty((B * Hkv, nc, rows_p, 2), dtype=torch.float32, device=a.q.device)
+    _launch(a, acc_st, ml_st, out, lse, True)
     return acc_st, ml_st
 
 
 def merge_chunks_cuda(a: SplitLaunch, acc_st: torch.Tensor, ml_st: torch.Tensor,
                       out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Fill ``out`` and ``lse`` from the chunk states, merged in chunk order."""
-    B, _, S, D = a.q.shape
-    Hkv, T = a.k.shape[1], a.k.shape[2]
-    rows_p = _rows_p(a)
-    launch(_merge_chunks_kernel, (B * Hkv,),
-           a.q_pos, acc_st, ml_st, out, lse, a.q_pos.stride(0), a.q_pos.stride(1),
-           out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-           S, T, D, Hkv, acc_st.shape[1], int(a.window or 0), **a.flags(rows_p),
-           GROUP=max(1, min(MERGE_GROUP, MERGE_GROUP_ELEMENTS // (rows_p * a.DP))),
-           num_warps=MERGE_WARPS, num_stages=1, enable_fp_fusion=False)
-
-
-def split_forward_cuda(a: SplitLaunch, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Fill ``out`` and ``lse`` through chunks in parallel."""
-    merge_chunks_cuda(a, *chunk_states_cuda(a), out, lse)
+    """Fill ``out`` and ``lse`` from given chunk states alone: the split launch's own merge
+    (one program a pair), for checking what the states carry."""
+    _launch(a, acc_st, ml_st, out, lse, False)
