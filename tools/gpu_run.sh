@@ -4,10 +4,10 @@
 # Run from the repository root on the GPU machine; results go to $OUT (default runs/gpu).
 # STEPS (default all but matmul) picks a subset, run in this order:
 #   reduce,model,e2e,tests,attention,loads,elementwise,softmax,matmul,gluon,host
-# TESTS (default tests/gpu) narrows the test step, TESTS_TIMEOUT (default 560 s) bounds it: the whole
-# suite compiles every kernel on a fresh machine and took over 400 s on an H100 with 16 workers
-# (TEST_WORKERS, default one per CPU core), so
-# give STEPS=tests a call of its own; MODEL_SEQ (default 256) is the 2-GPU model's length;
+# TESTS (default tests/gpu) narrows the test step, TESTS_TIMEOUT (default 560 s) bounds it and
+# TEST_WORKERS (default one per CPU core) sets its workers; the whole suite compiles every kernel on
+# a fresh machine and took over 400 s on an H100 with 16 workers, so give STEPS=tests a call of its
+# own. MODEL_SEQ (default 256) is the 2-GPU model's length;
 # E2E_RUNS (default 1) repeats the end-to-end step in the same call (bench_e2e_<i>.json), so a ratio
 # that moves between machines is read more than once on one machine.
 set -u

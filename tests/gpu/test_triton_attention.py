@@ -172,7 +172,8 @@ def test_chunks_in_parallel_give_the_one_program_bits(dtype, mode):
         launch = sp.SplitLaunch(q, kc, vc, pos, *ta.mask_args(mask, q), HQ // HKV, causal, window,
                                 ta.resolve_scale(None, D), mask is not None,
                                 ta.forward_config(dtype, D), D, KV_BLOCK, ta.KV_CHUNK_BLOCKS)
-        out, lse = torch.empty_like(par[0]), torch.empty_like(par[1])
+        # NaN first: a launch whose last program never merged leaves them (differs by construction)
+        out, lse = torch.full_like(par[0], NAN), torch.full_like(par[1], NAN)
         acc_st, ml_st = sp.split_forward_cuda(launch, out, lse)
         assert_same_bits(out, par[0], "the split launch's states")
         out.zero_()

@@ -195,7 +195,8 @@ def check_split_chunks():
                 launch = sp.SplitLaunch(q, k, v, pos, *ta.mask_args(None, q), 2, True, None,
                                         ta.resolve_scale(None, 16), False,
                                         ta.forward_config(dtype, 16), 16, KV_BLOCK, cb)
-                out, lse = torch.empty_like(par[0]), torch.empty_like(par[1])
+                # NaN first: a launch whose last program never merged leaves them (differs by construction)
+                out, lse = torch.full_like(par[0], NAN), torch.full_like(par[1], NAN)
                 acc_st, ml_st = sp.split_forward_cuda(launch, out, lse)
                 assert_same_bits(out, par[0], "the split launch's states")
                 out.zero_()
