@@ -136,9 +136,10 @@ def test_prefill_equals_chunked_prefill_and_decode(window):
 @pytest.mark.parametrize("mode", ["causal", "window", "mask", "full"])
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_chunks_in_parallel_give_the_one_program_bits(dtype, mode):
-    """Decode and a short chunked prefill by chunks in parallel (two kernels) == one program
-    per row tile, raw bytes; control: with the chunk of a row's largest score dropped from the
-    written states, the merge gives that row another lse."""
+    """Decode and a short chunked prefill by chunks in parallel (one launch) == one program
+    per row tile, raw bytes, the launches sharing counters that each leaves at zero; controls:
+    with the chunk of a row's largest score dropped from the written states, the merge gives
+    that row another lse; a counter not at zero merges nothing."""
     from tpinv.kernels import triton_attention as ta
     from tpinv.kernels import triton_attention_split as sp
     from tpinv.kernels.reference_attention import KV_BLOCK
@@ -176,14 +177,54 @@ def test_chunks_in_parallel_give_the_one_program_bits(dtype, mode):
         out, lse = torch.full_like(par[0], NAN), torch.full_like(par[1], NAN)
         acc_st, ml_st = sp.split_forward_cuda(launch, out, lse)
         assert_same_bits(out, par[0], "the split launch's states")
+        count = sp.counters(B * HKV, q.device)  # this stream's set, shared by the launches above
+        assert_same_bits(count, torch.zeros_like(count), "launches leave counters at 0")
         out.zero_()
         sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
         assert_same_bits(out, par[0], "merge of the written states")
+        count.fill_(1)  # control: a counter not at 0 elects nobody (NaN stays)
+        out.fill_(NAN)
+        sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
+        assert torch.isnan(out).all() and (count == 2).all(), "control: stale counter"
+        count.zero_()
         acc_st[:, 1] = 0.0
         ml_st[:, 1, :, 0] = float("-inf")
         ml_st[:, 1, :, 1] = 0.0
         sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
         assert (lse[:, 0, -1] < par[1][:, 0, -1] - 1.0).all(), "control: the dropped chunk is missed"
+
+
+
+def test_chunks_in_parallel_captured_replays_give_the_same_bits():
+    """Split launches captured into two CUDA graphs (counters of their own, no memset node),
+    replayed in turn and interleaved with eager split launches on the same inputs: every
+    replay gives the one-program bytes, and every captured launch leaves its counters at 0."""
+    from tpinv.kernels import triton_attention_split as sp
+    cases = [qkv(B, 1, T, seed=B + T) + (arange_pos(B, 1, T - 1),)
+             for B, T in ((1, 3000), (4, 2100))]
+    want = [attention_forward_cuda(q, k, v, p, None, True, None, None, split=False)
+            for q, k, v, p in cases]
+    for q, k, v, p in cases:  # warm-up outside capture (makes the captured counters' store)
+        attention_forward_cuda(q, k, v, p, None, True, None, None, split=True)
+    torch.cuda.synchronize()
+    graphs, got = [], []
+    for q, k, v, p in cases:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got.append(attention_forward_cuda(q, k, v, p, None, True, None, None, split=True))
+        graphs.append(g)
+    store, used = sp._CAPTURED[torch.device(DEV, torch.cuda.current_device())]
+    assert used >= 1 * HKV + 4 * HKV, "the captured launches took counters of their own"
+    for _ in range(3):
+        for g, (o, l), (wo, wl), (q, k, v, p) in zip(graphs, got, want, cases):
+            o.fill_(NAN)
+            g.replay()
+            eager = attention_forward_cuda(q, k, v, p, None, True, None, None, split=True)
+            torch.cuda.synchronize()
+            assert_same_bits(o, wo, "replayed out")
+            assert_same_bits(l, wl, "replayed lse")
+            assert_same_bits(eager[0], wo, "eager between replays")
+    assert not store[:used].any(), "captured launches leave their counters at 0"
 
 
 def test_split_refuses_rows_of_several_tiles():

@@ -165,7 +165,9 @@ def _split_case(S, T, dtype, mode, seed):
 
 def check_split_chunks():
     """Chunks in parallel (decode, a short chunked prefill) == one program per row tile, raw
-    bytes, out and lse; control: with one chunk's state dropped the merge gives other bytes."""
+    bytes, out and lse, launches in turn sharing counters that each leaves at zero; controls:
+    with one chunk's state dropped the merge gives other bytes; a counter not at zero merges
+    nothing."""
     from tpinv.kernels import triton_attention as ta
     from tpinv.kernels import triton_attention_split as sp
     from tpinv.kernels.reference_attention import KV_BLOCK
@@ -199,9 +201,16 @@ def check_split_chunks():
                 out, lse = torch.full_like(par[0], NAN), torch.full_like(par[1], NAN)
                 acc_st, ml_st = sp.split_forward_cuda(launch, out, lse)
                 assert_same_bits(out, par[0], "the split launch's states")
+                count = sp.counters(2, out.device)  # the set every launch here shared
+                assert_same_bits(count, torch.zeros_like(count), "launches leave counters at 0")
                 out.zero_()
                 sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
                 assert_same_bits(out, par[0], "merge of the written states")
+                count.fill_(1)  # control: a counter not at 0 elects nobody (NaN stays)
+                out.fill_(NAN)
+                sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
+                assert torch.isnan(out).all() and (count == 2).all(), "control: stale counter"
+                count.zero_()
                 dropped = (T // 3) // (KV_BLOCK * cb)  # the chunk of the last row's largest score
                 acc_st[1, dropped] = 0.0
                 ml_st[1, dropped, :, 0] = float("-inf")

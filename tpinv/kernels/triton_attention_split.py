@@ -14,8 +14,12 @@ One launch, :func:`_split_kernel`, one program per (chunk, batch row, kv head):
 * then it counts itself in on its pair's counter (release); the pair's last program to arrive
   (acquire) merges the written states in chunk order with the forward's own ``merge_state``
   and ``finish_rows`` (:func:`merge_chunk_states`), over the chunk range the forward's
-  program computes from the same rows.  Nobody waits, and which program merges changes no
-  value: the states and their order are fixed.
+  program computes from the same rows, and sets the counter back to zero.  Nobody waits, and
+  which program merges changes no value: the states and their order are fixed.
+
+Since every launch leaves its counters at zero, launches that run one after another share them
+(:func:`counters`: one set per stream, one of its own per launch captured into a CUDA graph), and
+no launch pays for a memset.
 
 Every value comes from the forward's jit functions on the same values in the same order, so
 ``out`` and ``lse`` are bit-identical to the one-program forward; only the time differs.
@@ -23,6 +27,7 @@ Which path a call takes is a speed choice (:func:`use_split`), never a bits choi
 """
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -33,7 +38,8 @@ from tpinv.kernels.launch import launch, next_power_of_2
 from tpinv.kernels.triton_attention import finish_rows, forward_block, merge_state, n_chunks
 from tpinv.kernels.triton_attention_tiles import block_ranges, row_tile
 
-__all__ = ["split_forward_cuda", "merge_chunks_cuda", "SplitLaunch", "use_split", "n_chunks"]
+__all__ = ["split_forward_cuda", "merge_chunks_cuda", "SplitLaunch", "use_split", "n_chunks",
+           "counters"]
 
 #: Most (batch row x kv head) pairs for which chunks in parallel pay off (speed only; on an
 #: H100 at 4096 cached tokens: faster at 128 pairs, 109 against 117 us; slower at 256, 201
@@ -44,6 +50,40 @@ SPLIT_MAX_HEADS = 128
 MERGE_GROUP, MERGE_GROUP_ELEMENTS = 8, 4096
 #: Most bytes of chunk states a split call may allocate (speed and memory only).
 SPLIT_MAX_STATE_BYTES = 64 << 20
+#: Counters set aside for the launches captured into CUDA graphs, per device (256 KiB); past
+#: them a captured launch zeroes counters of its own (a memset node: the same bits).
+CAPTURE_COUNTERS = 1 << 16
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+_SERIAL: dict = {}     # (device, stream or thread) -> counters its launches share
+_CAPTURED: dict = {}   # device -> [counters, next free]: handed out once, to captured launches
+
+
+def counters(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 counters at zero for one split launch, never in use by a launch that may run
+    at the same time: launches on one stream run one after another, so they share a set (a
+    host thread's on the CPU, where Triton's interpreter runs launches in turn); a launch
+    captured into a CUDA graph gets counters no other launch has (CUDA runs a graph's replays
+    one after another), from a store zeroed outside capture, or zeroes its own (a memset node
+    in the graph) once the store is spent or before any launch outside capture made it."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        store = _CAPTURED.get(device)
+        if store is None or store[1] + n > store[0].numel():
+            return _zeros(n, device)
+        store[1] += n
+        return store[0][store[1] - n:store[1]]
+    who = (torch.cuda.current_stream(device).stream_id if device.type == "cuda"
+           else threading.get_ident())
+    mine = _SERIAL.get((device, who))
+    if mine is None or mine.numel() < n:
+        mine = _SERIAL[(device, who)] = _zeros(max(n, SPLIT_MAX_HEADS), device)
+        if device.type == "cuda" and device not in _CAPTURED:
+            _CAPTURED[device] = [_zeros(CAPTURE_COUNTERS, device), 0]
+    return mine[:n]
 
 
 def use_split(B: int, Hkv: int, rows: int, block_m: int, T: int, kb: int, cb: int,
@@ -172,6 +212,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, qpos_ptr, mask_ptr, acc_st_ptr, ml_st_ptr
         merge_chunk_states(qpos_ptr, acc_st_ptr, ml_st_ptr, out_ptr, lse_ptr, bh, s_pb, s_ps,
                            s_ob, s_oh, s_os, s_lb, s_lh, S, T, D, Hkv, n_chunk, window, G, CAUSAL,
                            WINDOW, HAS_MASK, KB, DP, CB, ROWS, GROUP)
+        tl.store(count_ptr + bh, 0)  # all counted in: at zero for the next launch
 
 
 class SplitLaunch(NamedTuple):
@@ -208,7 +249,7 @@ def _launch(a: SplitLaunch, acc_st: torch.Tensor, ml_st: torch.Tensor, out: torc
     Hkv, T = k.shape[1], k.shape[2]
     nc, rows_p = acc_st.shape[1], acc_st.shape[2]
     programs = nc if states else 1
-    count = torch.zeros(B * Hkv, dtype=torch.int32, device=q.device)
+    count = counters(B * Hkv, q.device)
     s_mb, s_ms, s_mt = a.mask_strides
     launch(_split_kernel, (programs, B * Hkv),
            q, k, v, a.q_pos, a.mask, acc_st, ml_st, count, out, lse,
