@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tpinv.testing import assert_same_bits
+from tpinv.testing.split_launch import assert_split_launch
 
 from test_triton_attention import BF16, DEV, HKV, HQ, D, NAN, arange_pos, qkv, with_junk
 
@@ -62,26 +63,12 @@ def test_chunks_in_parallel_give_the_one_program_bits(dtype, mode):
         launch = sp.SplitLaunch(q, kc, vc, pos, *ta.mask_args(mask, q), HQ // HKV, causal, window,
                                 ta.resolve_scale(None, D), mask is not None,
                                 ta.forward_config(dtype, D), D, KV_BLOCK, ta.KV_CHUNK_BLOCKS)
-        # NaN first: a launch whose last program never merged leaves them (differs by construction)
-        out, lse = torch.full_like(par[0], NAN), torch.full_like(par[1], NAN)
-        acc_st, ml_st = sp.split_forward_cuda(launch, out, lse)
-        assert_same_bits(out, par[0], "the split launch's states")
-        count = sp.counters(B * HKV, q.device)  # this stream's set, shared by the launches above
-        assert_same_bits(count, torch.zeros_like(count), "launches leave counters at 0")
-        out.zero_()
-        sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
-        assert_same_bits(out, par[0], "merge of the written states")
-        count.fill_(1)  # control: a counter not at 0 elects nobody (NaN stays)
-        out.fill_(NAN)
-        sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
-        assert torch.isnan(out).all() and (count == 2).all(), "control: stale counter"
-        count.zero_()
+        out, lse, acc_st, ml_st = assert_split_launch(launch, par, B * HKV)
         acc_st[:, 1] = 0.0
         ml_st[:, 1, :, 0] = float("-inf")
         ml_st[:, 1, :, 1] = 0.0
         sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
         assert (lse[:, 0, -1] < par[1][:, 0, -1] - 1.0).all(), "control: the dropped chunk is missed"
-
 
 
 def test_chunks_in_parallel_captured_replays_give_the_same_bits():

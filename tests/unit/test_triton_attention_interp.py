@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from triton_interp import interpreted_test, main, seeded_checks  # noqa: E402
 from tpinv.testing import assert_bits_differ, assert_same_bits
+from tpinv.testing.split_launch import assert_split_launch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 FP16, FP32 = torch.float16, torch.float32
@@ -197,20 +198,7 @@ def check_split_chunks():
                 launch = sp.SplitLaunch(q, k, v, pos, *ta.mask_args(None, q), 2, True, None,
                                         ta.resolve_scale(None, 16), False,
                                         ta.forward_config(dtype, 16), 16, KV_BLOCK, cb)
-                # NaN first: a launch whose last program never merged leaves them (differs by construction)
-                out, lse = torch.full_like(par[0], NAN), torch.full_like(par[1], NAN)
-                acc_st, ml_st = sp.split_forward_cuda(launch, out, lse)
-                assert_same_bits(out, par[0], "the split launch's states")
-                count = sp.counters(2, out.device)  # the set every launch here shared
-                assert_same_bits(count, torch.zeros_like(count), "launches leave counters at 0")
-                out.zero_()
-                sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
-                assert_same_bits(out, par[0], "merge of the written states")
-                count.fill_(1)  # control: a counter not at 0 elects nobody (NaN stays)
-                out.fill_(NAN)
-                sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
-                assert torch.isnan(out).all() and (count == 2).all(), "control: stale counter"
-                count.zero_()
+                out, lse, acc_st, ml_st = assert_split_launch(launch, par, 2)
                 dropped = (T // 3) // (KV_BLOCK * cb)  # the chunk of the last row's largest score
                 acc_st[1, dropped] = 0.0
                 ml_st[1, dropped, :, 0] = float("-inf")

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpinv.core.capture import capturing
 from tpinv.kernels.launch import launch, next_power_of_2
 from tpinv.kernels.triton_attention import finish_rows, forward_block, merge_state, n_chunks
 from tpinv.kernels.triton_attention_tiles import block_ranges, row_tile
@@ -70,7 +71,7 @@ def counters(n: int, device: torch.device) -> torch.Tensor:
     captured into a CUDA graph gets counters no other launch has (CUDA runs a graph's replays
     one after another), from a store zeroed outside capture, or zeroes its own (a memset node
     in the graph) once the store is spent or before any launch outside capture made it."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and capturing():
         store = _CAPTURED.get(device)
         if store is None or store[1] + n > store[0].numel():
             return _zeros(n, device)

@@ -1,7 +1,8 @@
 """Test helpers for tpinv and its users: spawned multi-rank groups (:mod:`~tpinv.testing.ranks`),
 dispatched-op recording (:mod:`~tpinv.testing.ops`), byte-level equality
 (:mod:`~tpinv.testing.bits`), host synchronizations counted (:mod:`~tpinv.testing.syncs`) and small
-fixtures (:mod:`~tpinv.testing.fixtures`)."""
+fixtures (:mod:`~tpinv.testing.fixtures`); the attention split launch checked as one unit
+(:mod:`~tpinv.testing.split_launch`)."""
 from tpinv.testing.bits import assert_bits_differ, assert_same_bits, bits, same_bits
 from tpinv.testing.fixtures import (attention_inputs, num_threads, pack_row, packed_conversation, packed_document_rows,
                                     place_row, sharpened_model)
