@@ -101,8 +101,9 @@ def run(copy_gbps: float) -> list[dict]:
     return rows
 
 
-#: --sweep: launch shapes of the held-leaf kernel (warps, programs per SM)
-SWEEP = [(warps, per_sm) for warps in (4, 8) for per_sm in (2, 3, 4, 6)]
+#: --sweep: launch shapes of the held-leaf kernel (warps, programs per SM, stagger_ns)
+SWEEP = ([(warps, per_sm, 0) for warps in (4, 8) for per_sm in (2, 3, 4, 6)]
+         + [(4, per_sm, ns) for per_sm in (2, 5) for ns in (0, 1000, 2000, 3000, 4000)])
 
 
 def sweep(copy_gbps: float, tokens: int = 4096, dtypes: tuple = ("fp32", "bf16")) -> list[dict]:

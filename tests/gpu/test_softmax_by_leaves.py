@@ -29,7 +29,8 @@ def on_sm90() -> bool:
 @pytest.fixture(params=["held", "through_l2"])
 def held_runs(request, monkeypatch):
     """Run the test with the leaf held in shared memory, then read through L2; yields the list
-    the held launcher appends to (the held path is asserted to run where it can)."""
+    the held launcher appends ``(rows shape, stagger_ns)`` to (the held path is asserted to run
+    where it can)."""
     _, bl = mods()
     monkeypatch.setattr(bl, "HELD", [request.param == "held"])
     runs = []
@@ -40,7 +41,7 @@ def held_runs(request, monkeypatch):
         real = gluon_softmax.softmax_rows_held
 
         def counted(rows, *args, **kwargs):
-            runs.append(rows.shape)
+            runs.append((rows.shape, args[9] if len(args) > 9 else kwargs.get("stagger_ns", 0)))
             return real(rows, *args, **kwargs)
 
         monkeypatch.setattr(gluon_softmax, "softmax_rows_held", counted)
@@ -106,6 +107,8 @@ def test_same_bytes_as_the_row_kernel(dtype, held_runs):
             check_same(got, want, f"{dtype} leaves={leaves} width={width} rows={rows} mode={mode}")
             ran_held = len(held_runs) > before
             assert ran_held == (held and bl.HELD[0] and table_holds(dtype, mode)), (leaves, width, mode)
+    # the table staggers the starts of 16-bit launches (scheduling only), not fp32's
+    assert all((stagger > 0) == (dtype != torch.float32) for _, stagger in held_runs)
 
 
 def test_launch_shapes_do_not_move_bits(held_runs):
@@ -114,11 +117,14 @@ def test_launch_shapes_do_not_move_bits(held_runs):
     want = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_LOG)
     want_stats = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_STATS)
     if bl.HELD[0]:
-        for held_config in ((4, 0.01), (8, 1), (4, 2), (8, 4), (4, 8), (4, 3)):
+        # (warps, programs per SM, stagger_ns): staggered starts are scheduling only
+        configs = ((4, 0.01, 0), (8, 1, 0), (4, 2, 1000), (8, 4, 0), (4, 8, 500), (4, 3, 0),
+                   (4, 5, 4000))
+        for held_config in configs:
             for mode, w in ((ts._MODE_LOG, want), (ts._MODE_STATS, want_stats)):
                 got = bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, held_config=held_config)
                 check_same(got, w, f"held {held_config} mode={mode}")
-        assert len(held_runs) == 12
+        assert [stagger for _, stagger in held_runs] == [c[2] for c in configs for _ in range(2)]
         return
     for config in ((1024, 4, 0.01, 1), (8192, 8, 1, 2), (16384, 16, 4, 3), (2048, 4, 8, 1)):
         check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_LOG, config), want, str(config))

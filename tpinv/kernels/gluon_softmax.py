@@ -17,10 +17,12 @@ memory: each element crosses L2 once each way, and the later passes cost no memo
 A leaf is held as its ``BLOCK``-wide steps in up to three power-of-two buffers (5 steps = 4 + 1).
 
 Scheduling is the Triton by-leaves kernel's: a ticket counter hands out (row, leaf) items in
-order, the programs of a row meet after the maxima and after the sums (for the statistics alone,
-the last leaf sum to arrive, by a per-row counter, combines the row and nobody waits), and a
-program takes a ticket only while it runs, so this cannot deadlock once ``leaves`` programs can
-be resident.  A meeting is one 64-bit slot per leaf, zero before the launch: a program publishes
+order, the programs of a row meet after the maxima and after the sums (the statistics alone
+publish their leaf sums and wait for nobody; a second small kernel, :func:`_combine_sums`, takes
+each row's total after the launch), and a program takes a ticket only while it runs, so this
+cannot deadlock once ``leaves`` programs can be resident.  Where the table says so, the programs
+an SM holds start one after another (:func:`_stagger`, a fixed delay each), so that they copy
+while others compute instead of all copying, then all computing.  A meeting is one 64-bit slot per leaf, zero before the launch: a program publishes
 its value's bits with a written flag in one atomic exchange, and each thread holds all of the
 row's slots and polls them on its own until every flag is set, taking the values from that same
 load (no block barrier, no counter, no second round trip; no shuffle inside the polling loop, so
@@ -33,12 +35,13 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from tpinv.kernels.launch import cdiv
+from tpinv.kernels.launch import cdiv, launch
 
 __all__ = ["softmax_rows_held", "held_plan", "register_cap", "HELD_CONFIG", "SMEM_BUDGET"]
 
@@ -50,16 +53,19 @@ REGISTERS_PER_SM = 64 * 1024
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: The CTA-wide barrier (``thread_barrier`` before Triton 3.7, ``barrier`` after).
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-#: Per (input dtype, statistics alone): (num_warps, programs per SM), from the H100 sweeps in
-#: docs/benchmarks.md (4096 / 1024 rows, % of copy: fp32 log_softmax 86 / 82, statistics 71 / 67;
-#: bf16 at five programs, registers capped by :func:`register_cap`: log_softmax 80 / 72.5,
-#: statistics 60 / 53, against four programs' 79 / 72 and 57 / 51); None would send the case to
-#: the L2 kernel.  Speed only: no choice here moves a bit.
+#: Per (input dtype, statistics alone): (num_warps, programs per SM, stagger in ns), from the
+#: H100 sweeps in docs/benchmarks.md (4096 / 1024 rows, % of copy: fp32 log_softmax 86 / 82,
+#: statistics 71 / 66; bf16 at five programs, registers capped by :func:`register_cap`, starts
+#: staggered (:func:`_stagger`): log_softmax 81 / 78, statistics 66 / 59, against 80 / 72.5 and
+#: 60 / 53 all at once; in fp32 a stagger was slower); None would send the case to the L2
+#: kernel.  Speed only: no choice here moves a bit.
 HELD_CONFIG = {
-    (torch.float32, False): (4, 2), (torch.float32, True): (4, 2),
-    (torch.bfloat16, False): (4, 5), (torch.bfloat16, True): (4, 5),
-    (torch.float16, False): (4, 5), (torch.float16, True): (4, 5),
+    (torch.float32, False): (4, 2, 0), (torch.float32, True): (4, 2, 0),
+    (torch.bfloat16, False): (4, 5, 3000), (torch.bfloat16, True): (4, 5, 2000),
+    (torch.float16, False): (4, 5, 3000), (torch.float16, True): (4, 5, 2000),
 }
+#: Rows a program of :func:`_combine_sums` takes.
+COMBINE_ROWS = 64
 
 
 @gluon.jit
@@ -152,8 +158,8 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
 
 
 @gluon.jit
-def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, leaf_len, stride_y,
-             lanes, leaf_ids, MODE: gl.constexpr, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr,
+def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_y, lanes,
+             leaf_ids, MODE: gl.constexpr, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr,
              STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
              LOG2_BLOCK: gl.constexpr, lanes_layout: gl.constexpr, small_layout: gl.constexpr):
     """``item``'s leaf, already in ``a, b, c`` (what lies past its end is read as -inf): its max,
@@ -177,15 +183,9 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, leaf_
         acc += gl.exp(x - shift)
     _publish(slots + LEAVES + leaf, _fold_lanes(acc, BLOCK, LOG2_BLOCK))
     if MODE == 0:
-        # the statistics alone: the row's last leaf sum to arrive combines them, no one waits
-        _thread_barrier()
-        seen = gl.atomic_add(sync_ptr + 1 + row, 1, sem="acq_rel", scope="gpu") + 1
-        if seen == LEAVES:
-            _thread_barrier()
-            total = _pair_tree(_gather(slots + LEAVES, leaf_ids), LEAVES, LOG2_LEAVES,
-                               small_layout)
+        # the statistics alone: nobody waits; _combine_sums takes the row's total after the launch
+        if leaf == 0:
             gl.store(max_ptr + row, m)
-            gl.store(total_ptr + row, total)
     else:
         total = _pair_tree(_gather(slots + LEAVES, leaf_ids), LEAVES, LOG2_LEAVES,
                            small_layout)
@@ -212,12 +212,33 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, leaf_
 
 
 @gluon.jit
+def _timer_ns():
+    """The GPU's global nanosecond timer (read anew each call)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _stagger(sm_count_ptr, unit_ns, SLOTS: gl.constexpr):
+    """Hold this program ``k * unit_ns`` before its first ticket, ``k`` its arrival order on its
+    SM modulo ``SLOTS``: the programs an SM holds then copy and compute in different phases
+    rather than all copying, then all computing.  Scheduling only: no value depends on it."""
+    smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+    k = gl.atomic_add(sm_count_ptr + smid % 1024, 1, sem="relaxed", scope="gpu") % SLOTS
+    wait = k.to(gl.int64) * unit_ns
+    start = _timer_ns()
+    while _timer_ns() - start < wait:
+        pass
+
+
+@gluon.jit
 def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n_rows, leaf_len,
-                         stride_x, stride_y, MODE: gl.constexpr, LEAVES: gl.constexpr,
+                         stride_x, stride_y, stagger_ns, MODE: gl.constexpr, LEAVES: gl.constexpr,
                          LOG2_LEAVES: gl.constexpr, BLOCK: gl.constexpr,
                          LOG2_BLOCK: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr,
                          B: gl.constexpr, C: gl.constexpr, VEC: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         STAGGER: gl.constexpr, num_warps: gl.constexpr):
     lanes_layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [num_warps], [0])
     small_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     held_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -232,17 +253,35 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
     slot_layout: gl.constexpr = gl.BlockedLayout([LEAVES], [32], [num_warps], [0])
     leaf_ids = gl.arange(0, LEAVES, layout=slot_layout)
     n_items = n_rows * LEAVES
+    if STAGGER > 1:
+        _stagger(sync_ptr + 2, stagger_ns, STAGGER)
     item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B, BLOCK)
     while item < n_items:
         async_copy.wait_group(0)
         _thread_barrier()
-        _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, leaf_len, stride_y,
-                 lanes, leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, LOG2_BLOCK,
+        _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_y, lanes,
+                 leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, LOG2_BLOCK,
                  lanes_layout, small_layout)
         item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
         _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B,
                BLOCK)
+
+
+@triton.jit
+def _combine_sums(slot_ptr, total_ptr, n_rows, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr,
+                  BLOCK_ROWS: tl.constexpr):
+    """Each row's total from its leaf sums published by the statistics' launch: the
+    adjacent-pair tree of ``_pair_tree``, one add at a time in the same order."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    ok = rows < n_rows
+    ids = tl.arange(0, LEAVES)
+    words = tl.load(slot_ptr + rows.to(tl.int64)[:, None] * (2 * LEAVES) + LEAVES + ids[None, :],
+                    mask=ok[:, None], other=0)
+    v = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    for i in tl.static_range(LOG2_LEAVES):
+        v = tl.sum(tl.reshape(v, [BLOCK_ROWS, LEAVES >> (i + 1), 2]), axis=2)
+    tl.store(total_ptr + rows, tl.reshape(v, [BLOCK_ROWS]), mask=ok)
 
 
 def _powers(steps: int) -> tuple[int, int, int]:
@@ -253,10 +292,10 @@ def _powers(steps: int) -> tuple[int, int, int]:
 
 def held_plan(rows: torch.Tensor, leaves: int, block: int, stats: bool,
               config: tuple | None = None) -> tuple | None:
-    """``(num_warps, programs per SM)`` for ``rows`` cut in ``leaves`` (``stats``: the statistics
-    alone), or None where this kernel does not run them: the table says the L2 kernel is faster,
-    a leaf's steps are not three powers of two, or a leaf does not fit :data:`SMEM_BUDGET`.
-    ``config`` overrides the table."""
+    """``(num_warps, programs per SM, stagger_ns)`` for ``rows`` cut in ``leaves`` (``stats``: the
+    statistics alone), or None where this kernel does not run them: the table says the L2 kernel
+    is faster, a leaf's steps are not three powers of two, or a leaf does not fit
+    :data:`SMEM_BUDGET`.  ``config`` overrides the table."""
     config = config or HELD_CONFIG.get((rows.dtype, stats))
     steps = cdiv(rows.shape[1] // leaves, block)
     if (config is None or bin(steps).count("1") > 3
@@ -275,24 +314,31 @@ def register_cap(num_warps: int, per_sm: float) -> int | None:
 
 
 def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: int, block: int,
-                      n_programs: int, num_warps: int, per_sm: float) -> None:
+                      n_programs: int, num_warps: int, per_sm: float, stagger_ns: int = 0) -> None:
     """Launch the held-leaf kernel over the 2-D row-contiguous CUDA ``rows`` (the caller,
     :func:`tpinv.kernels.triton_softmax_leaves.softmax_rows_by_leaves`, checks, plans and
-    allocates the outputs), ``per_sm`` programs an SM."""
+    allocates the outputs), ``per_sm`` programs an SM, each program an SM holds starting
+    ``stagger_ns`` after the one before it there (0: all at once); the statistics alone
+    (``mode`` 0) then take each row's total by :func:`_combine_sums`."""
     n_rows, width = rows.shape
     leaf_len = width // leaves
     target = rows if out is None else out
     steps = cdiv(leaf_len, block)
     a, b, c = _powers(steps)
-    # one zeroed buffer: the row's meeting slots, then the ticket and per-row counters (int32)
-    zeroed = torch.zeros(n_rows * 2 * leaves + n_rows // 2 + 1, dtype=torch.int64,
+    slots_per_sm = math.ceil(per_sm) if stagger_ns > 0 and per_sm > 1 else 0
+    # one zeroed buffer: the rows' meeting slots, the ticket counter (int32, padded to 64
+    # bits), then (staggered starts) an arrival count per SM (int32)
+    zeroed = torch.zeros(n_rows * 2 * leaves + 1 + (512 if slots_per_sm else 0), dtype=torch.int64,
                          device=rows.device)
     slots = zeroed[:n_rows * 2 * leaves]
     sync = zeroed[n_rows * 2 * leaves:].view(torch.int32)
     cap = register_cap(num_warps, per_sm)
-    _softmax_held_kernel[(n_programs,)](
-        rows, target, max_, total, slots, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
-        MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block,
-        LOG2_BLOCK=block.bit_length() - 1, STEPS=steps, A=a, B=b, C=c,
-        VEC=16 // rows.element_size(), num_warps=num_warps, enable_fp_fusion=False,
-        **({} if cap is None else {"maxnreg": cap}))
+    launch(_softmax_held_kernel, (n_programs,),
+           rows, target, max_, total, slots, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
+           stagger_ns if slots_per_sm else 0, MODE=mode, LEAVES=leaves,
+           LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block, LOG2_BLOCK=block.bit_length() - 1,
+           STEPS=steps, A=a, B=b, C=c, VEC=16 // rows.element_size(), STAGGER=slots_per_sm,
+           num_warps=num_warps, enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap}))
+    if mode == 0:
+        launch(_combine_sums, (cdiv(n_rows, COMBINE_ROWS),), slots, total, n_rows, LEAVES=leaves,
+               LOG2_LEAVES=leaves.bit_length() - 1, BLOCK_ROWS=COMBINE_ROWS)

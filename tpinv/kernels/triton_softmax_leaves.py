@@ -138,7 +138,7 @@ def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
                            config: tuple | None = None, held_config: tuple | None = None) -> tuple:
     """``(out or None, max, total)`` of a 2-D row-contiguous CUDA ``rows`` (checked by the caller),
     the bits of the row kernel.  The leaf is held in shared memory where it can be
-    (:func:`held_module`; ``held_config``: its (num_warps, programs per SM)),
+    (:func:`held_module`; ``held_config``: its (num_warps, programs per SM, stagger_ns)),
     else read three times through L2 (``config``: (chunk, num_warps, programs per SM, stages))."""
     n_rows, width = rows.shape
     out, max_, total = _outputs(rows, mode)
@@ -150,10 +150,10 @@ def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
     plan = None if held is None else held.held_plan(rows, leaves, block, mode == _MODE_STATS,
                                                     held_config)
     if plan is not None:
-        warps, per_sm = plan
+        warps, per_sm, stagger_ns = plan
         n_programs = max(leaves, _programs(n_rows * leaves, rows.device, per_sm))
         held.softmax_rows_held(rows, out, max_, total, leaves, mode, block, n_programs, warps,
-                               per_sm)
+                               per_sm, stagger_ns)
         return out, max_, total
     parts = torch.empty((n_rows, 2 * leaves), dtype=torch.float32, device=rows.device)
     sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=rows.device)  # ticket, then a count per row
