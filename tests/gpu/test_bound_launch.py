@@ -6,7 +6,7 @@ launcher: the counter moves; on Triton 3.6 it calls the launcher's C entry direc
 expanded once), once with direct launches off and once with binding and direct eager calls off; all
 give the same bytes.  Control: the matmul with another leaf count differs.  A bound matmul keeps its TMA
 descriptors per address: a new tensor at a freed tensor's address gets a fresh launch's bytes
-(control: the old tensor's product differs).
+(control: the old tensor's product differs), and their expansions are kept per kernel parameter.
 """
 from __future__ import annotations
 
@@ -117,6 +117,29 @@ def test_reused_descriptors_read_the_tensor_now_at_the_address(rows):
             launch_mod.BIND[0], registry.EAGER_CALLS[0] = True, True
         assert_same_bits(new, plain, "reused descriptors vs a fresh launch through Triton")
         assert_bits_differ(new, old, "control: the old tensor's product")
+
+
+@pytest.mark.parametrize("rows", [16, 512], ids=["triton-kernel", "gluon-kernel"])
+def test_kept_descriptors_are_expanded_once(rows):
+    """A kept descriptor's expansion for the launcher is kept per kernel parameter, also where one
+    descriptor fills several parameters (the Gluon kernel's stand-ins for unused ones): repeated
+    launches on the same addresses expand nothing.  Control: an input at a new address is expanded."""
+    if not launch_mod.direct_available():
+        pytest.skip("expansions are kept on the direct launch path (Triton 3.6)")
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(rows, 1024, generator=gen).to("cuda", torch.bfloat16)
+    w = torch.randn(768, 1024, generator=gen).to("cuda", torch.bfloat16)
+    for _ in range(3):                  # through Triton, then bound (descriptors built), then kept
+        y = ops.matmul(x, w, 8, 1)
+        del y                           # the next output lands at the same address
+    before = launch_mod.descriptor_expansions()
+    for _ in range(3):
+        y = ops.matmul(x, w, 8, 1)
+        del y
+    assert launch_mod.descriptor_expansions() == before, "kept descriptors were expanded again"
+    moved = x.clone()
+    ops.matmul(moved, w, 8, 1)
+    assert launch_mod.descriptor_expansions() > before, "control: a new address was not expanded"
 
 
 def test_launch_hooks_see_bound_launches():

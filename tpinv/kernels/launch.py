@@ -373,19 +373,32 @@ def _direct_entry(compiled) -> Optional[tuple]:
 
 def _expand_descriptors(full: tuple, descriptors: tuple) -> list:
     """``full`` with each host TMA descriptor replaced by Triton's expansion of it, built once per
-    descriptor object and kept on it (with the kernel's descriptor metadata it was built for)."""
+    descriptor object and kernel parameter's metadata and kept on the descriptor, per metadata: one
+    descriptor may fill several parameters (a stand-in for an unused one) or serve several kernels."""
     out, start = [], 0
     for position, meta in descriptors:
         desc = full[position]
-        kept = getattr(desc, "_tpinv_expansion", None)
+        kept_by_meta = getattr(desc, "_tpinv_expansions", None)
+        if kept_by_meta is None:
+            kept_by_meta = desc._tpinv_expansions = {}
+        kept = kept_by_meta.get(id(meta))
         if kept is None or kept[0] is not meta:
-            kept = (meta, _EXPANDER[0](desc, meta))
-            desc._tpinv_expansion = kept
+            kept = kept_by_meta[id(meta)] = (meta, _EXPANDER[0](desc, meta))
+            _EXPANSIONS[0] += 1
         out.extend(full[start:position])
         out.extend(kept[1])
         start = position + 1
     out.extend(full[start:])
     return out
+
+
+_EXPANSIONS = [0]
+
+
+def descriptor_expansions() -> int:
+    """How many host TMA descriptors so far were expanded for a launch (tests assert it stays put
+    once a launch's descriptors are kept)."""
+    return _EXPANSIONS[0]
 
 
 def _tensordesc_expander():
