@@ -16,19 +16,20 @@ shared memory once (``cp.async``), takes its max there, and the sum and the outp
 memory: each element crosses L2 once each way, and the later passes cost no memory latency.
 A leaf is held as its ``BLOCK``-wide steps in up to three power-of-two buffers (5 steps = 4 + 1).
 
-Scheduling is the Triton by-leaves kernel's: a ticket counter hands out (row, leaf) items in
-order, the programs of a row meet after the maxima and after the sums (the statistics alone
-publish their leaf sums and wait for nobody; a second small kernel, :func:`_combine_sums`, takes
-each row's total after the launch), and a program takes a ticket only while it runs, so this
-cannot deadlock once ``leaves`` programs can be resident.  Where the table says so, the programs
-an SM holds start one after another (:func:`_stagger`, a fixed delay each), so that they copy
-while others compute instead of all copying, then all computing.  A meeting is one 64-bit slot per leaf, zero before the launch: a program publishes
-its value's bits with a written flag in one atomic exchange, and each thread holds all of the
-row's slots and polls them on its own until every flag is set, taking the values from that same
-load (no block barrier, no counter, no second round trip; no shuffle inside the polling loop, so
-threads may leave it at different polls).  :func:`held_plan` says where it runs (a leaf that
-fits :data:`SMEM_BUDGET`, and the table's choice; :func:`register_cap` lets the table's programs
-an SM fit its registers); elsewhere the Triton by-leaves kernel runs, with the same bits.
+Scheduling is the Triton by-leaves kernel's: a ticket counter hands out (row, leaf) items in order,
+the programs of a row meet after the maxima and after the sums (the statistics alone publish their
+leaf sums and wait for nobody; a second small kernel, :func:`_combine_sums`, takes each row's total
+after the launch), and a program takes a ticket only while it runs, so this cannot deadlock once
+``leaves`` programs can be resident.  Where the table says so, the programs an SM holds start one
+after another (:func:`_stagger`, a fixed delay each), so that they copy while others compute
+instead of all copying, then all computing.  A meeting is one 64-bit slot per leaf, zero before the
+launch: a program publishes its value's bits with a written flag in one atomic exchange, and each
+thread holds all of the row's slots and polls them on its own until every flag is set, taking the
+values from that same load (no block barrier, no counter, no second round trip; no shuffle inside
+the polling loop, so threads may leave it at different polls).  :func:`held_plan` says where it
+runs (a leaf that fits :data:`SMEM_BUDGET`, and the table's choice; :func:`register_cap` lets the
+table's programs an SM fit its registers); elsewhere the Triton by-leaves kernel runs, with the
+same bits.
 """
 from __future__ import annotations
 
