@@ -15,6 +15,7 @@ import torch
 import triton
 
 from tpinv import ops
+from tpinv.kernels import descriptors
 from tpinv.kernels import launch as launch_mod
 from tpinv.ops import registry
 from tpinv.testing import assert_bits_differ, assert_same_bits
@@ -100,14 +101,14 @@ def test_reused_descriptors_read_the_tensor_now_at_the_address(rows):
         x = memory.view(rows, 1024)
         for _ in range(3):                       # through Triton, then bound (descriptors built), then reused
             old = ops.matmul(x, weight, 8, 1)
-        address, before = x.data_ptr(), launch_mod.descriptor_reuses()
+        address, before = x.data_ptr(), descriptors.descriptor_reuses()
         del x
         memory.copy_(r(rows * 1024))             # other values at the same address,
         x = memory.view(rows, 1024)              # in a new tensor
         assert x.data_ptr() == address
         direct = launch_mod.direct_launches()
         new = ops.matmul(x, weight, 8, 1)        # on Triton 3.6: the kept descriptors' kept expansions
-        assert launch_mod.descriptor_reuses() >= before + 2, "the kept descriptors were not used"
+        assert descriptors.descriptor_reuses() >= before + 2, "the kept descriptors were not used"
         if launch_mod.direct_available():
             assert launch_mod.direct_launches() > direct, "the launch did not call the launcher directly"
         launch_mod.BIND[0], registry.EAGER_CALLS[0] = False, False
@@ -132,14 +133,14 @@ def test_kept_descriptors_are_expanded_once(rows):
     for _ in range(3):                  # through Triton, then bound (descriptors built), then kept
         y = ops.matmul(x, w, 8, 1)
         del y                           # the next output lands at the same address
-    before = launch_mod.descriptor_expansions()
+    before = descriptors.descriptor_expansions()
     for _ in range(3):
         y = ops.matmul(x, w, 8, 1)
         del y
-    assert launch_mod.descriptor_expansions() == before, "kept descriptors were expanded again"
+    assert descriptors.descriptor_expansions() == before, "kept descriptors were expanded again"
     moved = x.clone()
     ops.matmul(moved, w, 8, 1)
-    assert launch_mod.descriptor_expansions() > before, "control: a new address was not expanded"
+    assert descriptors.descriptor_expansions() > before, "control: a new address was not expanded"
 
 
 def test_launch_hooks_see_bound_launches():

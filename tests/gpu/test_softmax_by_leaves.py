@@ -40,9 +40,11 @@ def held_runs(request, monkeypatch):
         from tpinv.kernels import gluon_softmax
         real = gluon_softmax.softmax_rows_held
 
-        def counted(rows, *args, **kwargs):
-            runs.append((rows.shape, args[9] if len(args) > 9 else kwargs.get("stagger_ns", 0)))
-            return real(rows, *args, **kwargs)
+        def counted(rows, out, max_, total, leaves, mode, block, n_programs, num_warps, per_sm,
+                    stagger_ns):
+            runs.append((rows.shape, stagger_ns))
+            return real(rows, out, max_, total, leaves, mode, block, n_programs, num_warps, per_sm,
+                        stagger_ns)
 
         monkeypatch.setattr(gluon_softmax, "softmax_rows_held", counted)
     return runs

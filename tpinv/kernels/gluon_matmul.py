@@ -15,8 +15,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tpinv.kernels.gluon_matmul_kernel import SUPPORTED_LEAVES, _contract_mm_ws_kernel
+from tpinv.kernels.descriptors import reused_descriptor
 from tpinv.kernels.launch import (cdiv, device_capability, is_bound, launch_with, operands_key,
-                                  remember, reused_descriptor, sm_count)
+                                  remember, sm_count)
 from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
 __all__ = ["SUPPORTED_LEAVES", "unsupported_reason", "supported", "gluon_matmul_cuda", "plan_for",
@@ -29,7 +30,7 @@ class LaunchPlan(NamedTuple):
     """Everything about a launch that is fixed by the operands' shapes, strides, dtypes and
     alignment, the leaves, the output dtype and the config (:func:`plan_for`); TMA boxes are
     ``(block, shared layout)``.  The descriptor tables are filled per address once the launch is
-    bound (:func:`~tpinv.kernels.launch.reused_descriptor`)."""
+    bound (:func:`~tpinv.kernels.descriptors.reused_descriptor`)."""
     x_t: bool                      #: x given as its [K, M] transpose
     w_kn: bool                     #: w given as its [K, N] transpose
     x_block: tuple
@@ -145,7 +146,7 @@ def table_config(x: torch.Tensor, w: torch.Tensor, leaves: int) -> GluonConfig:
 
 def launch_plan(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, plan: LaunchPlan) -> torch.Tensor:
     """Descriptors and launch for checked inputs and their plan (:func:`plan_for`): once the plan's
-    launch is bound, descriptors are reused per address (:func:`~tpinv.kernels.launch.reused_descriptor`)."""
+    launch is bound, descriptors are reused per address (:func:`~tpinv.kernels.descriptors.reused_descriptor`)."""
     m, k = x.shape
     n = w.shape[0]
     (x_t, w_kn, x_block, w_block, w2_block, out_block, out2_block, grid, bk, kw, bound, x_descs, w_descs,

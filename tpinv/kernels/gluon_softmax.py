@@ -43,6 +43,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.launch import cdiv, launch
+from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
 
 __all__ = ["softmax_rows_held", "held_plan", "register_cap", "HELD_CONFIG", "SMEM_BUDGET"]
 
@@ -65,8 +66,6 @@ HELD_CONFIG = {
     (torch.bfloat16, False): (4, 5, 3000), (torch.bfloat16, True): (4, 5, 2000),
     (torch.float16, False): (4, 5, 3000), (torch.float16, True): (4, 5, 2000),
 }
-#: Rows a program of :func:`_combine_sums` takes.
-COMBINE_ROWS = 64
 
 
 @gluon.jit
@@ -270,19 +269,13 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
 
 
 @triton.jit
-def _combine_sums(slot_ptr, total_ptr, n_rows, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr,
-                  BLOCK_ROWS: tl.constexpr):
-    """Each row's total from its leaf sums published by the statistics' launch: the
-    adjacent-pair tree of ``_pair_tree``, one add at a time in the same order."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    ok = rows < n_rows
-    ids = tl.arange(0, LEAVES)
-    words = tl.load(slot_ptr + rows.to(tl.int64)[:, None] * (2 * LEAVES) + LEAVES + ids[None, :],
-                    mask=ok[:, None], other=0)
-    v = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    for i in tl.static_range(LOG2_LEAVES):
-        v = tl.sum(tl.reshape(v, [BLOCK_ROWS, LEAVES >> (i + 1), 2]), axis=2)
-    tl.store(total_ptr + rows, tl.reshape(v, [BLOCK_ROWS]), mask=ok)
+def _combine_sums(slot_ptr, total_ptr, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr):
+    """Row ``program_id(0)``'s total from the leaf sums the statistics' launch published: their
+    fp32 bits (the words' low halves) combined by the row kernel's adjacent-pair tree."""
+    row = tl.program_id(0).to(tl.int64)
+    words = tl.load(slot_ptr + row * (2 * LEAVES) + LEAVES + tl.arange(0, LEAVES))
+    sums = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    tl.store(total_ptr + row, _triton_pair_tree(sums, LEAVES, LOG2_LEAVES))
 
 
 def _powers(steps: int) -> tuple[int, int, int]:
@@ -315,7 +308,7 @@ def register_cap(num_warps: int, per_sm: float) -> int | None:
 
 
 def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: int, block: int,
-                      n_programs: int, num_warps: int, per_sm: float, stagger_ns: int = 0) -> None:
+                      n_programs: int, num_warps: int, per_sm: float, stagger_ns: int) -> None:
     """Launch the held-leaf kernel over the 2-D row-contiguous CUDA ``rows`` (the caller,
     :func:`tpinv.kernels.triton_softmax_leaves.softmax_rows_by_leaves`, checks, plans and
     allocates the outputs), ``per_sm`` programs an SM, each program an SM holds starting
@@ -341,5 +334,5 @@ def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: i
            STEPS=steps, A=a, B=b, C=c, VEC=16 // rows.element_size(), STAGGER=slots_per_sm,
            num_warps=num_warps, enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap}))
     if mode == 0:
-        launch(_combine_sums, (cdiv(n_rows, COMBINE_ROWS),), slots, total, n_rows, LEAVES=leaves,
-               LOG2_LEAVES=leaves.bit_length() - 1, BLOCK_ROWS=COMBINE_ROWS)
+        launch(_combine_sums, (n_rows,), slots, total, LEAVES=leaves,
+               LOG2_LEAVES=leaves.bit_length() - 1, num_warps=1)

@@ -11,11 +11,12 @@ have compiled differently.  Only the launch path changes (host time), never the 
 :func:`launch` is the call sites' ``kernel[grid](*args, **kwargs)``; a call site that plans its
 launches per shape (:func:`operands_key`, :func:`remember`) keeps the bound launcher with its plan
 (``bound=``) and skips building and looking up a key per call; once that launch is bound
-(:func:`is_bound`), its TMA descriptors are built once per address (:func:`reused_descriptor`).
+(:func:`is_bound`), its TMA descriptors are built once per address
+(:func:`tpinv.kernels.descriptors.reused_descriptor`).
 Where Triton's CUDA launcher has the form of Triton 3.6's, a bound launch calls the compiled launcher's C entry itself
 (:data:`DIRECT`): the arguments Triton's Python wrapper would pass, each host TMA descriptor
-expanded once by Triton's own ``make_tensordesc_arg`` and kept with the descriptor (a descriptor
-is fixed by address, shape, strides, dtype and block, and so is its expansion).
+expanded by Triton's own ``make_tensordesc_arg`` once per kernel parameter and kept with the
+descriptor (:func:`tpinv.kernels.descriptors.expand_descriptors`).
 Triton versions without the launcher API used here (and Triton's interpreter) launch through
 Triton every time: same kernel, more host time.  A bound launch passes Triton's launch hooks
 only where one is registered (Triton 3.6 keeps an empty hook chain otherwise, and builds launch
@@ -29,24 +30,22 @@ from typing import Optional
 
 import torch
 
+from tpinv.kernels.descriptors import TensorDescriptor, expand_descriptors, expander
+
 try:
     from triton import knobs as _knobs
     from triton.runtime.driver import driver as _driver
 except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
     _knobs = None
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:          # Triton before 3.4: no host TMA descriptors (callers use pointer loads)
-    TensorDescriptor = None
 
 __all__ = ["launch", "launch_with", "cdiv", "device_capability", "next_power_of_2", "sm_count", "bound_launches",
-           "direct_launches", "direct_available", "is_bound", "operands_key", "remember",
-           "reused_descriptor", "descriptor_reuses", "rows_2d", "BIND", "REUSE_DESCRIPTORS", "DIRECT",
-           "TensorDescriptor"]
+           "direct_launches", "direct_available", "is_bound", "operands_key", "remember", "rows_2d", "BIND",
+           "REUSE_DESCRIPTORS", "DIRECT"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
 BIND = [True]
-#: ``[True]``: bound launches reuse TMA descriptors per address (:func:`reused_descriptor`);
+#: ``[True]``: bound launches reuse TMA descriptors per address
+#: (:func:`tpinv.kernels.descriptors.reused_descriptor`);
 #: ``[False]``: build them every call (benchmarks compare).
 REUSE_DESCRIPTORS = [True]
 
@@ -142,9 +141,7 @@ def direct_launches() -> int:
 
 def direct_available() -> bool:
     """Whether this Triton's launcher has the form direct launches need (:data:`DIRECT`)."""
-    if not _EXPANDER:
-        _EXPANDER.append(_tensordesc_expander() if _knobs is not None else None)
-    return _EXPANDER[0] is not None
+    return _knobs is not None and expander() is not None
 
 
 def is_bound(bound: dict) -> bool:
@@ -153,49 +150,6 @@ def is_bound(bound: dict) -> bool:
     such a launch reads (:data:`REUSE_DESCRIPTORS`)."""
     return (bool(bound) and BIND[0] and REUSE_DESCRIPTORS[0] and _knobs is not None
             and _current_device() in bound)
-
-
-class _Address:
-    """A reused descriptor's base: the tensor's address and dtype, no reference to the tensor
-    (a bound launch reads only ``data_ptr()`` of it, so a kept descriptor keeps no memory alive)."""
-    __slots__ = ("ptr", "dtype")
-
-    def __init__(self, ptr: int, dtype: torch.dtype):
-        self.ptr, self.dtype = ptr, dtype
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-
-#: Descriptors a plan keeps per operand (by address) before it clears them and refills.
-MAX_DESCRIPTORS = 256
-_REUSED = [0]
-
-
-def descriptor_reuses() -> int:
-    """How many TMA descriptors so far were reused rather than built (tests assert it moves)."""
-    return _REUSED[0]
-
-
-def reused_descriptor(cache: Optional[dict], t: torch.Tensor, build):
-    """``build()``, the TMA descriptor of ``t`` (or of a view of it at the same address), or
-    with a ``cache`` (a launch plan's, for a bound launch only: :func:`is_bound`) the one built
-    before at ``t``'s address.  A descriptor is a function of the address, shape, strides,
-    dtype, block and layout, and the plan fixes all but the address, so a tensor at a cached
-    address gets exactly the descriptor built for it, whichever tensor was there before."""
-    if cache is None:
-        return build()
-    ptr = t.data_ptr()
-    desc = cache.get(ptr)
-    if desc is None:
-        desc = build()
-        desc.base = _Address(ptr, t.dtype)
-        if len(cache) >= MAX_DESCRIPTORS:
-            cache.clear()
-        cache[ptr] = desc
-    else:
-        _REUSED[0] += 1
-    return desc
 
 
 def _specialization(args: tuple) -> tuple:
@@ -274,7 +228,7 @@ def launch_with(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict
     if direct is not None and DIRECT[0]:
         c_launch, cooperative, pdl, descriptors = direct
         if descriptors:
-            full = _expand_descriptors(full, descriptors)
+            full = expand_descriptors(full, descriptors)
         c_launch(grid[0], g1, g2, stream, compiled.function, cooperative, pdl, None, None,
                  compiled.packed_metadata, metadata, enter, leave, *full)
         _DIRECT_COUNT[0] += 1
@@ -371,46 +325,3 @@ def _direct_entry(compiled) -> Optional[tuple]:
     return cells["launcher"], run.launch_cooperative_grid, run.launch_pdl, tuple(zip(positions, metas))
 
 
-def _expand_descriptors(full: tuple, descriptors: tuple) -> list:
-    """``full`` with each host TMA descriptor replaced by Triton's expansion of it, built once per
-    descriptor object and kernel parameter's metadata and kept on the descriptor, per metadata: one
-    descriptor may fill several parameters (a stand-in for an unused one) or serve several kernels."""
-    out, start = [], 0
-    for position, meta in descriptors:
-        desc = full[position]
-        kept_by_meta = getattr(desc, "_tpinv_expansions", None)
-        if kept_by_meta is None:
-            kept_by_meta = desc._tpinv_expansions = {}
-        kept = kept_by_meta.get(id(meta))
-        if kept is None or kept[0] is not meta:
-            kept = kept_by_meta[id(meta)] = (meta, _EXPANDER[0](desc, meta))
-            _EXPANSIONS[0] += 1
-        out.extend(full[start:position])
-        out.extend(kept[1])
-        start = position + 1
-    out.extend(full[start:])
-    return out
-
-
-_EXPANSIONS = [0]
-
-
-def descriptor_expansions() -> int:
-    """How many host TMA descriptors so far were expanded for a launch (tests assert it stays put
-    once a launch's descriptors are kept)."""
-    return _EXPANSIONS[0]
-
-
-def _tensordesc_expander():
-    """Triton's ``make_tensordesc_arg(arg, metadata)`` (3.6's form), or None where it differs."""
-    try:
-        from triton.backends.nvidia import driver as nvidia_driver
-        fn = nvidia_driver.make_tensordesc_arg
-        if len(inspect.signature(fn).parameters) != 2 or nvidia_driver._BASE_ARGS_FORMAT_LEN != 13:
-            return None
-        return fn
-    except Exception:        # any other Triton: its wrapper launches (same kernel, more host time)
-        return None
-
-
-_EXPANDER: list = []      # [Triton's make_tensordesc_arg, or None], resolved on first use

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import TensorDescriptor
+from tpinv.kernels.descriptors import TensorDescriptor
 
 __all__ = ["descriptor", "kv_descriptors", "row_descriptor", "load_kv_tma"]
 

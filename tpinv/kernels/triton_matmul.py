@@ -36,8 +36,8 @@ import triton.language as tl
 
 from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, TreeAccumulator, check_divisible,
                                  check_dtype, check_leaves)
-from tpinv.kernels.launch import (TensorDescriptor, cdiv, is_bound, launch, launch_with, operands_key,
-                                  remember, reused_descriptor)
+from tpinv.kernels.descriptors import TensorDescriptor, reused_descriptor
+from tpinv.kernels.launch import cdiv, is_bound, launch, launch_with, operands_key, remember
 from tpinv.kernels.tiles import (GLUON_MIN_ROWS, MAX_LEAVES_PER_CTA, MatmulConfig, block_k,
                                  check_config, launch_config)
 
@@ -210,7 +210,7 @@ class _Plan(NamedTuple):
     consts: dict
     bound: dict           # device -> bound launcher of the contract kernel (tpinv.kernels.launch)
     bound_combine: dict   # the same for the split combine kernel
-    x_descs: dict         # address -> TMA descriptor of x, once bound (tpinv.kernels.launch.reused_descriptor)
+    x_descs: dict         # address -> TMA descriptor of x, once bound (tpinv.kernels.descriptors.reused_descriptor)
     w_descs: dict         # the same for w
 
 
