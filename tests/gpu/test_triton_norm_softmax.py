@@ -138,21 +138,6 @@ def test_rms_norm_dweight_is_the_halving_sum_of_the_forward_n(hidden, tokens, he
         assert_bits_differ(per_head, adjacent[..., 0], "control: adjacent token pairs")
 
 
-
-@pytest.mark.parametrize("step,heads,hidden", [(1, 1, 8), (2, 3, 16), (5, 1, 1000), (512, 16, 128), (1024, 1, 1024)])
-def test_token_sums_are_the_generic_one_leaf_reduction(step, heads, hidden):
-    """The norm backward's token sums (one halving-sum launch on the strided partials) ==
-    ``sum_over_tokens_per_head``, raw bytes.  Control: a left-to-right sum of the partials
-    ``2^24, 1, 1, -2^24`` (0) differs from the halving's (1)."""
-    partials = rand(step, heads, hidden, seed=step + heads)
-    assert_same_bits(tn().token_sums(partials), reference_norm.sum_over_tokens_per_head(partials),
-                     f"P={step} heads={heads} H={hidden}")
-    big = float(2 ** 24)
-    pairs = torch.tensor([big, 1.0, 1.0, -big], device=DEV).view(4, 1, 1).expand(4, heads, hidden).contiguous()
-    got = tn().token_sums(pairs)
-    assert_same_bits(got, torch.ones(heads, hidden, device=DEV), "the halving's pairs")
-    assert_bits_differ(got, ((pairs[0] + pairs[1]) + pairs[2]) + pairs[3], "control: left to right")
-
 def test_rms_norm_backward_fp32_parity_with_torch_code():
     x, g = rand(37, 777, seed=6), rand(37, 777, seed=7)
     w = torch.rand(777, device=DEV) + 0.5

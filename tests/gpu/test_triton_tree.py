@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tpinv.core.contract import tree_combine
+from tpinv.kernels.reference_tree import leaf_partials, leaf_tree_sum
 from tpinv.kernels.triton_tree import halving_sum_cuda
 from tpinv.testing import assert_bits_differ, assert_same_bits
 
@@ -34,3 +36,19 @@ def test_one_launch_equals_per_level_adds(rows, n):
             adjacent = adjacent[..., 0::2] + adjacent[..., 1::2]
         if adjacent.shape[-1] == 1:
             assert_bits_differ(halving_sum_cuda(y), adjacent[..., 0], "control: adjacent pairing")
+
+
+@pytest.mark.parametrize("step,heads,hidden", [(1, 1, 8), (5, 1, 1000), (512, 16, 128), (1024, 1, 1024)])
+def test_one_leaf_reduction_is_the_leaf_chain_alone(step, heads, hidden):
+    """On CUDA, ``leaf_tree_sum(x, 1)``'s one-leaf path == ``tree_combine(leaf_partials(x, 1))``,
+    raw bytes, on the RMSNorm backward's strided token partials ``[heads, H, P]``.  Control:
+    ``2^24, 1, 1, -2^24`` gives 1 by the halving, 0 left to right."""
+    gen = torch.Generator().manual_seed(step + heads)
+    partials = torch.randn(step, heads, hidden, generator=gen).cuda().permute(1, 2, 0)
+    assert_same_bits(leaf_tree_sum(partials, 1), tree_combine(leaf_partials(partials, 1)),
+                     f"P={step} heads={heads} H={hidden}")
+    big = float(2 ** 24)
+    row = torch.tensor([[big, 1.0, 1.0, -big]], device="cuda")
+    assert_same_bits(leaf_tree_sum(row, 1), torch.ones(1, device="cuda"), "the halving's pairs")
+    assert_bits_differ(leaf_tree_sum(row, 1), ((row[:, 0] + row[:, 1]) + row[:, 2]) + row[:, 3],
+                       "control: left to right")

@@ -135,6 +135,23 @@ def test_halving_sum_order_and_zero_padding():
     assert_same_bits(halving_sum(x[:, :1]), x[:, 0], 'halving_sum(x[:, :1])')
 
 
+
+def test_one_leaf_reduction_is_the_leaf_chain_alone():
+    """``leaf_tree_sum(x, 1)`` takes its one-leaf path (the halving sum of ``x`` itself): raw
+    bytes equal to the general composition ``tree_combine(leaf_partials(x, 1))``, on rows, on a
+    strided token-major view (the norm backward's partials) and on a zero-length row.  Control:
+    ``2^24, 1, 1, -2^24`` gives 1 by the halving and 0 left to right, and the two differ."""
+    x = _wide(9, 1000)
+    partials = _wide(37, 6 * 16).view(37, 6, 16).permute(1, 2, 0)   # [heads, H, P], strided
+    for t in (x, x[:, :1], x.t(), partials, torch.empty(3, 0)):
+        assert_same_bits(leaf_tree_sum(t, 1), tree_combine(leaf_partials(t, 1)), f"{tuple(t.shape)}")
+    row = torch.tensor([[2.0 ** 24, 1.0, 1.0, -2.0 ** 24]])
+    assert_same_bits(leaf_tree_sum(row, 1), torch.tensor([1.0]), "the halving's pairs")
+    assert_bits_differ(leaf_tree_sum(row, 1), ((row[:, 0] + row[:, 1]) + row[:, 2]) + row[:, 3],
+                       "control: left to right")
+    with pytest.raises(TypeError, match="fp32"):
+        leaf_tree_sum(torch.ones(2, 8, dtype=torch.bfloat16), 1)
+
 def test_leaf_partials_validation():
     with pytest.raises(TypeError, match="fp32"):
         leaf_partials(torch.ones(2, 8, dtype=torch.bfloat16), 8)

@@ -37,14 +37,24 @@ def halving_sum(x: torch.Tensor) -> torch.Tensor:
     return x.squeeze(-1)
 
 
-def leaf_partials(x: torch.Tensor, leaves: int) -> torch.Tensor:
-    """Per-leaf chains of the last dim: ``[..., n] -> [..., leaves]`` (fp32)."""
+def _check_fp32(x: torch.Tensor) -> None:
     if x.dtype != torch.float32:
         raise TypeError(f"leaf reductions run in fp32, got {x.dtype}")
+
+
+def leaf_partials(x: torch.Tensor, leaves: int) -> torch.Tensor:
+    """Per-leaf chains of the last dim: ``[..., n] -> [..., leaves]`` (fp32)."""
+    _check_fp32(x)
     n = check_divisible("reduced dimension", x.shape[-1], check_leaves(leaves))
     return halving_sum(x.reshape(*x.shape[:-1], leaves, n))
 
 
 def leaf_tree_sum(x: torch.Tensor, leaves: int) -> torch.Tensor:
-    """The contract's full reduction of the last dim: leaf chains, then the leaf tree."""
+    """The contract's full reduction of the last dim: leaf chains, then the leaf tree.  With one
+    leaf the chain is the whole reduction (the tree of one partial is that partial), so it is
+    :func:`halving_sum` of ``x`` itself: the same adds, without the leaf axis's reshapes (host
+    time of the token sums an eager backward makes many times a step)."""
+    if leaves == 1:
+        _check_fp32(x)
+        return halving_sum(x)
     return tree_combine(leaf_partials(x, leaves))

@@ -29,11 +29,10 @@ import triton.language as tl
 from tpinv.kernels.launch import launch, next_power_of_2, rows_2d
 from tpinv.kernels.reference_norm import (check_per_head_inputs, check_rms_norm_backward_inputs, check_rms_norm_inputs,
                                     rms_norm_backward, rms_norm_backward_heads, rms_norm_forward,
-                                    rms_norm_out_dtype)
-from tpinv.kernels.triton_tree import halving_sum_cuda
+                                    rms_norm_out_dtype, sum_over_tokens_per_head)
 
 __all__ = ["rms_norm_forward_cuda", "rms_norm_backward_cuda", "rms_norm_backward_heads_cuda",
-           "token_sums", "tile_for", "MAX_HIDDEN", "LANES_PER_THREAD"]
+           "tile_for", "MAX_HIDDEN", "LANES_PER_THREAD"]
 
 #: Largest hidden size one program holds in registers (one row per program); wider rows run
 #: the fixed-order torch code of :mod:`tpinv.kernels.reference_norm` (also a function of ``H`` only).
@@ -139,16 +138,6 @@ def _backward_rows(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ep
     return grad_x.reshape(x.shape), partials
 
 
-def token_sums(partials: torch.Tensor) -> torch.Tensor:
-    """``[heads, H]`` fp32: each (head, column)'s halving sum over the ``P`` token partials of
-    ``partials [P, heads, H]``, the bits of
-    :func:`~tpinv.kernels.reference_norm.sum_over_tokens_per_head` (whose one-leaf tree is that
-    halving sum, run by the same kernel on the same strided view).  One launch, and none of the
-    generic reduction's host steps: an eager backward calls this twice a layer."""
-    step, heads, hidden = partials.shape
-    return halving_sum_cuda(partials.view(step, heads * hidden).t()).view(heads, hidden)
-
-
 def rms_norm_backward_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)`` in ``x.dtype`` / ``weight.dtype``; see the module docstring."""
@@ -156,7 +145,7 @@ def rms_norm_backward_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Te
     if x.shape[-1] > MAX_HIDDEN:
         return rms_norm_backward(grad, x, weight, eps)
     grad_x, partials = _backward_rows(grad, x, weight, eps, 1)
-    return grad_x, token_sums(partials)[0].to(weight.dtype)
+    return grad_x, sum_over_tokens_per_head(partials)[0].to(weight.dtype)
 
 
 def rms_norm_backward_heads_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -168,4 +157,4 @@ def rms_norm_backward_heads_cuda(grad: torch.Tensor, x: torch.Tensor, weight: to
     if x.shape[-1] > MAX_HIDDEN:
         return rms_norm_backward_heads(grad, x, weight, eps)
     grad_x, partials = _backward_rows(grad, x, weight, eps, x.shape[-2])
-    return grad_x, token_sums(partials).to(weight.dtype)
+    return grad_x, sum_over_tokens_per_head(partials).to(weight.dtype)
