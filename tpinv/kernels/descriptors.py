@@ -9,7 +9,8 @@ there now.  Triton's ``make_tensordesc_arg`` turns a descriptor and a kernel par
 into the launcher's arguments; :func:`expand_descriptors` keeps that expansion on the descriptor
 per metadata, since one descriptor may fill several parameters (a stand-in for an unused one)
 or serve several kernels.  Counters (:func:`descriptor_reuses`, :func:`descriptor_expansions`)
-let tests assert that the kept ones are used.
+let tests assert that the kept ones are used.  Encoding a descriptor needs a CUDA context current
+on the calling thread; :func:`on_cuda_context` gives one to a thread that has not called CUDA yet.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ except ImportError:          # Triton before 3.4: no host TMA descriptors (calle
     TensorDescriptor = None
 
 __all__ = ["TensorDescriptor", "reused_descriptor", "descriptor_reuses", "expand_descriptors",
-           "descriptor_expansions", "expander", "MAX_DESCRIPTORS"]
+           "descriptor_expansions", "expander", "on_cuda_context", "MAX_DESCRIPTORS"]
 
 
 class _Address:
@@ -82,7 +83,7 @@ def expand_descriptors(full: tuple, descriptors: tuple) -> list:
             kept_by_meta = desc._tpinv_expansions = {}
         kept = kept_by_meta.get(id(meta))
         if kept is None or kept[0] is not meta:
-            kept = kept_by_meta[id(meta)] = (meta, _EXPANDER[0](desc, meta))
+            kept = kept_by_meta[id(meta)] = (meta, on_cuda_context(lambda: _EXPANDER[0](desc, meta)))
             _EXPANSIONS[0] += 1
         out.extend(full[start:position])
         out.extend(kept[1])
@@ -92,6 +93,23 @@ def expand_descriptors(full: tuple, descriptors: tuple) -> list:
 
 
 _EXPANSIONS = [0]
+
+
+def on_cuda_context(call):
+    """``call()``: something that encodes host TMA descriptors (Triton's ``make_tensordesc_arg``, or
+    a first launch through Triton, which encodes them itself).  The encoder needs a CUDA context
+    current on the calling thread, which a thread that has made no CUDA call yet lacks (a new worker
+    thread; the autograd engine's device thread before its first kernel), and Triton's encoder does
+    not set one up as its launcher does.  There the current device's primary context is made current
+    -- as the thread's first CUDA call through torch would -- and ``call`` runs again: the failed
+    attempt launched nothing.  Any other error is raised as it is."""
+    try:
+        return call()
+    except RuntimeError as err:
+        if "context" not in str(err) or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+            raise
+    torch.cuda.synchronize()   # a runtime call that needs a context: it makes the primary one current
+    return call()
 
 
 def descriptor_expansions() -> int:

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from tpinv.kernels.descriptors import TensorDescriptor, expand_descriptors, expander
+from tpinv.kernels.descriptors import TensorDescriptor, expand_descriptors, expander, on_cuda_context
 
 try:
     from triton import knobs as _knobs
@@ -204,14 +204,14 @@ def launch_with(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict
     """:func:`launch` with the arguments as a tuple and the constexprs as a dict (a launch plan
     keeps its constexprs' dict and passes it as is)."""
     if not BIND[0] or _knobs is None or _interpreting(fn):
-        fn[grid](*args, **kwargs)
+        on_cuda_context(lambda: fn[grid](*args, **kwargs))
         return
     key = None
     if bound is None:
         try:
             key = (id(fn), _specialization(args), tuple(kwargs.items()))
         except TypeError:        # an argument kind this module does not key: Triton decides
-            fn[grid](*args, **kwargs)
+            on_cuda_context(lambda: fn[grid](*args, **kwargs))
             return
     device = _current_device()
     entry = _BOUND.get((device, key)) if bound is None else bound.get(device)
@@ -241,7 +241,7 @@ def launch_with(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict
 def _bind(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict], device: int, key) -> None:
     """The first launch of a specialization: through Triton, then its compiled kernel is kept (in
     ``bound`` per device, or in the module's table under ``key``) unless it cannot be bound."""
-    compiled = fn[grid](*args, **kwargs)
+    compiled = on_cuda_context(lambda: fn[grid](*args, **kwargs))
     params = _parameters(fn)
     if compiled is None or fn.pre_run_hooks or len(args) > len(params):
         return
