@@ -43,19 +43,20 @@ def test_every_gluon_table_entry_fits_the_kernel(leaves):
 def test_gluon_tiles_follow_the_wave_model():
     """The table's picks on 132 SMs: the widest tile for large products (Qwen3-8B at 4096 rows), one
     wave of 128x64 where it fits (o_proj and down_proj at 256 rows, a 1024 x 1024 weight gradient),
-    a 96-wide tile of two accumulators for qkv at 256 rows (one wave), 192 wide for gate_up (two
-    waves where 128x128 needs three; a tree keeps 128x128)."""
+    one warpgroup's 64x(128+64) tile for qkv at 256 rows (one wave; a tree: 128x(64+32), one wave), 192
+    wide for a 3072 x 1024 weight gradient (one wave; a tree keeps 128x128)."""
     def tile(m, n, leaves=1):
         cfg = tiles.gluon_launch_config(m, n, leaves, 132)
         return cfg.block_m, cfg.tile_n
     for n in (6144, 4096, 24576):
         assert tile(4096, n) == (128, 256) and tile(4096, n, 8) == (128, 128)
     assert tile(256, 4096) == (128, 64) and tile(256, 4096, 8) == (128, 64)
-    assert tile(256, 6144) == (128, 96) and tile(256, 6144, 8) == (128, 96)
+    assert tile(256, 6144) == (64, 192) and tile(256, 6144, 8) == (128, 96)
     assert tile(256, 24576) == (128, 128) and tile(256, 24576, 8) == (128, 128)
     assert tile(1024, 3072) == (128, 192)          # a weight gradient: one wave of 128x192
     assert tile(1024, 1024) == (128, 64)
-    assert tile(256, 64 * 132 // 2) == (128, 64) and tile(256, 64 * 132 // 2 + 1) == (128, 96)
+    assert tile(256, 64 * 132 // 2) == (128, 64) and tile(256, 64 * 132 // 2 + 1) == (64, 192)
+    assert tile(256, 64 * 132 // 2 + 1, 8) == (128, 96)
     assert tile(128, 6144) == (64, 128) and tile(64, 6144) == (64, 64)
 
 

@@ -155,23 +155,25 @@ class GluonConfig:
 
 
 #: The tiles of more than 128 rows the Gluon table picks from (one leaf; a tree), and the relative
-#: speed of an SM on each tile width (output elements per second, the 128x256 tile's = 1; from the
-#: H200 sweeps of docs/benchmarks.md, 2026-11-26).
+#: speed of an SM on each tile (output elements per second, the 128x256 tile's = 1; keyed by rows and
+#: width; from the H200 sweeps of docs/benchmarks.md, 2026-11-26 and 2026-11-28).
 #: Stages are the most that fit beside the epilogue's 16-bit staging tile (the TMA store).
 _GLUON_ONE_LEAF = (GluonConfig(128, 256, 8, 3), GluonConfig(128, 128, 8, 4, block_n2=64),
                    GluonConfig(128, 128, 8, 6), GluonConfig(128, 64, 8, 7, block_n2=32),
-                   GluonConfig(128, 64, 8, 8))
+                   GluonConfig(128, 64, 8, 8), GluonConfig(64, 128, 4, 6, block_n2=64))
 _GLUON_TREE = (GluonConfig(128, 128, 8, 4), GluonConfig(128, 64, 8, 5, block_n2=32),
                GluonConfig(128, 64, 8, 7))
-_TILE_RATE = {256: 1.0, 192: 1.0, 128: 0.96, 96: 0.74, 64: 0.8}
+_TILE_RATE = {(128, 256): 1.0, (128, 192): 1.0, (128, 128): 0.96, (128, 96): 0.74, (128, 64): 0.8}
 #: One leaf's rates: the 64-wide tile over several waves ran at 0.56 of 128x256's rate in a weight
 #: gradient (3072 x 1024 output, K = 4096, both operands transposed; H100 sweep of the Qwen3-0.6B
 #: training step's matmuls, docs/benchmarks.md, 2026-11-26): 0.7 keeps it where one wave of it
 #: fills the SMs (the 256-row products) and gives such gradients 128x256.  The 192-wide tile runs
 #: 4 stages beside the epilogue's staging tile (5 before): gate_up at 256 rows took 91.3 us in two
 #: waves of it against 86.3 us in three of 128x128 (H100 sweep with the TMA-store epilogue,
-#: docs/benchmarks.md, 2026-11-26, evening), a rate of about 0.9.
-_TILE_RATE_ONE_LEAF = {**_TILE_RATE, 64: 0.7, 192: 0.9}
+#: docs/benchmarks.md, 2026-11-26, evening), a rate of about 0.9.  One warpgroup on a 64x(128+64)
+#: tile: Qwen3-8B's qkv at 256 rows (one wave of 128 tiles either way) took 22.0 and 22.5 us against
+#: 23.2 and 25.9 us on 128x(64+32), on two H200s (docs/benchmarks.md, 2026-11-28): 0.78.
+_TILE_RATE_ONE_LEAF = {**_TILE_RATE, (128, 64): 0.7, (128, 192): 0.9, (64, 192): 0.78}
 #: Every (config, leaves) the table above 128 rows may launch (the GPU tests run each one).
 GLUON_TABLE_TILES = tuple((cfg, leaves) for cfg in _GLUON_ONE_LEAF for leaves in (1,)) + tuple(
     (cfg, leaves) for cfg in _GLUON_TREE for leaves in (2, 4, 8))
@@ -182,27 +184,27 @@ def gluon_launch_config(m: int, n: int, leaves: int, sms: int) -> GluonConfig:
 
     One leaf cannot split K, so the grid of output tiles is all the parallelism there is.  Above
     128 rows the table takes the tile that finishes first by a wave model: ``ceil(tiles / sms)``
-    waves, each as long as a tile's width over its rate (:data:`_TILE_RATE`; a tie goes to the
+    waves, each as long as a tile's outputs over its rate (:data:`_TILE_RATE`; a tie goes to the
     tile listed first).  Large products keep the widest tile (Qwen3-8B's shapes at 4096 rows:
     128x256, 128x128 for a tree); at 256 rows o_proj and down_proj take 128x64 (one wave of 128
-    tiles), qkv takes 128x(64+32) (one wave of 128 tiles where 128x128 leaves 36 SMs idle) and
-    gate_up 128x128 (three waves; two of the 192-wide tile ran slower with its 4 stages); a weight
-    gradient of few output tiles (1024 x 1024: 32 tiles of 128x256) takes 128 tiles of 128x64, one
-    of 3072 x 1024 128x256 (one wave, where 128x64 took three at a lower rate).
-    Rates are from H200 sweeps at 256 rows (2026-11-26): the two-accumulator tiles run their
-    wgmmas narrower, so 96 columns go at 0.74 of 128x256's rate, 192 at about its rate (0.9 for one
-    leaf, whose 192-wide tile has one stage fewer beside the epilogue's staging tile)."""
+    tiles), qkv takes 64x(128+64) (one wave of 128 tiles where 128x128 leaves 36 SMs idle; a tree
+    128x(64+32)) and gate_up 128x128 (three waves; two of the 192-wide tile ran slower with its 4
+    stages); a weight gradient of few output tiles (1024 x 1024: 32 tiles of 128x256) takes 128
+    tiles of 128x64, one of 3072 x 1024 128x256 (one wave, where 128x64 took three at a lower rate).
+    Rates are from H200 sweeps at 256 rows (2026-11-26, 2026-11-28): the two-accumulator tiles run
+    their wgmmas narrower, so 96 columns go at 0.74 of 128x256's rate, 192 at about its rate (0.9
+    for one leaf, whose 192-wide tile has one stage fewer beside the epilogue's staging tile), and
+    one warpgroup's 64x(128+64) at 0.78."""
     if m <= 64:
         return GluonConfig(64, 64, 4, 8)
     if m <= 128:
         return GluonConfig(64, 128, 4, 6)
-    row_tiles = -(-m // 128)
 
     rate = _TILE_RATE_ONE_LEAF if leaves == 1 else _TILE_RATE
 
     def finish(cfg: GluonConfig) -> float:
-        waves = -(-(row_tiles * -(-n // cfg.tile_n)) // sms)
-        return waves * cfg.tile_n / rate[cfg.tile_n]
+        waves = -(-(-(-m // cfg.block_m) * -(-n // cfg.tile_n)) // sms)
+        return waves * cfg.block_m * cfg.tile_n / rate[(cfg.block_m, cfg.tile_n)]
 
     return min(_GLUON_ONE_LEAF if leaves == 1 else _GLUON_TREE, key=finish)
 
