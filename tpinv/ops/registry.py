@@ -19,6 +19,10 @@ has the input's layout where it has a unit last stride
 (:func:`tpinv.kernels.layout.empty_in_layout_of`) -- attention and rope hand a ``[B, S, H, D]``
 buffer seen as ``[B, H, S, D]`` back in that layout, and their kernels write it directly.
 
+Device: the CUDA slot runs its kernel with its first tensor input's device current
+(:func:`on_device_of_inputs`), as torch's own ops do, so tensors on ``cuda:1`` run there and on its
+stream whichever device is current.
+
 Eager calls: an op called in plain eager code -- not under ``torch.compile``, no dispatch or
 function mode, no profiler, no functorch transform, plain tensors passed positionally -- runs
 its kernel directly (through an :class:`torch.autograd.Function` made from the op's own
@@ -99,6 +103,38 @@ def outputs_in_layout(value, args: tuple, likes: Optional[tuple]):
                     else in_layout_of(out, args[like]))
                    for out, like in zip(outs, likes))
     return placed[0] if single else type(value)(placed)
+
+
+def on_device_of_inputs(kernel: Callable, tensor_args: tuple) -> Callable:
+    """``kernel`` run with its first tensor argument's CUDA device current (the device Triton
+    launches on and takes its stream from), where another device is current: tensors on ``cuda:1``
+    with ``cuda:0`` current run on ``cuda:1``, in order with its stream, as torch's own ops do."""
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        if _ONE_CUDA_DEVICE[0] is None:
+            _ONE_CUDA_DEVICE[0] = torch.cuda.device_count() <= 1
+        if _ONE_CUDA_DEVICE[0]:          # no other device to be on
+            return kernel(*args, **kwargs)
+        for i in tensor_args:
+            t = args[i] if i < len(args) else None
+            if t is not None:
+                index = t.get_device()
+                if index >= 0 and index != _cuda_current_device():
+                    with torch.cuda.device(index):
+                        return kernel(*args, **kwargs)
+                break
+        return kernel(*args, **kwargs)
+
+    return run
+
+
+#: ``[None]`` until the first CUDA call, then whether this process sees one CUDA device only.
+_ONE_CUDA_DEVICE: list = [None]
+
+
+def _cuda_current_device() -> int:
+    return torch._C._cuda_getDevice()
 
 
 def with_outputs_in_layout(kernel: Callable, likes: Optional[tuple] = None) -> Callable:
@@ -185,9 +221,14 @@ class _EagerPath:
 
     def __init__(self, schema, cpu: Callable, cuda: Callable, mutates: bool):
         self.arity = len(schema.arguments)
-        self.tensor_args = tuple(i for i, a in enumerate(schema.arguments)
-                                 if "Tensor" in str(a.type) and "[]" not in str(a.type))
+        self.tensor_args = tensor_positions(schema)
         self.cpu, self.cuda, self.mutates, self.autograd = cpu, cuda, mutates, None
+
+
+def tensor_positions(schema) -> tuple:
+    """Positions of an op schema's tensor arguments (optional ones included, lists not)."""
+    return tuple(i for i, a in enumerate(schema.arguments)
+                 if "Tensor" in str(a.type) and "[]" not in str(a.type))
 
 
 class OpDef(NamedTuple):
@@ -260,7 +301,8 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
             kernel = cuda
         else:
             kernel = lazy_kernel(cuda)
-        cuda_slot = with_outputs_in_layout(kernel, likes)
+        cuda_slot = on_device_of_inputs(with_outputs_in_layout(kernel, likes),
+                                        tensor_positions(op._opoverload._schema))
         op.register_kernel("cuda", cuda_slot)
         op.__class__ = InvariantOp
         op._tpinv_eager = _EagerPath(op._opoverload._schema, reference_slot, cuda_slot, bool(mutated))
