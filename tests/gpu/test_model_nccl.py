@@ -19,6 +19,8 @@ import sys
 import pytest
 import torch
 
+from tpinv.testing import free_port
+
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,11 +32,17 @@ def _env():
     return env
 
 
+def _torchrun(nproc: int) -> list:
+    """``torchrun`` on a free port: the tests run side by side (pytest-xdist), and two launches on
+    torchrun's default port would meet at one rendezvous store."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port())]
+
+
 def _model_tp(tmp_path, *extra):
     out = tmp_path / "tp.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           os.path.join(ROOT, "tools", "gpu_model_tp.py"), "--models", "qwen3-tiny", "--seq", "24",
-           "--iters", "1", "--json", str(out), *extra]
+    cmd = [*_torchrun(2), os.path.join(ROOT, "tools", "gpu_model_tp.py"), "--models", "qwen3-tiny",
+           "--seq", "24", "--iters", "1", "--json", str(out), *extra]
     proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
@@ -58,8 +66,7 @@ def test_engine_generations_equal_on_two_gpus(tmp_path):
 def _pretrain(tmp_path, tp: int, vanilla: bool = False) -> tuple[list[dict], list[str]]:
     """Per-step metrics and the printed final-weight hashes of one ``launch/pretrain.py`` run."""
     log_dir = tmp_path / f"tp{tp}{'-vanilla' if vanilla else ''}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp),
-           os.path.join(ROOT, "launch", "pretrain.py"), "--tp", str(tp), "--model", "qwen3-tiny",
+    cmd = [*_torchrun(tp), os.path.join(ROOT, "launch", "pretrain.py"), "--tp", str(tp), "--model", "qwen3-tiny",
            "--steps", "20", "--global-batch", "32", "--micro-batch", "8", "--backend", "nccl",
            "--log-dir", str(log_dir), "--no-progress"] + (["--vanilla"] if vanilla else [])
     proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=500)
@@ -82,8 +89,7 @@ def _curve(rows):
 
 def test_a_tp2_training_step_synchronizes_once_a_rank(tmp_path):
     out = tmp_path / "syncs.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           os.path.join(ROOT, "tools", "gpu_sync_count.py"), "--json", str(out)]
+    cmd = [*_torchrun(2), os.path.join(ROOT, "tools", "gpu_sync_count.py"), "--json", str(out)]
     proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = json.loads(out.read_text())["ranks"]
