@@ -66,8 +66,8 @@ def test_engine_generations_equal_on_two_gpus(tmp_path):
 def _pretrain(tmp_path, tp: int, vanilla: bool = False) -> tuple[list[dict], list[str]]:
     """Per-step metrics and the printed final-weight hashes of one ``launch/pretrain.py`` run."""
     log_dir = tmp_path / f"tp{tp}{'-vanilla' if vanilla else ''}"
-    cmd = [*_torchrun(tp), os.path.join(ROOT, "launch", "pretrain.py"), "--tp", str(tp), "--model", "qwen3-tiny",
-           "--steps", "20", "--global-batch", "32", "--micro-batch", "8", "--backend", "nccl",
+    cmd = [*_torchrun(tp), os.path.join(ROOT, "launch", "pretrain.py"), "--tp", str(tp),
+           "--model", "qwen3-tiny", "--steps", "20", "--global-batch", "32", "--micro-batch", "8", "--backend", "nccl",
            "--log-dir", str(log_dir), "--no-progress"] + (["--vanilla"] if vanilla else [])
     proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

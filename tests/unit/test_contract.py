@@ -135,7 +135,6 @@ def test_halving_sum_order_and_zero_padding():
     assert_same_bits(halving_sum(x[:, :1]), x[:, 0], 'halving_sum(x[:, :1])')
 
 
-
 def test_one_leaf_reduction_is_the_leaf_chain_alone():
     """``leaf_tree_sum(x, 1)`` takes its one-leaf path (the halving sum of ``x`` itself): raw
     bytes equal to the general composition ``tree_combine(leaf_partials(x, 1))``, on rows, on a
@@ -151,6 +150,7 @@ def test_one_leaf_reduction_is_the_leaf_chain_alone():
                        "control: left to right")
     with pytest.raises(TypeError, match="fp32"):
         leaf_tree_sum(torch.ones(2, 8, dtype=torch.bfloat16), 1)
+
 
 def test_leaf_partials_validation():
     with pytest.raises(TypeError, match="fp32"):

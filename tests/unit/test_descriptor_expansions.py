@@ -40,3 +40,34 @@ def test_kept_per_parameter_metadata(monkeypatch):
     moved = _Descriptor()
     descriptors.expand_descriptors((moved, w, w, 7, moved), meta)
     assert len(calls) == 6 and calls[-2:] == [(moved, m_x), (moved, m_out)]
+
+
+def test_only_a_missing_context_is_retried(monkeypatch):
+    """:func:`descriptors.on_cuda_context` retries a call once, after making a context current, only
+    where it failed for want of one; any other error is raised at once, the call made once.  (On a
+    GPU, ``tests/gpu/test_fresh_thread.py`` runs the real case.)"""
+    import pytest
+    import torch
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(1))
+
+    def failing_once(message):
+        calls = []
+
+        def call():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError(message)
+            return "ran"
+        return call, calls
+
+    call, calls = failing_once("Triton Error [CUDA]: Failed to create tensor map descriptor: "
+                               "invalid device context")
+    assert descriptors.on_cuda_context(call) == "ran" and len(calls) == 2 and synced == [1]
+    call, calls = failing_once("CUDA error: an illegal memory access was encountered (context lost)")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        descriptors.on_cuda_context(call)
+    assert len(calls) == 1 and synced == [1]          # control: no retry, no synchronize

@@ -95,6 +95,10 @@ def expand_descriptors(full: tuple, descriptors: tuple) -> list:
 _EXPANSIONS = [0]
 
 
+#: The driver's message for a call made with no CUDA context current (CUDA_ERROR_INVALID_CONTEXT).
+_NO_CONTEXT = "invalid device context"
+
+
 def on_cuda_context(call):
     """``call()``: something that encodes host TMA descriptors (Triton's ``make_tensordesc_arg``, or
     a first launch through Triton, which encodes them itself).  The encoder needs a CUDA context
@@ -106,7 +110,8 @@ def on_cuda_context(call):
     try:
         return call()
     except RuntimeError as err:
-        if "context" not in str(err) or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+        if (_NO_CONTEXT not in str(err) or not torch.cuda.is_available()
+                or torch.cuda.is_current_stream_capturing()):
             raise
     torch.cuda.synchronize()   # a runtime call that needs a context: it makes the primary one current
     return call()

@@ -120,7 +120,7 @@ def on_device_of_inputs(kernel: Callable, tensor_args: tuple) -> Callable:
             t = args[i] if i < len(args) else None
             if t is not None:
                 index = t.get_device()
-                if index >= 0 and index != _cuda_current_device():
+                if index >= 0 and index != torch._C._cuda_getDevice():
                     with torch.cuda.device(index):
                         return kernel(*args, **kwargs)
                 break
@@ -131,10 +131,6 @@ def on_device_of_inputs(kernel: Callable, tensor_args: tuple) -> Callable:
 
 #: ``[None]`` until the first CUDA call, then whether this process sees one CUDA device only.
 _ONE_CUDA_DEVICE: list = [None]
-
-
-def _cuda_current_device() -> int:
-    return torch._C._cuda_getDevice()
 
 
 def with_outputs_in_layout(kernel: Callable, likes: Optional[tuple] = None) -> Callable:
