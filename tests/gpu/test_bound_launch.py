@@ -7,6 +7,8 @@ expanded once), once with direct launches off and once with binding and direct e
 give the same bytes.  Control: the matmul with another leaf count differs.  A bound matmul keeps its TMA
 descriptors per address: a new tensor at a freed tensor's address gets a fresh launch's bytes
 (control: the old tensor's product differs), and their expansions are kept per kernel parameter.
+Attention's forward and backward launches keep theirs the same way (control: the old values'
+outputs and gradients differ).
 """
 from __future__ import annotations
 
@@ -141,6 +143,47 @@ def test_kept_descriptors_are_expanded_once(rows):
     moved = x.clone()
     ops.matmul(moved, w, 8, 1)
     assert descriptors.descriptor_expansions() > before, "control: a new address was not expanded"
+
+
+def test_attention_keeps_descriptors_per_address():
+    """Once attention's launches are bound (the forward; the backward's dK/dV and dQ kernels), their
+    TMA descriptors are kept per address and, on Triton 3.6, expanded once: calls on the same
+    addresses reuse all eight (k, v; q and grad_out rows twice; k, v) and expand none.  New values
+    at those addresses give the bytes of launches through Triton with nothing kept.  Control: the
+    old values' output and gradients differ."""
+    gen = torch.Generator().manual_seed(17)
+    B, HQ, HKV, S, D = 2, 8, 4, 300, 128
+    shapes = [(B, S, HQ, D), (B, S, HKV, D), (B, S, HKV, D), (B, S, HQ, D)]
+    memory = [torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+    pos = torch.arange(S, device="cuda")[None].expand(B, S)
+
+    def fill():
+        for m in memory:
+            m.copy_(torch.randn(m.shape, generator=gen))
+
+    def step():                  # the model's layout: [B, S, H, D] buffers seen as [B, H, S, D]
+        q, k, v = (m.transpose(1, 2).detach().requires_grad_() for m in memory[:3])
+        out = ops.attention(q, k, v, pos)
+        out.backward(memory[3].transpose(1, 2))
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    fill()
+    for _ in range(3):           # through Triton, then bound (descriptors built), then kept
+        old = step()
+    fill()
+    reuses, expansions = descriptors.descriptor_reuses(), descriptors.descriptor_expansions()
+    new = step()
+    assert descriptors.descriptor_reuses() - reuses >= 8, "attention's kept descriptors were not used"
+    if launch_mod.direct_available():
+        assert descriptors.descriptor_expansions() == expansions, "kept descriptors were expanded again"
+    launch_mod.BIND[0], registry.EAGER_CALLS[0] = False, False
+    try:
+        plain = step()
+    finally:
+        launch_mod.BIND[0], registry.EAGER_CALLS[0] = True, True
+    for what, a, b, c in zip(("out", "dq", "dk", "dv"), new, plain, old):
+        assert_same_bits(a, b, f"{what}: kept descriptors vs launches through Triton")
+        assert_bits_differ(a, c, f"control: {what} of the old values")
 
 
 def test_launch_hooks_see_bound_launches():

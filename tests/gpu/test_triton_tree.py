@@ -1,5 +1,7 @@
 """On CUDA, the one-launch halving sum gives the bits of the per-level tensor adds it replaces
-(norm weight gradients, bias gradients, tree sums).  Control: adjacent pairing differs."""
+(norm weight gradients, bias gradients, tree sums), reading 16-bit inputs as fp32 and rounding
+its sums once to a 16-bit dtype where asked (as ``.to`` after it would).  Controls: adjacent
+pairing differs; rounding every level to bfloat16 differs."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +10,7 @@ import torch
 from tpinv.core.contract import tree_combine
 from tpinv.kernels.reference_tree import leaf_partials, leaf_tree_sum
 from tpinv.kernels.triton_tree import halving_sum_cuda
+from tpinv.ops import tree_sum
 from tpinv.testing import assert_bits_differ, assert_same_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -52,3 +55,26 @@ def test_one_leaf_reduction_is_the_leaf_chain_alone(step, heads, hidden):
     assert_same_bits(leaf_tree_sum(row, 1), torch.ones(1, device="cuda"), "the halving's pairs")
     assert_bits_differ(leaf_tree_sum(row, 1), ((row[:, 0] + row[:, 1]) + row[:, 2]) + row[:, 3],
                        "control: left to right")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16, torch.float16])
+def test_16_bit_inputs_and_rounded_sums(dtype, out):
+    """``halving_sum_cuda(x, out)`` == the per-level fp32 adds of ``x.float()``, then ``.to(out)``;
+    and the ``tree_sum`` op (one leaf) on ``x`` == the reference on ``x.float()``."""
+    gen = torch.Generator().manual_seed(5)
+    for rows, n in [(3, 1), (7, 3), (2048, 512), (1024, 4097)]:
+        x = (torch.randn(n, rows, generator=gen) * torch.logspace(-3, 3, n)[:, None]).to(dtype).cuda()
+        want = _per_level(x.t().float())
+        assert_same_bits(halving_sum_cuda(x.t(), out), want.to(out), f"{rows}x{n} {dtype} -> {out}")
+        assert_same_bits(tree_sum(x.t(), 1), leaf_tree_sum(x.t().float(), 1), f"tree_sum {rows}x{n} {dtype}")
+
+
+def test_control_bfloat16_adds_at_every_level_differ():
+    """``[1, 2^-8, 2^-8, 2^-8]``: fp32 adds then one rounding give 1 + 2^-6 in bfloat16; rounding
+    each level to bfloat16 gives 1 + 2^-7 (1 + 2^-8 ties to 1 first)."""
+    x = torch.tensor([[1.0, 2.0 ** -8, 2.0 ** -8, 2.0 ** -8]], dtype=torch.bfloat16, device="cuda")
+    got = halving_sum_cuda(x, torch.bfloat16)
+    assert_same_bits(got, torch.tensor([1.0 + 2.0 ** -6], dtype=torch.bfloat16, device="cuda"), "one rounding")
+    per_level = x[:, :2] + x[:, 2:]
+    assert_bits_differ(got, (per_level[:, :1] + per_level[:, 1:])[:, 0], "control: bfloat16 adds at every level")

@@ -2,7 +2,8 @@
 
 Each op's definition (``tpinv.ops.registry.OPS``) names its CUDA kernel: a Triton function of
 ``tpinv.kernels`` resolved on first use, the reference kernel's own fixed-order torch code
-(``REFERENCE``), or (matmul) a small adapter in the op's module; a slot nobody filled raises.
+(``REFERENCE``), or (matmul, tree_sum) a small adapter in the op's module; a slot nobody filled
+raises.
 """
 import importlib
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import tpinv.ops  # noqa: F401  (imports every op module, which defines its ops)
-from tpinv.ops.linear import _matmul_cuda, matmul_op
+from tpinv.ops.linear import _matmul_cuda, _tree_sum_cuda, matmul_op
 from tpinv.ops.registry import (OPS, REFERENCE, cuda_kernel, define_op, has_cuda_kernel, missing_cuda_kernel,
                                 register_fake)
 
@@ -40,8 +41,8 @@ def test_every_slot_holds_its_named_kernel(qualname):
     elif isinstance(d.cuda, str):  # a Triton function, imported on first use (tests/gpu runs them)
         assert kernel.__name__ == d.cuda
         assert callable(getattr(importlib.import_module(kernel.triton_module), kernel.triton_name))
-    else:
-        assert qualname == "tpinv::matmul" and kernel is _matmul_cuda
+    else:   # an adapter beside the op
+        assert (qualname, kernel) in {("tpinv::matmul", _matmul_cuda), ("tpinv::tree_sum", _tree_sum_cuda)}
 
 
 def test_matmul_adapter_names_the_triton_contract_kernel():

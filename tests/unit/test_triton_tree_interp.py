@@ -1,6 +1,9 @@
 """The one-launch halving sum (tpinv.kernels.triton_tree) under Triton's interpreter: the bits of
-the reference's per-level adds, for lengths around powers of two, strided rows, many rows.
-Control: a sum in another pairing (adjacent pairs first) differs."""
+the reference's per-level adds, for lengths around powers of two, strided rows, many rows; fp16
+inputs read as fp32 and sums stored rounded once to fp16 (the interpreter computes in numpy,
+which has no bfloat16 and truncates to it: bfloat16 is checked on the GPU,
+``tests/gpu/test_triton_tree.py``).  Controls: a sum in another pairing (adjacent pairs first)
+differs; adds rounded to fp16 at every level differ."""
 from __future__ import annotations
 
 import torch
@@ -22,6 +25,31 @@ def check_equals_reference_adds():
         x = torch.randn(rows, n, generator=gen) * torch.logspace(-3, 3, n)
         assert_same_bits(kernel(x), ref(x), f"{rows}x{n}")
         assert_same_bits(kernel(x.t().contiguous().t()), ref(x), f"{rows}x{n} strided")
+
+
+def check_16_bit_inputs_and_outputs():
+    """``kernel(x, out)`` == ``ref(x.float()).to(out)`` for fp32/fp16 inputs and outputs."""
+    ref, kernel = _kernels()
+    gen = torch.Generator().manual_seed(2)
+    for rows, n in [(3, 1), (5, 3), (17, 64), (9, 300)]:
+        x = torch.randn(rows, n, generator=gen) * torch.logspace(-3, 3, n)
+        for dtype in (torch.float32, torch.float16):
+            xd = x.to(dtype)
+            for out in (torch.float32, torch.float16):
+                got = kernel(xd.t().contiguous().t(), out)
+                assert_same_bits(got, ref(xd.float()).to(out), f"{rows}x{n} {dtype} -> {out}")
+
+
+def check_control_fp16_adds_at_every_level_differ():
+    """``[1, 2^-11, 2^-11, 2^-11]``: fp32 adds then one rounding give 1 + 2^-9 in fp16; rounding
+    each level to fp16 gives 1 + 2^-10 (1 + 2^-11 ties to 1 first)."""
+    _, kernel = _kernels()
+    x = torch.tensor([[1.0, 2.0 ** -11, 2.0 ** -11, 2.0 ** -11]], dtype=torch.float16)
+    got = kernel(x, torch.float16)
+    assert_same_bits(got, torch.tensor([1.0 + 2.0 ** -9], dtype=torch.float16), "one rounding")
+    per_level = (x[:, :2] + x[:, 2:])
+    per_level = per_level[:, :1] + per_level[:, 1:]
+    assert_bits_differ(got, per_level[:, 0], "control: fp16 adds at every level")
 
 
 def check_control_adjacent_pairing_differs():

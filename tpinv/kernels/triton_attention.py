@@ -52,12 +52,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import cdiv, launch, next_power_of_2
+from tpinv.kernels.launch import cdiv, launch, next_power_of_2, operands_key
 from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 from tpinv.kernels.triton_attention_tiles import (block_ranges, clean_kv, load_kv_blocks, poison_rows,
                                                   row_tile, visibility)
-from tpinv.kernels.triton_attention_tma import kv_descriptors, load_kv_tma
+from tpinv.kernels.triton_attention_tma import attention_plan, kept_for, kv_descriptors, load_kv_tma
 
 __all__ = ["attention_forward_cuda", "AttentionConfig", "forward_config", "one_chunk", "padded_head_dim",
            "MAX_HEAD_DIM", "KV_CHUNK_BLOCKS", "FORWARD_CANDIDATES"]
@@ -258,11 +258,20 @@ def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def mask_args(mask: Optional[torch.Tensor], like: torch.Tensor):
-    """``(tensor, strides)`` of the mask as uint8 (a 1-element dummy when there is none)."""
+    """``(tensor, strides)`` of the mask as uint8 (a 1-element dummy when there is none: never
+    read, kept per device rather than allocated and zeroed every call)."""
     if mask is None:
-        return torch.zeros(1, dtype=torch.uint8, device=like.device), (0, 0, 0)
+        dummy = _NO_MASK.get(like.device)
+        if dummy is None:
+            dummy = torch.zeros(1, dtype=torch.uint8, device=like.device)
+            if not (dummy.is_cuda and torch.cuda.is_current_stream_capturing()):  # not a graph's pool
+                _NO_MASK[like.device] = dummy
+        return dummy, (0, 0, 0)
     m = mask.view(torch.uint8)
     return m, tuple(m.stride())
+
+
+_NO_MASK: dict = {}   # device -> the dummy mask tensor
 
 
 def resolve_scale(scale: Optional[float], D: int) -> float:
@@ -330,7 +339,9 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
                                              window, scale, mask is not None, cfg, DP, KV_BLOCK,
                                              KV_CHUNK_BLOCKS), out, lse)
         return out, lse
-    descs = kv_descriptors(k, v, KV_BLOCK, DP) if tma is not False else None
+    plan = attention_plan((operands_key(q, k, v, q_pos, m), bool(causal), window, cfg, bool(merge), tma))
+    bound = plan.setdefault("forward", {})
+    descs = kv_descriptors(k, v, KV_BLOCK, DP, kept_for(plan, bound)) if tma is not False else None
     if tma and descs is None:
         raise ValueError("tma=True: these k/v cannot be read through TMA descriptors")
     k_desc, v_desc = descs or (k, v)
@@ -344,5 +355,5 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None,
         BLOCK_M=cfg.block_m, KB=KV_BLOCK, DP=DP, CB=KV_CHUNK_BLOCKS, MERGE=bool(merge),
         TMA=descs is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, bound=bound)
     return out, lse

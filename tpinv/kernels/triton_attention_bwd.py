@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import cdiv, launch
+from tpinv.kernels.launch import cdiv, launch, operands_key
 from tpinv.kernels.layout import empty_in_layout_of
 from tpinv.kernels.reference_attention import KV_BLOCK, check_attention_inputs
 from tpinv.kernels.reference_attention_bwd import check_backward_inputs
@@ -61,7 +61,8 @@ from tpinv.kernels.triton_attention import last_dim_contiguous, mask_args, padde
 from tpinv.kernels.triton_attention_dkdv import dkdv_kernel
 from tpinv.kernels.triton_attention_tiles import (block_ranges, clean_kv, load_kv_blocks, poison_rows,
                                                   query_tile, visibility)
-from tpinv.kernels.triton_attention_tma import kv_descriptors, load_kv_tma, row_descriptor
+from tpinv.kernels.triton_attention_tma import (attention_plan, kept_for, kv_descriptors, load_kv_tma,
+                                                row_descriptor)
 
 __all__ = ["attention_backward_cuda", "BackwardConfig", "backward_config", "BACKWARD_CANDIDATES",
            "DELTA_ROWS", "POS_SCAN"]
@@ -249,21 +250,27 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
     m, (s_mb, s_ms, s_mt) = mask_args(mask, q)
     delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     dlse = grad_lse if grad_lse is not None else delta
-    launch(_delta_kernel, (cdiv(S, DELTA_ROWS), B * Hq),
-        grad_out, out, dlse, delta, *grad_out.stride()[:3], *out.stride()[:3], *dlse.stride(),
-        delta.stride(0), delta.stride(1), S, D, Hq,
-        HAS_DLSE=grad_lse is not None, ROWS=DELTA_ROWS, DP=DP,
-        LOG2_DP=DP.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
     if config is None:
         config = backward_config(q.dtype, DP)
     elif q.dtype == torch.float32:
         raise ValueError("attention_backward_cuda: config= is for bf16/fp16 inputs (fp32 has one shape)")
+    plan = attention_plan((operands_key(q, k, v, grad_out, out, lse, q_pos, m),
+                           None if grad_lse is None else operands_key(grad_lse), bool(causal), window,
+                           grad_kv_dtype, config, tma))
+    launch(_delta_kernel, (cdiv(S, DELTA_ROWS), B * Hq),
+        grad_out, out, dlse, delta, *grad_out.stride()[:3], *out.stride()[:3], *dlse.stride(),
+        delta.stride(0), delta.stride(1), S, D, Hq,
+        HAS_DLSE=grad_lse is not None, ROWS=DELTA_ROWS, DP=DP,
+        LOG2_DP=DP.bit_length() - 1, num_warps=4, enable_fp_fusion=False, bound=plan.setdefault("delta", {}))
     common = dict(G=g, CAUSAL=bool(causal), WINDOW=window is not None, HAS_MASK=mask is not None, DP=DP)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
                *lse.stride(), delta.stride(0), delta.stride(1), *q_pos.stride(), s_mb, s_ms, s_mt)
     rows = None
+    bound = plan.setdefault("dkdv", {})
     if tma is not False and window is None and mask is None:   # ptxas crashed on the others
-        rows = (row_descriptor(q, g, config.dkdv_rows, DP), row_descriptor(grad_out, g, config.dkdv_rows, DP))
+        kept = kept_for(plan, bound)
+        rows = (row_descriptor(q, g, config.dkdv_rows, DP, kept, "q"),
+                row_descriptor(grad_out, g, config.dkdv_rows, DP, kept, "grad_out"))
         rows = None if any(r is None for r in rows) else rows
     if tma and rows is None:
         raise ValueError("tma=True: the dK/dV kernel cannot read these q/grad_out through TMA "
@@ -272,10 +279,13 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
         q, k, v, grad_out, *(rows or (q, grad_out)), lse, delta, q_pos, m, dk, dv, *strides, *dk.stride()[:3],
         *dv.stride()[:3], S, T, D, Hkv, int(window or 0), scale, BLOCK_M=config.dkdv_rows,
         KB=config.dkdv_slots, SCAN=POS_SCAN, TMA=rows is not None, num_warps=config.dkdv_warps,
-        num_stages=config.dkdv_stages, enable_fp_fusion=False, **common)
+        num_stages=config.dkdv_stages, enable_fp_fusion=False, bound=bound, **common)
     n_tiles = cdiv(S * g, config.dq_rows)
-    descs = kv_descriptors(k, v, config.dq_slots, DP) if tma is not False else None
-    rows = (row_descriptor(q, g, config.dq_rows, DP), row_descriptor(grad_out, g, config.dq_rows, DP))
+    bound = plan.setdefault("dq", {})
+    kept = kept_for(plan, bound)
+    descs = kv_descriptors(k, v, config.dq_slots, DP, kept) if tma is not False else None
+    rows = (row_descriptor(q, g, config.dq_rows, DP, kept, "q"),
+            row_descriptor(grad_out, g, config.dq_rows, DP, kept, "grad_out"))
     descs = None if descs is None or any(r is None for r in rows) else (*descs, *rows)
     if tma and descs is None:
         raise ValueError("tma=True: these k/v cannot be read through TMA descriptors")
@@ -284,5 +294,5 @@ def attention_backward_cuda(grad_out: torch.Tensor, grad_lse: Optional[torch.Ten
         *dq.stride()[:3],
         S, T, D, Hkv, n_tiles, int(window or 0), scale, BLOCK_M=config.dq_rows, KB=config.dq_slots,
         TMA=descs is not None, num_warps=config.dq_warps, num_stages=config.dq_stages,
-        enable_fp_fusion=False, **common)
+        enable_fp_fusion=False, bound=bound, **common)
     return dq, dk, dv

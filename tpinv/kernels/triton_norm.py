@@ -29,7 +29,8 @@ import triton.language as tl
 from tpinv.kernels.launch import launch, next_power_of_2, rows_2d
 from tpinv.kernels.reference_norm import (check_per_head_inputs, check_rms_norm_backward_inputs, check_rms_norm_inputs,
                                     rms_norm_backward, rms_norm_backward_heads, rms_norm_forward,
-                                    rms_norm_out_dtype, sum_over_tokens_per_head)
+                                    rms_norm_out_dtype)
+from tpinv.kernels.triton_tree import halving_sum_cuda
 
 __all__ = ["rms_norm_forward_cuda", "rms_norm_backward_cuda", "rms_norm_backward_heads_cuda",
            "tile_for", "MAX_HIDDEN", "LANES_PER_THREAD"]
@@ -138,6 +139,14 @@ def _backward_rows(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ep
     return grad_x.reshape(x.shape), partials
 
 
+def _token_sums(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[heads, H]``: each (head, lane)'s halving sum over the ``P`` partials of ``[P, heads, H]``,
+    rounded once to ``dtype`` in the same launch (the adds of
+    :func:`tpinv.kernels.reference_norm.sum_over_tokens_per_head`, then ``.to(dtype)``)."""
+    step, heads, hidden = partials.shape
+    return halving_sum_cuda(partials.view(step, heads * hidden).t(), dtype).view(heads, hidden)
+
+
 def rms_norm_backward_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)`` in ``x.dtype`` / ``weight.dtype``; see the module docstring."""
@@ -145,7 +154,7 @@ def rms_norm_backward_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Te
     if x.shape[-1] > MAX_HIDDEN:
         return rms_norm_backward(grad, x, weight, eps)
     grad_x, partials = _backward_rows(grad, x, weight, eps, 1)
-    return grad_x, sum_over_tokens_per_head(partials)[0].to(weight.dtype)
+    return grad_x, _token_sums(partials, weight.dtype)[0]
 
 
 def rms_norm_backward_heads_cuda(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -157,4 +166,4 @@ def rms_norm_backward_heads_cuda(grad: torch.Tensor, x: torch.Tensor, weight: to
     if x.shape[-1] > MAX_HIDDEN:
         return rms_norm_backward_heads(grad, x, weight, eps)
     grad_x, partials = _backward_rows(grad, x, weight, eps, x.shape[-2])
-    return grad_x, sum_over_tokens_per_head(partials).to(weight.dtype)
+    return grad_x, _token_sums(partials, weight.dtype)

@@ -18,7 +18,7 @@ from torch import Tensor
 from tpinv.core.contract import DEFAULT_LEAVES, SUPPORTED_DTYPES, check_divisible, check_leaves
 from tpinv.kernels import reference_matmul
 from tpinv.kernels.reference_tree import leaf_tree_sum
-from tpinv.ops.registry import REFERENCE, define_op, lazy_kernel, register_fake
+from tpinv.ops.registry import define_op, lazy_kernel, register_fake
 
 __all__ = ["matmul", "matmul_partial", "tree_sum", "matmul_op", "matmul_partial_op", "tree_sum_op"]
 
@@ -103,13 +103,33 @@ def _check_tree_sum_input(x: Tensor, leaves: int) -> None:
     check_divisible("the reduced (last) dimension", x.shape[-1], leaves)
 
 
-@define_op("tree_sum", cuda=REFERENCE, check=_check_tree_sum_input)
-def tree_sum_op(x: Tensor, leaves: int) -> Tensor:
+def _tree_sum(x: Tensor, leaves: int) -> Tensor:
     _check_tree_sum_input(x, leaves)
     out = leaf_tree_sum(x.float(), leaves)
     if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         out = out.clone()   # a one-element reduction is a view; an op's output may not alias
     return out
+
+
+_HALVING: list = []   # [tpinv.kernels.triton_tree.halving_sum_cuda], imported on the first CUDA call
+
+
+def _tree_sum_cuda(x: Tensor, leaves: int) -> Tensor:
+    """One leaf (the token sums of weight and bias gradients): the halving sum in one launch that
+    reads ``x``'s dtype and widens each value to fp32 as it adds -- the adds of the reference on
+    ``x.float()``, without the fp32 copy's launch.  More leaves: the reference's torch code."""
+    if leaves != 1:
+        return _tree_sum(x, leaves)
+    _check_tree_sum_input(x, leaves)
+    if not _HALVING:
+        from tpinv.kernels.triton_tree import halving_sum_cuda   # imports Triton: CUDA only
+        _HALVING.append(halving_sum_cuda)
+    return _HALVING[0](x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
+
+
+@define_op("tree_sum", cuda=_tree_sum_cuda, check=_check_tree_sum_input)
+def tree_sum_op(x: Tensor, leaves: int) -> Tensor:
+    return _tree_sum(x, leaves)
 
 
 @register_fake(tree_sum_op)
