@@ -50,6 +50,32 @@ def test_input_errors_name_the_expected_shape():
         matmul_cuda(x, w.half(), 8)
 
 
+@cuda
+def test_inputs_checked_once_per_call_signature(monkeypatch):
+    """The kernel checks a call signature's inputs on its first call; once its route is kept, a call
+    with the same shapes, strides, dtypes, alignment, device and leaves (every check is a function
+    of them) is not checked again.  Control: a call of another signature is checked, and bad
+    inputs still raise after good ones of the same shapes ran."""
+    from tpinv.kernels import triton_matmul as tm
+    calls = []
+    check = tm._check_inputs
+    monkeypatch.setattr(tm, "_ROUTES", {})
+    monkeypatch.setattr(tm, "_check_inputs", lambda *a: (calls.append(a[0].shape), check(*a)))
+    x, w = _rand(37, 64), _rand(48, 64)
+    first = matmul_cuda(x, w, 1)
+    assert len(calls) == 1
+    assert_same_bits(matmul_cuda(x.clone(), w, 1), first, "a kept route's launch")
+    assert len(calls) == 1, "a kept signature was checked again"
+    matmul_cuda(_rand(38, 64), w, 1)
+    assert len(calls) == 2, "control: a new signature was not checked"
+    with pytest.raises(TypeError, match="must equal x dtype"):
+        matmul_cuda(x, w.float(), 1)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        matmul_cuda(x, w.cpu(), 1)
+    with pytest.raises(ValueError, match=r"x \[\.\.\., K\] and w \[N, K\]"):
+        matmul_cuda(x, _rand(48, 32), 1)
+
+
 # ---------------------------------------------------------------- batch invariance
 
 @cuda

@@ -171,7 +171,14 @@ def _combine_groups_kernel(ws_ptr, out_ptr, numel, stride_g,
     tl.store(out_ptr + offs, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_TENSORS = (torch.Tensor, torch.nn.Parameter)   # the types whose checks a route remembers (not subclasses)
+
+
 def _check_inputs(x: torch.Tensor, w: torch.Tensor, leaves: int) -> None:
+    """Raise for inputs the kernel does not take.  Every check is a function of the operands'
+    shapes, dtypes and devices and of ``leaves``, which a kept route's key holds: :func:`_run`
+    checks a call signature on its first call (and every call with a launch config or a tensor
+    subclass), not again once its route is kept."""
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise TypeError("x and w must be torch tensors")
     if not (x.is_cuda and w.is_cuda):
@@ -356,17 +363,23 @@ def _route(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtyp
 
 def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
          config: MatmulConfig | None) -> torch.Tensor:
-    _check_inputs(x, w, leaves)
+    checked = config is not None or type(x) not in _TENSORS or type(w) not in _TENSORS or x.dim() < 1
+    if checked:
+        _check_inputs(x, w, leaves)
     flat = x.dim() != 2
     x2 = x.reshape(-1, x.shape[-1]) if flat else x
-    if config is not None:
-        out = _launch(x2, w, leaves, out_dtype, check_config(config))
-    elif _no_work(x2, w):
-        out = _empty_product(x2, w, out_dtype)
-    else:
+    route = None
+    if config is None:
         operands = operands_key(x2, w)   # one key per call: the kernel's choice and its launch plan
         key = (operands, leaves, out_dtype)
         route = _ROUTES.get(key)
+        if route is None and not checked:   # every check is a function of the key: once per signature
+            _check_inputs(x, w, leaves)
+    if config is not None:
+        out = _launch(x2, w, leaves, out_dtype, check_config(config))
+    elif route is None and _no_work(x2, w):
+        out = _empty_product(x2, w, out_dtype)
+    else:
         if route is None:
             route = remember(_ROUTES, key, _route(x2, w, leaves, out_dtype, operands))
         gluon, plan = route

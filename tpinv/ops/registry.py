@@ -274,7 +274,8 @@ def define_op(name: str, *, cuda: Union[str, Callable, None], check: Optional[Ca
       call: in the fake (:func:`register_fake`), and at the entry of the kernel that runs --
       the reference and Triton kernels are public entry points (tests and benchmarks call them
       directly), so each validates its own inputs with this same function and the op and the
-      public wrapper add no second check.
+      public wrapper add no second check (the matmul kernel checks a call signature once: its
+      checks are functions of the shapes, dtypes and devices its kept route is keyed by).
 
     Register autograd (``op.register_autograd``) on the result where the op is differentiable.
     """
