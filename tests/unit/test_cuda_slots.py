@@ -51,6 +51,13 @@ def test_matmul_adapter_names_the_triton_contract_kernel():
     assert callable(getattr(importlib.import_module(_matmul_kernel.triton_module), _matmul_kernel.triton_name))
 
 
+def test_tree_sum_adapter_names_the_halving_kernel():
+    from tpinv.ops.linear import _halving_sum_kernel
+    assert _halving_sum_kernel.__name__ == "triton_tree.halving_sum_cuda"
+    assert callable(getattr(importlib.import_module(_halving_sum_kernel.triton_module),
+                            _halving_sum_kernel.triton_name))
+
+
 def test_an_unfilled_slot_raises_instead_of_falling_back():
     placeholder = missing_cuda_kernel("tpinv::example")
     with pytest.raises(NotImplementedError, match="tpinv::example has no CUDA kernel yet"):

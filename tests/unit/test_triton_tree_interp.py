@@ -40,6 +40,21 @@ def check_16_bit_inputs_and_outputs():
                 assert_same_bits(got, ref(xd.float()).to(out), f"{rows}x{n} {dtype} -> {out}")
 
 
+def check_tree_sum_cuda_slot_reads_the_input_dtype():
+    """``tpinv::tree_sum``'s CUDA adapter (one leaf: the kernel on ``x`` as it is) == the reference
+    on ``x.float()``, for fp32/fp16 inputs of 1 to 3 dims; more leaves run the reference itself."""
+    from tpinv.kernels.reference_tree import leaf_tree_sum
+    from tpinv.ops.linear import _tree_sum_cuda
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(7,), (3, 5, 96), (4, 300)]:
+        x = torch.randn(*shape, generator=gen) * torch.logspace(-3, 3, shape[-1])
+        for dtype in (torch.float32, torch.float16):
+            xd = x.to(dtype)
+            assert_same_bits(_tree_sum_cuda(xd, 1), leaf_tree_sum(xd.float(), 1), f"{shape} {dtype}")
+            if shape[-1] % 2 == 0:
+                assert_same_bits(_tree_sum_cuda(xd, 2), leaf_tree_sum(xd.float(), 2), f"{shape} {dtype}, 2 leaves")
+
+
 def check_control_fp16_adds_at_every_level_differ():
     """``[1, 2^-11, 2^-11, 2^-11]``: fp32 adds then one rounding give 1 + 2^-9 in fp16; rounding
     each level to fp16 gives 1 + 2^-10 (1 + 2^-11 ties to 1 first)."""

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpinv.core.dtypes import MODEL_DTYPES
 from tpinv.kernels.launch import cdiv, launch
 
 __all__ = ["halving_sum_cuda", "ROWS", "CHUNK"]
@@ -55,16 +56,12 @@ def _halving_sum_kernel(x_ptr, s_ptr, out_ptr, R, n, half, log2_half, stride_xr,
     tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-#: The dtypes the kernel reads (each value widened to fp32 exactly) and may store the sums in.
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def halving_sum_cuda(x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``reference_tree.halving_sum`` of a 2-D CUDA tensor ``[R, n]`` (any strides) widened to fp32:
     ``[R]``, the fp32 sums rounded once to ``out_dtype`` (``halving_sum(x.float()).to(out_dtype)``,
     bit for bit, in one launch)."""
-    if x.dim() != 2 or x.dtype not in DTYPES or out_dtype not in DTYPES:
-        raise ValueError(f"halving_sum_cuda takes a 2-D tensor of {DTYPES} and an out_dtype among "
+    if x.dim() != 2 or x.dtype not in MODEL_DTYPES or out_dtype not in MODEL_DTYPES:
+        raise ValueError(f"halving_sum_cuda takes a 2-D tensor of {MODEL_DTYPES} and an out_dtype among "
                          f"them, got {x.dim()}-D {x.dtype} and {out_dtype}")
     R, n = x.shape
     if n <= 1 or R == 0:

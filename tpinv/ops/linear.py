@@ -111,7 +111,7 @@ def _tree_sum(x: Tensor, leaves: int) -> Tensor:
     return out
 
 
-_HALVING: list = []   # [tpinv.kernels.triton_tree.halving_sum_cuda], imported on the first CUDA call
+_halving_sum_kernel = lazy_kernel("triton_tree.halving_sum_cuda")
 
 
 def _tree_sum_cuda(x: Tensor, leaves: int) -> Tensor:
@@ -121,10 +121,7 @@ def _tree_sum_cuda(x: Tensor, leaves: int) -> Tensor:
     if leaves != 1:
         return _tree_sum(x, leaves)
     _check_tree_sum_input(x, leaves)
-    if not _HALVING:
-        from tpinv.kernels.triton_tree import halving_sum_cuda   # imports Triton: CUDA only
-        _HALVING.append(halving_sum_cuda)
-    return _HALVING[0](x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
+    return _halving_sum_kernel(x.reshape(-1, x.shape[-1])).reshape(x.shape[:-1])
 
 
 @define_op("tree_sum", cuda=_tree_sum_cuda, check=_check_tree_sum_input)
