@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_tp_size
 from tpinv.layers import (ColumnParallelLinear, HeadRMSNorm, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
-                          vocab_parallel_cross_entropy)
+                          column_parallel_group, vocab_parallel_cross_entropy)
 from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.common import ROW_STRATEGIES
 from tpinv.layers.dropout import TokenDropout, check_dropout_rate
@@ -85,11 +85,11 @@ class Attention(torch.nn.Module):
         self.recompute_core = False  # Megatron's selective recompute (Transformer.set_recompute)
 
     def forward(self, x, cos, sin, positions, mask, cache: Optional[KVCache], layer: int, k_pos=None):
-        q = self.q_proj(x)[0]
+        q, k, v = column_parallel_group((self.q_proj, self.k_proj, self.v_proj), x)
         B, S, _ = q.shape  # the whole sequence (x is a sequence chunk under sequence parallelism)
         q = q.view(B, S, self.local_heads, self.head_dim)
-        k = self.k_proj(x)[0].view(B, S, self.local_kv_heads, self.head_dim)
-        v = self.v_proj(x)[0].view(B, S, self.local_kv_heads, self.head_dim)
+        k = k.view(B, S, self.local_kv_heads, self.head_dim)
+        v = v.view(B, S, self.local_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
@@ -120,7 +120,8 @@ class MLP(torch.nn.Module):
                                            skip_bias_add=False, tp_group=tp_group)
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_proj(x)[0], self.up_proj(x)[0]))[0]
+        gate, up = column_parallel_group((self.gate_proj, self.up_proj), x)
+        return self.down_proj(silu_mul(gate, up))[0]
 
 
 def _norm(args: ModelArgs, config: LayerConfig, tp_group) -> RMSNorm:

@@ -39,8 +39,8 @@ def _refuse_apply(monkeypatch):
 
 
 def _calls_per_forward(model) -> int:
-    a = model.args   # embedding, q/k/v/o + gate/up/down and the q/k norms per layer, the output layer
-    return 1 + a.num_layers * (7 + (2 if a.qk_norm else 0)) + 1
+    a = model.args   # embedding; per layer q/k/v (one group), o, gate/up (one group), down and the q/k norms;
+    return 1 + a.num_layers * (4 + (2 if a.qk_norm else 0)) + 1   # the output layer
 
 
 def test_no_grad_forward_runs_forward_directly_with_the_recorded_bits(monkeypatch):

@@ -102,6 +102,18 @@ def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tree_sum(_flat(dy).t(), 1).to(dtype)
 
 
+def _column_dx(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group, seq_dim, leaves: int,
+               reduce_dgrad: bool, stride: int, replicas: int, replica_index: int) -> torch.Tensor:
+    """One column-parallel product's ``dX`` (``x``: the whole sequence), kept to this rank's
+    sequence chunk under sequence parallelism."""
+    dx = column_input_grad(dy.to(x.dtype), weight, group if reduce_dgrad else None, leaves, stride, replicas,
+                           replica_index)
+    if seq_dim is not None:  # this rank's sequence chunk of the (identical) full dX
+        n = dx.shape[seq_dim] // group_size(group)
+        dx = dx.narrow(seq_dim, group_size_rank(group)[1] * n, n).contiguous()
+    return dx
+
+
 class ColumnParallelMatmul(torch.autograd.Function):
     """``x @ W_r^T (+ b_r)``; the input's gradient is tree-reduced over the TP group."""
 
@@ -112,8 +124,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # with SP: the chunk (gathered again in backward, as Megatron)
         if ctx.seq_dim is not None:  # sequence parallel: the whole sequence, gathered exactly
             x = all_gather(x, group, dim=seq_dim)
-        ctx.group, ctx.leaves, ctx.reduce_dgrad, ctx.stride = group, leaves, reduce_dgrad, stride
-        ctx.replicas, ctx.replica_index = replicas, replica_index
+        ctx.group, ctx.settings = group, (leaves, reduce_dgrad, stride, replicas, replica_index)
         ctx.bias_dtype = None if bias is None else bias.dtype
         y = rounded_matmul(x, weight, 1)
         return y if bias is None else y + bias
@@ -125,17 +136,60 @@ class ColumnParallelMatmul(torch.autograd.Function):
             x = all_gather(x, ctx.group, dim=ctx.seq_dim)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            group = ctx.group if ctx.reduce_dgrad else None
-            dx = column_input_grad(dy.to(x.dtype), weight, group, ctx.leaves, ctx.stride, ctx.replicas,
-                                   ctx.replica_index)
-            if ctx.seq_dim is not None:  # this rank's sequence chunk of the (identical) full dX
-                n = dx.shape[ctx.seq_dim] // group_size(ctx.group)
-                dx = dx.narrow(ctx.seq_dim, group_size_rank(ctx.group)[1] * n, n).contiguous()
+            dx = _column_dx(dy, x, weight, ctx.group, ctx.seq_dim, *ctx.settings)
         if ctx.needs_input_grad[1]:
             dw = weight_grad(dy, x, weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = _bias_grad(dy, ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None, None
+
+
+class ColumnParallelGroupMatmul(torch.autograd.Function):
+    """Column-parallel products of one input (q/k/v, gate/up) as one autograd node, with the
+    bits of one :class:`ColumnParallelMatmul` node per product.
+
+    Each output, ``dW`` and ``dbias`` is its own node's.  ``dX`` is the products' ``dX`` added
+    as the autograd engine adds the separate nodes' gradients of their shared input: in the
+    order the nodes run, and the engine runs the node created last first (the highest sequence
+    number among ready nodes), so the first product's ``dX`` is added last.  Rounded adds of
+    the same values in an order whose last term is the same give the same bits (each add is
+    commutative).  ``settings[i]`` is product ``i``'s ``(leaves, reduce_dgrad, stride,
+    replicas, replica_index)``; ``params`` its weights, then its biases (None where none)."""
+
+    @staticmethod
+    def forward(ctx, x, group, seq_dim, settings, *params):
+        n = len(settings)
+        weights, biases = params[:n], params[n:]
+        ctx.seq_dim = seq_dim if group_size(group) > 1 else None
+        ctx.save_for_backward(x, *weights)
+        if ctx.seq_dim is not None:  # the whole sequence, gathered once for every product
+            x = all_gather(x, group, dim=seq_dim)
+        ctx.group, ctx.settings = group, settings
+        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in biases)
+        outs = []
+        for weight, bias in zip(weights, biases):
+            y = rounded_matmul(x, weight, 1)
+            outs.append(y if bias is None else y + bias)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, *weights = ctx.saved_tensors
+        if ctx.seq_dim is not None:
+            x = all_gather(x, ctx.group, dim=ctx.seq_dim)
+        n = len(weights)
+        needs = ctx.needs_input_grad
+        dx, dws, dbs = None, [None] * n, [None] * n
+        for i in reversed(range(n)):   # the engine's order of the separate nodes: last created first
+            dy = dys[i]
+            if needs[0]:
+                dx_i = _column_dx(dy, x, weights[i], ctx.group, ctx.seq_dim, *ctx.settings[i])
+                dx = dx_i if dx is None else dx + dx_i
+            if needs[4 + i]:
+                dws[i] = weight_grad(dy, x, weights[i].dtype)
+            if ctx.bias_dtypes[i] is not None and needs[4 + n + i]:
+                dbs[i] = _bias_grad(dy, ctx.bias_dtypes[i])
+        return (dx, None, None, None, *dws, *dbs)
 
 
 class RowParallelTreeMatmul(torch.autograd.Function):

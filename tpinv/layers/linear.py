@@ -11,14 +11,15 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.core.autograd import apply_function
+from tpinv.core.autograd import PLAIN_TENSORS, apply_function, observed
 from tpinv.core.contract import check_divisible
 from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.common import (
     check_layer_sizes, config_leaves, config_row_strategy, init_sharded_weight,
     params_dtype, reject_unsupported,
 )
-from tpinv.layers.functions import ColumnParallelMatmul, RowParallelColumnOnlyMatmul, RowParallelTreeMatmul
+from tpinv.layers.functions import (ColumnParallelGroupMatmul, ColumnParallelMatmul, RowParallelColumnOnlyMatmul,
+                                    RowParallelTreeMatmul)
 from tpinv.distributed.mappings import gather_from_tensor_model_parallel_region, scatter_to_tensor_model_parallel_region
 
 
@@ -162,6 +163,59 @@ class ColumnParallelLinear(torch.nn.Module):
         return (f"in_features={self.input_size}, out_features={self.output_size}, "
                 f"bias={self.bias is not None}, TP={self.tp_size}, leaves={self.leaves}"
                 + (f", replicas={self.replicas}" if self.replicas > 1 else ""))
+
+
+_GROUPED = [0]
+
+
+def grouped_calls() -> int:
+    """How many :func:`column_parallel_group` calls so far ran as one node (tests assert it moves)."""
+    return _GROUPED[0]
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs anything besides its ``forward`` (a hook on it, or a
+    global module hook)."""
+    nn_module = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None)
+                or any(getattr(nn_module, name, None) for name in (
+                    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                    "_global_backward_pre_hooks")))
+
+
+def _groupable(layers: tuple, x: torch.Tensor) -> bool:
+    first = layers[0]
+    for layer in layers:
+        if (type(layer) is not ColumnParallelLinear or _hooked(layer) or layer.weight is None
+                or type(layer.weight) not in PLAIN_TENSORS
+                or (layer.bias is not None and type(layer.bias) not in PLAIN_TENSORS)
+                or (layer.gather_output and layer.tp_size > 1) or layer.tp_group is not first.tp_group
+                or layer.seq_dim != first.seq_dim or layer.input_size != first.input_size):
+            return False
+    return type(x) in PLAIN_TENSORS and x.shape[-1] == first.input_size and not observed()
+
+
+def column_parallel_group(layers, input_: torch.Tensor) -> tuple:
+    """``tuple(layer(input_)[0] for layer in layers)`` for column-parallel layers of one input
+    (q/k/v, gate/up): one autograd node instead of one per layer where nothing else could see
+    the calls (plain layers, no module hooks, not under torch.compile or a mode), else the
+    layers' own calls.  The same bits either way
+    (:class:`~tpinv.layers.functions.ColumnParallelGroupMatmul`); only the host time differs."""
+    layers = tuple(layers)
+    if not _groupable(layers, input_):
+        return tuple(layer(input_)[0] for layer in layers)
+    for layer in layers:
+        expected = (layer.output_size_per_partition, layer.input_size)
+        if tuple(layer.weight.shape) != expected:
+            raise ValueError(f"weight has shape {tuple(layer.weight.shape)}, expected {expected}")
+    first = layers[0]
+    settings = tuple((layer.leaves, not layer.disable_grad_reduce, layer.stride, layer.replicas,
+                      layer.replica_index) for layer in layers)
+    _GROUPED[0] += 1
+    return apply_function(ColumnParallelGroupMatmul, input_, first.tp_group, first.seq_dim, settings,
+                          *(layer.weight for layer in layers),
+                          *(None if layer.skip_bias_add else layer.bias for layer in layers))
 
 
 class RowParallelLinear(torch.nn.Module):
