@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_tp_size
 from tpinv.layers import (ColumnParallelLinear, HeadRMSNorm, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
-                          column_parallel_group, vocab_parallel_cross_entropy)
+                          column_parallel_group, norm_and_rope, vocab_parallel_cross_entropy)
 from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.common import ROW_STRATEGIES
 from tpinv.layers.dropout import TokenDropout, check_dropout_rate
@@ -33,7 +33,7 @@ from tpinv.layers.linear_cross_entropy import check_chunk_tokens, linear_cross_e
 from tpinv.models.args import ModelArgs
 from tpinv.models.kv_cache import KVCache
 from tpinv.models.recompute import Recompute, checkpointed, recompute_active
-from tpinv.ops import apply_rope, attention, rope_cos_sin, silu_mul
+from tpinv.ops import attention, rope_cos_sin, silu_mul
 
 #: Std of the normal init of projection and embedding weights (HF ``initializer_range``).
 INIT_STD = 0.02
@@ -90,10 +90,7 @@ class Attention(torch.nn.Module):
         q = q.view(B, S, self.local_heads, self.head_dim)
         k = k.view(B, S, self.local_kv_heads, self.head_dim)
         v = v.view(B, S, self.local_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+        q, k = norm_and_rope(q, k, cos, sin, self.q_norm, self.k_norm)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.append(layer, k, v, positions, check=False)  # checked once per step

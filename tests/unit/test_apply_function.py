@@ -39,8 +39,8 @@ def _refuse_apply(monkeypatch):
 
 
 def _calls_per_forward(model) -> int:
-    a = model.args   # embedding; per layer q/k/v (one group), o, gate/up (one group), down and the q/k norms;
-    return 1 + a.num_layers * (4 + (2 if a.qk_norm else 0)) + 1   # the output layer
+    a = model.args   # embedding; per layer q/k/v (one group), o, gate/up (one group), down and the q/k norms
+    return 1 + a.num_layers * 5 + 1   # with the rotary embedding (one group); the output layer
 
 
 def test_no_grad_forward_runs_forward_directly_with_the_recorded_bits(monkeypatch):

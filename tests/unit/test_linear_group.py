@@ -84,7 +84,7 @@ def test_input_gradient_adds_as_the_engine_does():
     assert_bits_differ(first_layer_first.detach().view(1, 8), grouped, "another order of adds")
 
 
-def test_hooks_subclasses_and_bad_shapes_take_the_layers_own_calls():
+def test_hooks_subclasses_replaced_forwards_and_bad_shapes_take_the_layers_own_calls():
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     layers = _layers(2, bias=True)
     seen = []
@@ -99,5 +99,8 @@ def test_hooks_subclasses_and_bad_shapes_take_the_layers_own_calls():
     other = Adapted(8, 8, config=layers[0].config, init_method=torch.nn.init.zeros_, bias=False, leaves=1)
     column_parallel_group([_layers(1)[0], other], x)
     assert grouped_calls() == before
+    patched = _layers(2)                       # a forward replaced on the layer runs
+    patched[0].forward = lambda inp: (torch.full((3, 8), 7.0, dtype=torch.bfloat16), None)
+    assert column_parallel_group(patched, x)[0].eq(7).all() and grouped_calls() == before
     with pytest.raises(ValueError, match="last dim"):
         column_parallel_group(_layers(2), torch.randn(3, 4, dtype=torch.bfloat16))

@@ -79,3 +79,21 @@ def init_sharded_weight(
     init_method(master)
     local = torch.cat(master.split(part // stride, dim=dim)[rank::tp], dim=dim).to(dtype=dtype)
     return torch.nn.Parameter(local.to(device) if device is not None else local)
+
+
+def runs_only(module: torch.nn.Module, cls: type, forward) -> bool:
+    """Whether calling ``module`` runs exactly ``forward`` (``cls``'s own, as defined): ``module`` is a
+    ``cls`` and no subclass, its ``forward`` is replaced neither on it nor on the class, and no hook
+    on it or global module hook runs.  Grouped calls of layers are taken only then."""
+    return (type(module) is cls and cls.forward is forward and "forward" not in module.__dict__
+            and not has_hooks(module))
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs a hook: one on it, or a global module hook."""
+    nn_module = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None)
+                or any(getattr(nn_module, name, None) for name in (
+                    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                    "_global_backward_pre_hooks")))

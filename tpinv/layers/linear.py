@@ -15,7 +15,7 @@ from tpinv.core.autograd import PLAIN_TENSORS, apply_function, observed
 from tpinv.core.contract import check_divisible
 from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.common import (
-    check_layer_sizes, config_leaves, config_row_strategy, init_sharded_weight,
+    check_layer_sizes, runs_only, config_leaves, config_row_strategy, init_sharded_weight,
     params_dtype, reject_unsupported,
 )
 from tpinv.layers.functions import (ColumnParallelGroupMatmul, ColumnParallelMatmul, RowParallelColumnOnlyMatmul,
@@ -165,6 +165,8 @@ class ColumnParallelLinear(torch.nn.Module):
                 + (f", replicas={self.replicas}" if self.replicas > 1 else ""))
 
 
+#: ColumnParallelLinear's own forward (a replaced one makes its layers take their own calls).
+_COLUMN_FORWARD = ColumnParallelLinear.forward
 _GROUPED = [0]
 
 
@@ -173,21 +175,10 @@ def grouped_calls() -> int:
     return _GROUPED[0]
 
 
-def _hooked(module: torch.nn.Module) -> bool:
-    """Whether calling ``module`` runs anything besides its ``forward`` (a hook on it, or a
-    global module hook)."""
-    nn_module = torch.nn.modules.module
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or getattr(module, "_backward_pre_hooks", None)
-                or any(getattr(nn_module, name, None) for name in (
-                    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                    "_global_backward_pre_hooks")))
-
-
 def _groupable(layers: tuple, x: torch.Tensor) -> bool:
     first = layers[0]
     for layer in layers:
-        if (type(layer) is not ColumnParallelLinear or _hooked(layer) or layer.weight is None
+        if (not runs_only(layer, ColumnParallelLinear, _COLUMN_FORWARD) or layer.weight is None
                 or type(layer.weight) not in PLAIN_TENSORS
                 or (layer.bias is not None and type(layer.bias) not in PLAIN_TENSORS)
                 or (layer.gather_output and layer.tp_size > 1) or layer.tp_group is not first.tp_group
@@ -199,8 +190,8 @@ def _groupable(layers: tuple, x: torch.Tensor) -> bool:
 def column_parallel_group(layers, input_: torch.Tensor) -> tuple:
     """``tuple(layer(input_)[0] for layer in layers)`` for column-parallel layers of one input
     (q/k/v, gate/up): one autograd node instead of one per layer where nothing else could see
-    the calls (plain layers, no module hooks, not under torch.compile or a mode), else the
-    layers' own calls.  The same bits either way
+    the calls (plain layers running their own forward, no module hooks, not under torch.compile
+    or a mode), else the layers' own calls.  The same bits either way
     (:class:`~tpinv.layers.functions.ColumnParallelGroupMatmul`); only the host time differs."""
     layers = tuple(layers)
     if not _groupable(layers, input_):

@@ -17,7 +17,7 @@ from tpinv.distributed.reduce import all_gather
 from tpinv.ops import rms_norm, tree_sum
 from tpinv.ops.norm import rms_norm_backward_heads_op, rms_norm_backward_op, rms_norm_op
 
-__all__ = ["RMSNorm", "HeadRMSNorm", "head_rms_norm"]
+__all__ = ["RMSNorm", "HeadRMSNorm", "head_rms_norm", "head_rms_norm_backward"]
 
 
 class _SequenceParallelRMSNorm(torch.autograd.Function):
@@ -89,13 +89,19 @@ class _HeadRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_x, per_head = rms_norm_backward_heads_op(grad.contiguous(), x, weight, ctx.eps)
-        if group_size(ctx.group) > 1:
-            per_head = all_gather(per_head.contiguous(), ctx.group, dim=0)
-        if ctx.replicas > 1:  # replicated KV heads: R identical consecutive rows per head, keep one
-            per_head = per_head.view(-1, ctx.replicas, per_head.shape[-1])[:, 0]
-        # the fp32 halving over all heads, as an op: a compiled graph calls it as one opaque kernel
-        return grad_x, tree_sum(per_head.t(), 1).to(weight.dtype), None, None, None
+        return (*head_rms_norm_backward(grad, x, weight, ctx.eps, ctx.group, ctx.replicas), None, None, None)
+
+
+def head_rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, group,
+                           replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` of :func:`head_rms_norm`: ``dweight`` the same at every TP size."""
+    grad_x, per_head = rms_norm_backward_heads_op(grad.contiguous(), x, weight, eps)
+    if group_size(group) > 1:
+        per_head = all_gather(per_head.contiguous(), group, dim=0)
+    if replicas > 1:  # replicated KV heads: R identical consecutive rows per head, keep one
+        per_head = per_head.view(-1, replicas, per_head.shape[-1])[:, 0]
+    # the fp32 halving over all heads, as an op: a compiled graph calls it as one opaque kernel
+    return grad_x, tree_sum(per_head.t(), 1).to(weight.dtype)
 
 
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group, replicas: int = 1) -> torch.Tensor:
