@@ -104,3 +104,5 @@ def test_hooks_subclasses_replaced_forwards_and_bad_shapes_take_the_layers_own_c
     assert column_parallel_group(patched, x)[0].eq(7).all() and grouped_calls() == before
     with pytest.raises(ValueError, match="last dim"):
         column_parallel_group(_layers(2), torch.randn(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="at least one layer"):
+        column_parallel_group([], x)

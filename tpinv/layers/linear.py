@@ -194,6 +194,8 @@ def column_parallel_group(layers, input_: torch.Tensor) -> tuple:
     or a mode), else the layers' own calls.  The same bits either way
     (:class:`~tpinv.layers.functions.ColumnParallelGroupMatmul`); only the host time differs."""
     layers = tuple(layers)
+    if not layers:
+        raise ValueError("column_parallel_group needs at least one layer")
     if not _groupable(layers, input_):
         return tuple(layer(input_)[0] for layer in layers)
     for layer in layers:
