@@ -14,27 +14,22 @@ import torch
 
 from tpinv.layers import ColumnParallelLinear, column_parallel_group
 from tpinv.layers.linear import grouped_calls
-from tpinv.models import Transformer, get_config
+from tpinv.models import get_config
 from tpinv.testing import assert_bits_differ, assert_same_bits
+
+from model_steps import random_model, step_tensors
 
 
 def _step(name: str, dtype: torch.dtype, one_by_one: bool, **overrides):
-    torch.manual_seed(0)
-    model = Transformer(get_config(name, dtype=dtype, **overrides))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
+    model = random_model(name, dtype, **overrides)
     hooked = []
     if one_by_one:
         for layer in model.layers:
             hooked.append(layer.self_attn.k_proj.register_forward_hook(lambda *a: hooked.append(1)))
             hooked.append(layer.mlp.up_proj.register_forward_hook(lambda *a: hooked.append(1)))
-    tokens = torch.randint(0, model.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     before = grouped_calls()
-    loss = model.loss(tokens, tokens.roll(1, 1)).mean()
-    loss.backward()
-    hook_calls = sum(1 for h in hooked if h == 1)
-    return [loss.detach()] + [p.grad for p in model.parameters()], grouped_calls() - before, hook_calls
+    tensors = step_tensors(model)
+    return tensors, grouped_calls() - before, sum(1 for h in hooked if h == 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

@@ -14,26 +14,22 @@ import torch
 
 from tpinv.layers import HeadRMSNorm, norm_and_rope
 from tpinv.layers.query_key import grouped_norm_rope_calls
-from tpinv.models import Transformer, get_config
+from tpinv.models import get_config
 from tpinv.ops import apply_rope, rope_cos_sin
 from tpinv.testing import assert_bits_differ, assert_same_bits
 
+from model_steps import random_model, step_tensors
+
 
 def _step(name: str, dtype: torch.dtype, one_by_one: bool):
-    torch.manual_seed(0)
-    model = Transformer(get_config(name, dtype=dtype))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
+    model = random_model(name, dtype)
     calls = []
     if one_by_one:
         for layer in model.layers:
             layer.self_attn.q_norm.register_forward_hook(lambda *a: calls.append(1))
-    tokens = torch.randint(0, model.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     before = grouped_norm_rope_calls()
-    loss = model.loss(tokens, tokens.roll(1, 1)).mean()
-    loss.backward()
-    return [loss.detach()] + [p.grad for p in model.parameters()], grouped_norm_rope_calls() - before, len(calls)
+    tensors = step_tensors(model)
+    return tensors, grouped_norm_rope_calls() - before, len(calls)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

@@ -19,7 +19,7 @@ from tpinv.layers.common import runs_only
 from tpinv.layers.norm import HeadRMSNorm, head_rms_norm_backward
 from tpinv.ops import apply_rope
 from tpinv.ops.norm import rms_norm_op
-from tpinv.ops.rope import apply_rope_backward_op, apply_rope_op
+from tpinv.ops.rope import apply_rope_input_grad, apply_rope_op
 
 __all__ = ["norm_and_rope", "grouped_norm_rope_calls"]
 
@@ -53,8 +53,7 @@ class _NormAndRope(torch.autograd.Function):
             q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
         else:
             cos, sin = ctx.saved_tensors
-        grads = [apply_rope_backward_op(g.to(dtype), cos, sin).transpose(1, 2)
-                 for g, dtype in zip((dq, dk), ctx.dtypes)]
+        grads = [apply_rope_input_grad(g, cos, sin, dtype).transpose(1, 2) for g, dtype in zip((dq, dk), ctx.dtypes)]
         dw = [None, None]
         if ctx.has_norm:
             needs = ctx.needs_input_grad

@@ -19,7 +19,7 @@ from tpinv.kernels import reference_rope
 from tpinv.kernels.reference_rope import rope_inv_freq
 from tpinv.ops.registry import REFERENCE, define_op, register_fake
 
-__all__ = ["apply_rope", "apply_rope_op", "apply_rope_backward_op", "rope_cos_sin", "rope_cos_sin_op",
+__all__ = ["apply_rope", "apply_rope_op", "apply_rope_backward_op", "apply_rope_input_grad", "rope_cos_sin", "rope_cos_sin_op",
            "rope_inv_freq"]
 
 
@@ -91,9 +91,14 @@ def _setup_context(ctx, inputs, output):
     ctx.x_dtype = x.dtype
 
 
+def apply_rope_input_grad(grad: Tensor, cos: Tensor, sin: Tensor, x_dtype: torch.dtype) -> Tensor:
+    """``apply_rope``'s gradient of its input ``x`` (of dtype ``x_dtype``) from the output's ``grad``."""
+    return apply_rope_backward_op(grad.to(x_dtype), cos, sin)
+
+
 def _backward(ctx, grad):
     cos, sin = ctx.saved_tensors
-    return apply_rope_backward_op(grad.to(ctx.x_dtype), cos, sin), None, None
+    return apply_rope_input_grad(grad, cos, sin, ctx.x_dtype), None, None
 
 
 apply_rope_op.register_autograd(_backward, setup_context=_setup_context)
