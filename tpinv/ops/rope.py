@@ -19,8 +19,8 @@ from tpinv.kernels import reference_rope
 from tpinv.kernels.reference_rope import rope_inv_freq
 from tpinv.ops.registry import REFERENCE, define_op, register_fake
 
-__all__ = ["apply_rope", "apply_rope_op", "apply_rope_backward_op", "apply_rope_input_grad", "rope_cos_sin", "rope_cos_sin_op",
-           "rope_inv_freq"]
+__all__ = ["apply_rope", "apply_rope_op", "apply_rope_backward_op", "apply_rope_input_grad", "rope_cos_sin",
+           "rope_cos_sin_op", "rope_inv_freq"]
 
 
 def _encode_scaling(scaling: Optional[dict]) -> Optional[str]:
