@@ -97,7 +97,7 @@ def chain_cases(device, dtype, rows=16):
     layer = layer.to(device)
     linear = torch.nn.Linear(1024, 1024, bias=False, device=device, dtype=dtype)
     if device.type == "cuda":
-        from tpinv.kernels.triton_matmul import matmul_cuda as kernel
+        from tpinv.kernels.matmul_route import matmul_cuda as kernel
         extra = ()
     else:
         from tpinv.ops.registry import OPS

@@ -25,7 +25,8 @@ from triton.testing import do_bench
 
 from benchmarks.common import copy_gbps, graph_time_us, write_json
 from tpinv.kernels import tiles
-from tpinv.kernels.triton_matmul import _contract_mm_kernel, _launch, gluon_kernel_for, matmul_cuda
+from tpinv.kernels.matmul_route import gluon_kernel_for, matmul_cuda
+from tpinv.kernels.triton_matmul import _contract_mm_kernel, launch_contract
 
 #: Qwen3-8B linear layers (N, K) in nn.Linear layout.
 QWEN3_8B = (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096),
@@ -90,7 +91,7 @@ def bench_shape(name, m, n, k, peak_flops, copy_bw, l2_bytes, sweep):
             runs = {}
             for c in sweep_configs(leaves):
                 runs[c.name()] = graph_time_us(
-                    lambda i: _launch(xs[i], ws[i], leaves, torch.bfloat16, c), sets, est)
+                    lambda i: launch_contract(xs[i], ws[i], leaves, torch.bfloat16, c), sets, est)
             best = min(runs, key=runs.get)
             r["sweep_us"] = runs
             r["best_config"], r["best_us"] = best, runs[best]

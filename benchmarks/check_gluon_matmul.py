@@ -35,7 +35,7 @@ from benchmarks import bench_matmul as bm  # timing helpers and shapes
 from tpinv.kernels import tiles
 from tpinv.kernels.gluon_matmul import gluon_matmul_cuda, table_config
 from tpinv.kernels.tiles import GluonConfig
-from tpinv.kernels.triton_matmul import matmul_cuda, matmul_partial_cuda
+from tpinv.kernels.matmul_route import matmul_cuda, matmul_partial_cuda
 
 
 def triton_mm(x, w, leaves, out_dtype=None):

@@ -25,8 +25,8 @@ def gm():
 
 
 def tm():
-    from tpinv.kernels import triton_matmul
-    return triton_matmul
+    from tpinv.kernels import matmul_route
+    return matmul_route
 
 
 def make(m, n, k, dtype=torch.bfloat16, seed=0, x_t=False, w_kn=False):

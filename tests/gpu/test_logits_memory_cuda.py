@@ -16,7 +16,7 @@ import gc
 import pytest
 import torch
 
-from tpinv.kernels.triton_matmul import matmul_partial_cuda
+from tpinv.kernels.matmul_route import matmul_partial_cuda
 from tpinv.layers import linear_cross_entropy, vocab_parallel_cross_entropy
 from tpinv.layers.functions import ColumnParallelMatmul
 from tpinv.models import Transformer, get_config
@@ -58,7 +58,7 @@ def test_column_forward_rounds_in_the_epilogue():
 @pytest.mark.parametrize("leaves", [1, 8])
 def test_epilogue_equals_fp32_then_round_for_every_config(leaves):
     from tpinv.kernels.tiles import CANDIDATE_CONFIGS
-    from tpinv.kernels.triton_matmul import matmul_cuda
+    from tpinv.kernels.matmul_route import matmul_cuda
     x, w = rand(300, 512), rand(384, 512, seed=1)
     for cfg in CANDIDATE_CONFIGS:
         assert_same_bits(matmul_cuda(x, w, leaves, config=cfg), matmul_partial_cuda(x, w, leaves, config=cfg)

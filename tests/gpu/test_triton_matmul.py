@@ -15,7 +15,8 @@ from tpinv.core.contract import InvarianceError, tree_combine
 from tpinv.kernels import tiles
 
 triton = pytest.importorskip("triton")
-from tpinv.kernels.triton_matmul import _launch, matmul_cuda, matmul_partial_cuda  # noqa: E402
+from tpinv.kernels.matmul_route import matmul_cuda, matmul_partial_cuda  # noqa: E402
+from tpinv.kernels.triton_matmul import launch_contract  # noqa: E402
 from tpinv.testing import assert_bits_differ, assert_same_bits, same_bits
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -56,11 +57,11 @@ def test_inputs_checked_once_per_call_signature(monkeypatch):
     with the same shapes, strides, dtypes, alignment, device and leaves (every check is a function
     of them) is not checked again.  Control: a call of another signature is checked, and bad
     inputs still raise after good ones of the same shapes ran."""
-    from tpinv.kernels import triton_matmul as tm
+    from tpinv.kernels import matmul_route as route
     calls = []
-    check = tm._check_inputs
-    monkeypatch.setattr(tm, "_ROUTES", {})
-    monkeypatch.setattr(tm, "_check_inputs", lambda *a: (calls.append(a[0].shape), check(*a)))
+    check = route.check_inputs
+    monkeypatch.setattr(route, "_ROUTES", {})
+    monkeypatch.setattr(route, "check_inputs", lambda *a: (calls.append(a[0].shape), check(*a)))
     x, w = _rand(37, 64), _rand(48, 64)
     first = matmul_cuda(x, w, 1)
     assert len(calls) == 1
@@ -173,12 +174,12 @@ def test_every_candidate_config_gives_the_same_bits(leaves):
     w = _rand(n, k)
     x = _rand(1000, k)
     for m in (1, 7, 64, 1000):
-        ref = _launch(x[:m], w, leaves, torch.float32, tiles.launch_config(m, leaves))
+        ref = launch_contract(x[:m], w, leaves, torch.float32, tiles.launch_config(m, leaves))
         for cfg in tiles.CANDIDATE_CONFIGS:
-            out = _launch(x[:m], w, leaves, torch.float32, cfg)
+            out = launch_contract(x[:m], w, leaves, torch.float32, cfg)
             assert_same_bits(out, ref, f"M={m} {cfg.name()}")
         for cfg in tiles.CANDIDATE_CONFIGS[:3]:  # pointer loads instead of descriptors
-            out = _launch(x[:m], w, leaves, torch.float32, cfg, allow_tma=False)
+            out = launch_contract(x[:m], w, leaves, torch.float32, cfg, allow_tma=False)
             assert_same_bits(out, ref, f"M={m} {cfg.name()} pointer loads")
 
 

@@ -47,7 +47,7 @@ def test_every_slot_holds_its_named_kernel(qualname):
 
 def test_matmul_adapter_names_the_triton_contract_kernel():
     from tpinv.ops.linear import _matmul_kernel
-    assert cuda_kernel(matmul_op) is _matmul_cuda and _matmul_kernel.__name__ == "triton_matmul.matmul_cuda"
+    assert cuda_kernel(matmul_op) is _matmul_cuda and _matmul_kernel.__name__ == "matmul_route.matmul_cuda"
     assert callable(getattr(importlib.import_module(_matmul_kernel.triton_module), _matmul_kernel.triton_name))
 
 

@@ -14,7 +14,7 @@ import torch
 
 from tpinv.core.contract import InvarianceError
 from tpinv.kernels import tiles
-from tpinv.kernels.triton_matmul import gluon_kernel_for
+from tpinv.kernels.matmul_route import gluon_kernel_for
 
 MS = (1, 17, 64, 65, 256, 257, 1000, 4096, 8192)
 
@@ -103,6 +103,6 @@ def test_table_configs_are_candidates_and_unknown_configs_refused():
 
 def test_cuda_matmul_refuses_cpu_tensors():
     pytest.importorskip("triton")
-    from tpinv.kernels.triton_matmul import matmul_cuda
+    from tpinv.kernels.matmul_route import matmul_cuda
     with pytest.raises(ValueError, match="CUDA"):
         matmul_cuda(torch.zeros(3, 64), torch.zeros(5, 64), 8)

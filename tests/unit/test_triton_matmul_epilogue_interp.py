@@ -65,8 +65,8 @@ def _check_epilogue_equals_fp32_then_round():
         for leaves in (1, 2, 8):
             for split in (1, 2):
                 cfg = MatmulConfig(64, 32, 4, 2, split)
-                rounded = tm._launch(x, w, leaves, torch.float16, cfg, allow_tma=False)
-                fp32 = tm._launch(x, w, leaves, torch.float32, cfg, allow_tma=False)
+                rounded = tm.launch_contract(x, w, leaves, torch.float16, cfg, allow_tma=False)
+                fp32 = tm.launch_contract(x, w, leaves, torch.float32, cfg, allow_tma=False)
                 where = f"{dtype} inputs, leaves={leaves}, split={split}"
                 assert rounded.dtype == torch.float16 and fp32.dtype == torch.float32, where
                 assert_same_bits(rounded, fp32.to(torch.float16), f"{where}: epilogue vs fp32 then round")

@@ -1,7 +1,7 @@
 """The contract matmul on Hopper (sm_90): input checks, launch plans and launches of the Gluon
 kernel (:mod:`tpinv.kernels.gluon_matmul_kernel`).
 
-Invariant kept: the same bits as :func:`tpinv.kernels.triton_matmul.matmul_cuda` /
+Invariant kept: the same bits as :func:`tpinv.kernels.matmul_route.matmul_cuda` /
 ``matmul_partial_cuda``.  A plan picks the tile, the stages, the operands' TMA boxes and the
 epilogue (a TMA store for a 16-bit output with 16-byte aligned rows, else stores from
 registers) -- none of which changes an addition or the single rounding.
@@ -122,7 +122,7 @@ def plan_for(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dty
              config: GluonConfig | None = None, *, operands: tuple | None = None) -> LaunchPlan:
     """The launch plan of inputs :func:`unsupported_reason` has passed, made once per shape,
     strides, dtypes, alignment, leaves and config (:func:`launch_plan` runs it).  The dispatch
-    in :mod:`tpinv.kernels.triton_matmul` keeps it per call shape: a repeated shape looks up
+    in :mod:`tpinv.kernels.matmul_route` keeps it per call shape: a repeated shape looks up
     one plan."""
     cfg = config or table_config(x, w, leaves)
     key = (operands or operands_key(x, w), leaves, out_dtype, cfg)

@@ -1,6 +1,6 @@
 """The contract matmul's Hopper (sm_90) kernel in Gluon: persistent and warp-specialized.
 
-Invariant kept: the same bits as :func:`tpinv.kernels.triton_matmul.matmul_cuda` /
+Invariant kept: the same bits as :func:`tpinv.kernels.matmul_route.matmul_cuda` /
 ``matmul_partial_cuda``.  Output element (m, n) is a function of row m of ``x``, row n
 of ``w``, the dtype and ``leaves`` only: K is cut into ``leaves`` contiguous leaves;
 each leaf is one fp32 wgmma chain over its k range in increasing k, started from a +0

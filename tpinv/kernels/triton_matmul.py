@@ -1,8 +1,8 @@
 """The contract matmul on CUDA (Triton): ``x @ w.T`` with a fixed k order.
 
-(Products of many bf16/fp16 rows on sm_90 go to the warp-specialized Gluon kernel of
-:mod:`tpinv.kernels.gluon_matmul`, which keeps the same instruction sequence and so the
-same bits; see :func:`gluon_kernel_for`.)
+(Which kernel runs a product -- this one, the warp-specialized Gluon kernel of
+:mod:`tpinv.kernels.gluon_matmul`, or that one leaf by leaf -- is chosen in
+:mod:`tpinv.kernels.matmul_route`; every choice gives the same bits.)
 
 Invariant kept: output element (m, n) is, bit for bit, a function of row m of ``x``,
 row n of ``w``, the dtype and ``leaves`` only.  K is cut into ``leaves`` equal leaves;
@@ -19,12 +19,6 @@ beside the running one, and every add is the tree's own.  With ``split > 1`` sev
 CTAs each compute one aligned sub-tree and a second kernel adds the sub-trees with the
 top of the same tree.  No launch choice (tile shape, warps, stages, split, load path)
 changes an addition; see :mod:`tpinv.kernels.tiles`.
-
-Leaves of :data:`LEAF_SPLIT_MIN_LEN` or more that the Gluon kernel can read (the vocabulary
-reduction of a language-model head's dX: 8 leaves of 18992 at Qwen3's 151936) run one Gluon
-launch per leaf, each an fp32 one-leaf product of that leaf's K slice, and the tree's top as
-fp32 tensor adds (:class:`tpinv.core.contract.TreeAccumulator`): the split a tensor-parallel
-rank makes of its K slice, so the same bits, without the tree kernel's wait at every leaf end.
 """
 from __future__ import annotations
 
@@ -34,12 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.core.contract import (DEFAULT_LEAVES, InvarianceError, TreeAccumulator, check_divisible,
-                                 check_dtype, check_leaves)
+from tpinv.core.contract import InvarianceError, check_divisible, check_dtype, check_leaves
 from tpinv.kernels.descriptors import TensorDescriptor, reused_descriptor
 from tpinv.kernels.launch import cdiv, is_bound, launch, launch_with, operands_key, remember
-from tpinv.kernels.tiles import (GLUON_MIN_ROWS, MAX_LEAVES_PER_CTA, MatmulConfig, block_k,
-                                 check_config, launch_config)
+from tpinv.kernels.tiles import MAX_LEAVES_PER_CTA, MatmulConfig, block_k
 
 _INT32_MAX = 2**31 - 1
 
@@ -171,14 +163,11 @@ def _combine_groups_kernel(ws_ptr, out_ptr, numel, stride_g,
     tl.store(out_ptr + offs, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_TENSORS = (torch.Tensor, torch.nn.Parameter)   # the types whose checks a route remembers (not subclasses)
-
-
-def _check_inputs(x: torch.Tensor, w: torch.Tensor, leaves: int) -> None:
+def check_inputs(x: torch.Tensor, w: torch.Tensor, leaves: int) -> None:
     """Raise for inputs the kernel does not take.  Every check is a function of the operands'
-    shapes, dtypes and devices and of ``leaves``, which a kept route's key holds: :func:`_run`
-    checks a call signature on its first call (and every call with a launch config or a tensor
-    subclass), not again once its route is kept."""
+    shapes, dtypes and devices and of ``leaves``, which a kept route's key holds: the route
+    (:mod:`tpinv.kernels.matmul_route`) checks a call signature on its first call (and every call
+    with a launch config or a tensor subclass), not again once its route is kept."""
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise TypeError("x and w must be torch tensors")
     if not (x.is_cuda and w.is_cuda):
@@ -206,7 +195,7 @@ def _tma_ok(t: torch.Tensor, inner: int) -> bool:
             and t.shape[outer] * t.stride(outer) < _INT32_MAX)
 
 
-class _Plan(NamedTuple):
+class ContractPlan(NamedTuple):
     """Everything about a launch that follows from shapes, strides, dtypes and alignment."""
     use_tma: bool
     w_kn: bool
@@ -224,8 +213,9 @@ class _Plan(NamedTuple):
 _PLANS: dict = {}
 
 
-def _plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-          config: MatmulConfig, allow_tma: bool, operands: tuple | None) -> _Plan:
+def contract_plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
+                  config: MatmulConfig, allow_tma: bool, operands: tuple | None) -> ContractPlan:
+    """The launch plan of the contract kernel for these operands and ``config`` (one per call shape)."""
     key = (operands or operands_key(x2, w), leaves, out_dtype, config, allow_tma)
     plan = _PLANS.get(key)
     if plan is not None:
@@ -252,32 +242,33 @@ def _plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype
                   GROUP_M=config.group_m, EVEN_K=even_k, IS_FP32=(x2.dtype == torch.float32),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (cdiv(m, bm) * cdiv(n, bn), split)
-    return remember(_PLANS, key, _Plan(use_tma, w_kn, [bm, bk], [bk, bn] if w_kn else [bn, bk], split,
+    return remember(_PLANS, key, ContractPlan(use_tma, w_kn, [bm, bk], [bk, bn] if w_kn else [bn, bk], split,
                                         grid, consts, {}, {}, {}, {}))
 
 
-def _launch(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-            config: MatmulConfig, allow_tma: bool = True, operands: tuple | None = None) -> torch.Tensor:
+def launch_contract(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
+                    config: MatmulConfig, allow_tma: bool = True, operands: tuple | None = None) -> torch.Tensor:
     """Run the kernel on x2 [M, K], w [N, K]; ``allow_tma=False`` forces pointer loads
     (``operands``: their :func:`~tpinv.kernels.launch.operands_key`, when the caller has it)."""
-    if _no_work(x2, w):
-        return _empty_product(x2, w, out_dtype)
-    return _launch_plan(x2, w, leaves, out_dtype, _plan(x2, w, leaves, out_dtype, config, allow_tma, operands))
+    if no_work(x2, w):
+        return empty_product(x2, w, out_dtype)
+    plan = contract_plan(x2, w, leaves, out_dtype, config, allow_tma, operands)
+    return launch_contract_plan(x2, w, leaves, out_dtype, plan)
 
 
-def _no_work(x2: torch.Tensor, w: torch.Tensor) -> bool:
+def no_work(x2: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the product has no rows, no columns or K = 0 (nothing to launch)."""
     return x2.shape[0] == 0 or w.shape[0] == 0 or x2.shape[1] == 0
 
 
-def _empty_product(x2: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def empty_product(x2: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The product of operands with no rows, no columns or K = 0 (zeros)."""
     return torch.zeros((x2.shape[0], w.shape[0]), device=x2.device, dtype=out_dtype)
 
 
-def _launch_plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-                 plan: _Plan) -> torch.Tensor:
-    """Descriptors and launch of non-empty operands and their plan (:func:`_plan`)."""
+def launch_contract_plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
+                         plan: ContractPlan) -> torch.Tensor:
+    """Descriptors and launch of non-empty operands and their plan (:func:`contract_plan`)."""
     m, k = x2.shape
     n = w.shape[0]
     out = torch.empty((m, n), device=x2.device, dtype=out_dtype)
@@ -305,112 +296,3 @@ def _launch_plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torc
                dest, out, m * n, stride_g, bound=plan.bound_combine, GROUPS=split, BLOCK=block,
                num_warps=4)
     return out
-
-
-def gluon_kernel_for(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype):
-    """The Gluon matmul module when it runs ``x2 @ w.T`` (a speed choice, never a bit
-    choice), else None: fewer rows than :data:`GLUON_MIN_ROWS`, fp32, not sm_90, a layout
-    it cannot read, or a Triton without Gluon."""
-    if (x2.shape[0] < GLUON_MIN_ROWS or x2.dtype not in (torch.bfloat16, torch.float16)
-            or not x2.is_cuda):
-        return None
-    if not _GLUON:  # imported once, on the first product that could use it
-        try:
-            from tpinv.kernels import gluon_matmul
-        except ImportError:
-            gluon_matmul = None
-        _GLUON.append(gluon_matmul)
-    gluon = _GLUON[0]
-    return gluon if gluon is not None and gluon.unsupported_reason(x2, w, leaves, out_dtype) is None else None
-
-
-_GLUON: list = []   # [the gluon_matmul module, or None without Gluon], once resolved
-_ROUTES: dict = {}   # (operands_key, leaves, out_dtype) -> (gluon module or None, its launch plan)
-
-
-#: Leaf length from which a product of several leaves runs leaf by leaf (module docstring; a
-#: speed choice: H100, docs/benchmarks.md 2026-11-26).
-LEAF_SPLIT_MIN_LEN = 8192
-#: The route of a product run leaf by leaf (:func:`_by_leaves`).
-BY_LEAVES = "by leaves"
-
-
-def _leaf(t: torch.Tensor, i: int, n: int) -> torch.Tensor:
-    return t[:, i * n:(i + 1) * n]
-
-
-def _by_leaves(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """``x2 @ w.T`` as ``leaves`` one-leaf fp32 products of the K slices and the tree's top."""
-    n = x2.shape[1] // leaves
-    tree = TreeAccumulator()
-    for i in range(leaves):
-        tree.push(_run(_leaf(x2, i, n), _leaf(w, i, n), 1, torch.float32, None))
-    out = tree.result()
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
-
-
-def _route(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype, operands: tuple) -> tuple:
-    """Which kernel runs a call without a config, and its launch plan (one per call shape)."""
-    n = x2.shape[1] // leaves
-    if (leaves > 1 and n >= LEAF_SPLIT_MIN_LEN
-            and gluon_kernel_for(_leaf(x2, 1, n), _leaf(w, 1, n), 1, torch.float32) is not None):
-        return BY_LEAVES, None
-    gluon = gluon_kernel_for(x2, w, leaves, out_dtype)
-    if gluon is not None:
-        return gluon, gluon.plan_for(x2, w, leaves, out_dtype, operands=operands)
-    return None, _plan(x2, w, leaves, out_dtype, launch_config(x2.shape[0], leaves), True, operands)
-
-
-def _run(x: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-         config: MatmulConfig | None) -> torch.Tensor:
-    checked = config is not None or type(x) not in _TENSORS or type(w) not in _TENSORS or x.dim() < 1
-    if checked:
-        _check_inputs(x, w, leaves)
-    flat = x.dim() != 2
-    x2 = x.reshape(-1, x.shape[-1]) if flat else x
-    route = None
-    if config is None:
-        operands = operands_key(x2, w)   # one key per call: the kernel's choice and its launch plan
-        key = (operands, leaves, out_dtype)
-        route = _ROUTES.get(key)
-        if route is None and not checked:   # every check is a function of the key: once per signature
-            _check_inputs(x, w, leaves)
-    if config is not None:
-        out = _launch(x2, w, leaves, out_dtype, check_config(config))
-    elif route is None and _no_work(x2, w):
-        out = _empty_product(x2, w, out_dtype)
-    else:
-        if route is None:
-            route = remember(_ROUTES, key, _route(x2, w, leaves, out_dtype, operands))
-        gluon, plan = route
-        if gluon is BY_LEAVES:
-            out = _by_leaves(x2, w, leaves, out_dtype)
-        else:
-            out = (gluon.launch_plan(x2, w, leaves, out_dtype, plan) if gluon is not None
-                   else _launch_plan(x2, w, leaves, out_dtype, plan))
-    return out.reshape(*x.shape[:-1], w.shape[0]) if flat else out
-
-
-def matmul_partial_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int = DEFAULT_LEAVES, *,
-                        config: MatmulConfig | None = None) -> torch.Tensor:
-    """fp32 ``x @ w.T`` by the contract: the leaf tree over ``leaves`` leaves, not rounded.
-
-    x ``[..., K]`` (bf16/fp16/fp32, any strides), w ``[N, K]`` (nn.Linear layout, or a
-    strided/transposed view of that shape), ``leaves`` a power of two dividing K.
-    Returns fp32 ``[..., N]``.  A rank owning one of ``C`` contiguous K slices computes
-    its sub-tree with ``leaves // C``; :func:`tpinv.core.contract.tree_combine` of the C
-    partials equals this function at full K, bit for bit.  Without ``config`` a product
-    of :data:`GLUON_MIN_ROWS` or more bf16/fp16 rows on sm_90 runs the Gluon kernel (same
-    bits); a ``config`` (this module's :class:`~tpinv.kernels.tiles.MatmulConfig`) always
-    runs this module's kernel.
-    """
-    return _run(x, w, leaves, torch.float32, config)
-
-
-def matmul_cuda(x: torch.Tensor, w: torch.Tensor, leaves: int = DEFAULT_LEAVES, *,
-                config: MatmulConfig | None = None) -> torch.Tensor:
-    """``x @ w.T`` by the contract, rounded once to ``x.dtype``.
-
-    Same arguments and bits as :func:`matmul_partial_cuda`, cast in the epilogue.
-    """
-    return _run(x, w, leaves, x.dtype, config)

@@ -7,8 +7,8 @@ results combined by the adjacent-pair tree, in fp32.  ``matmul_partial`` is a ra
 fp32 partial (its ``leaves`` are the rank's share of the global leaves); ``matmul``
 rounds it once to the input dtype and differentiates with the same order:
 ``dX`` reduces over N with ``grad_leaves`` leaves, ``dW`` over the flattened tokens in
-one fixed chain.  On CUDA the matmuls run the Triton contract kernel
-(:mod:`tpinv.kernels.triton_matmul`); nothing falls back to BLAS.
+one fixed chain.  On CUDA the matmuls run the contract kernels
+(:mod:`tpinv.kernels.matmul_route`); nothing falls back to BLAS.
 """
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ def _matmul_cuda(x: Tensor, w: Tensor, leaves: int, grad_leaves: int) -> Tensor:
     return _matmul_kernel(x, w, leaves)
 
 
-_matmul_kernel = lazy_kernel("triton_matmul.matmul_cuda")
+_matmul_kernel = lazy_kernel("matmul_route.matmul_cuda")
 
 
-@define_op("matmul_partial", cuda="triton_matmul.matmul_partial_cuda",
+@define_op("matmul_partial", cuda="matmul_route.matmul_partial_cuda",
            check=reference_matmul.check_matmul_inputs)
 def matmul_partial_op(x: Tensor, w: Tensor, leaves: int) -> Tensor:
     return reference_matmul.matmul_partial(x, w, leaves)
