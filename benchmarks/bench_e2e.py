@@ -42,6 +42,7 @@ the log-probs of one 32k-token sequence); ``--memory tiny`` runs them at a tiny 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -233,6 +234,11 @@ def decode_rates(model, device, batch: int, prompt_len: int, new: int, repeats: 
     return out
 
 
+def progress(message: str) -> None:
+    """One line on stderr as each part finishes, so a run cut short by a time limit still says what it measured."""
+    print(f"[bench_e2e] {message}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-0.6b", help="config name, optionally :LAYERS")
@@ -276,13 +282,19 @@ def main(argv=None) -> None:
     for mode in modes:
         if not check_decode_equals_prefill(model, device, 2, min(opts.prompt, 200), mode == "graph"):
             raise SystemExit(f"FAIL: the invariant decode step ({mode}) differs from the invariant prefill")
+    progress(f"decode == prefill bitwise ({', '.join(modes)}); timing the training step")
     train = train_step_times(model, device, opts.batch, opts.seq, opts.iters, opts.compiled)
+    progress(f"train step: invariant {train['invariant_s']:.4f} s, vanilla {train['vanilla_s']:.4f} s; "
+             f"timing decode")
     decode = decode_rates(model, device, opts.decode_batch, opts.prompt, opts.new, opts.repeats, modes)
+    progress("decode: " + ", ".join(f"{mode} {decode[f'invariant_{mode}_tokens_per_s']:.1f} / "
+                                    f"{decode[f'vanilla_{mode}_tokens_per_s']:.1f} tok/s" for mode in modes))
     peers = {}
     want_peers = opts.peers if opts.peers is not None else (device.type == "cuda" and hf_available() is None)
     if want_peers:
         if hf_available() is not None:
             raise SystemExit(f"--peers: {hf_available()}")
+        progress("timing the HF transformers peers")
         peers = hf_times(model, device, batch=opts.batch, seq=opts.seq, iters=opts.iters,
                          decode_batch=opts.decode_batch, prompt_len=opts.prompt, new=opts.new, repeats=opts.repeats)
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
