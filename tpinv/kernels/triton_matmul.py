@@ -243,16 +243,15 @@ def contract_plan(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: tor
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = (cdiv(m, bm) * cdiv(n, bn), split)
     return remember(_PLANS, key, ContractPlan(use_tma, w_kn, [bm, bk], [bk, bn] if w_kn else [bn, bk], split,
-                                        grid, consts, {}, {}, {}, {}))
+                                              grid, consts, {}, {}, {}, {}))
 
 
 def launch_contract(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: torch.dtype,
-                    config: MatmulConfig, allow_tma: bool = True, operands: tuple | None = None) -> torch.Tensor:
-    """Run the kernel on x2 [M, K], w [N, K]; ``allow_tma=False`` forces pointer loads
-    (``operands``: their :func:`~tpinv.kernels.launch.operands_key`, when the caller has it)."""
+                    config: MatmulConfig, allow_tma: bool = True) -> torch.Tensor:
+    """Run the kernel on x2 [M, K], w [N, K] with ``config``; ``allow_tma=False`` forces pointer loads."""
     if no_work(x2, w):
         return empty_product(x2, w, out_dtype)
-    plan = contract_plan(x2, w, leaves, out_dtype, config, allow_tma, operands)
+    plan = contract_plan(x2, w, leaves, out_dtype, config, allow_tma, None)
     return launch_contract_plan(x2, w, leaves, out_dtype, plan)
 
 
