@@ -134,14 +134,14 @@ def patch_language_once() -> None:
     if original is None or getattr(original, "once", False):
         return
     lang = interpreter.tl
-    patched: set[int] = set()
+    patched: set = set()   # the language modules patched now
 
     class _NothingToUndo:
         def restore(self) -> None:
             pass
 
     def patch_lang(fn):
-        mods = {id(v) for v in fn.__globals__.values() if v is lang or v is lang.core}
+        mods = {v for v in fn.__globals__.values() if v is lang or v is lang.core}
         if mods and mods <= patched:
             return _NothingToUndo()
         scope = original(fn)
