@@ -168,11 +168,16 @@ def bench_decode(B, T, backend_ctx):
             for i in range(sets)]
     est = kv_bytes / 2e6  # us at ~2 TB/s
     from tpinv.kernels import triton_attention as ta
-    from tpinv.kernels.triton_attention_split import use_split
-    split = use_split(B, HKV, HQ // HKV, ta.forward_config(DT, D).block_m, T, ta.KV_BLOCK,
-                      ta.KV_CHUNK_BLOCKS, D)
+    from tpinv.kernels import triton_attention_split as sp
+    split = sp.use_split(B, HKV, HQ // HKV, ta.forward_config(DT, D).block_m, T, ta.KV_BLOCK,
+                         ta.KV_CHUNK_BLOCKS, D)
+    q, k, v, pos = *data[0][:3], data[0][3]
+    gluon = split and sp.decode_kernel_for(sp.SplitLaunch(
+        q, k, v, pos, *ta.mask_args(None, q), HQ // HKV, True, None, ta.resolve_scale(None, D),
+        False, ta.forward_config(DT, D), D, ta.KV_BLOCK, ta.KV_CHUNK_BLOCKS)) is not None
     rec = dict(kind="decode", B=B, S=1, T=T, input_sets=sets, timing="cuda graph replays",
-               path="chunks in parallel" if split else "one program")
+               path=("chunks in parallel, Gluon" if gluon else "chunks in parallel") if split
+               else "one program")
     rec["ours_us"] = graph_time_us(lambda i: fwd(*data[i][:3], data[i][3], None, True, None, None), sets, est)
     rec["sdpa_us"] = graph_time_us(
         lambda i: F.scaled_dot_product_attention(*data[i][:3], enable_gqa=True), sets, est)

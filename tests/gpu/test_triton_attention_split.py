@@ -51,7 +51,8 @@ def test_chunks_in_parallel_give_the_one_program_bits(dtype, mode):
         if mask is not None:
             mask = mask[:, :, :kc.shape[2]].contiguous()
         one = attention_forward_cuda(q, kc, vc, pos, mask, causal, window, None, split=False)
-        par = attention_forward_cuda(q, kc, vc, pos, mask, causal, window, None, split=True)
+        par = attention_forward_cuda(q, kc, vc, pos, mask, causal, window, None, split=True,
+                                     gluon=False)
         auto = attention_forward_cuda(q, kc, vc, pos, mask, causal, window, None)
         assert sp.use_split(B, HKV, S * HQ // HKV, ta.forward_config(dtype, D).block_m, kc.shape[2],
                             KV_BLOCK, ta.KV_CHUNK_BLOCKS, D)
@@ -63,7 +64,7 @@ def test_chunks_in_parallel_give_the_one_program_bits(dtype, mode):
         launch = sp.SplitLaunch(q, kc, vc, pos, *ta.mask_args(mask, q), HQ // HKV, causal, window,
                                 ta.resolve_scale(None, D), mask is not None,
                                 ta.forward_config(dtype, D), D, KV_BLOCK, ta.KV_CHUNK_BLOCKS)
-        out, lse, acc_st, ml_st = assert_split_launch(launch, par, B * HKV)
+        out, lse, acc_st, ml_st = assert_split_launch(launch, par, B * HKV, gluon=False)
         acc_st[:, 1] = 0.0
         ml_st[:, 1, :, 0] = float("-inf")
         ml_st[:, 1, :, 1] = 0.0
@@ -71,23 +72,28 @@ def test_chunks_in_parallel_give_the_one_program_bits(dtype, mode):
         assert (lse[:, 0, -1] < par[1][:, 0, -1] - 1.0).all(), "control: the dropped chunk is missed"
 
 
-def test_chunks_in_parallel_captured_replays_give_the_same_bits():
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+def test_chunks_in_parallel_captured_replays_give_the_same_bits(gluon):
     """Split launches captured into two CUDA graphs (counters of their own, no memset node),
     replayed in turn and interleaved with eager split launches on the same inputs: every
-    replay gives the one-program bytes, and every captured launch leaves its counters at 0."""
+    replay gives the one-program bytes, and every captured launch leaves its counters at 0; the
+    Triton kernel's launch and the Gluon kernel's (an sm_90 GPU)."""
     from tpinv.kernels import triton_attention_split as sp
+    if gluon and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon decode kernel needs an sm_90 GPU")
     cases = [qkv(B, 1, T, seed=B + T) + (arange_pos(B, 1, T - 1),)
              for B, T in ((1, 3000), (4, 2100))]
     want = [attention_forward_cuda(q, k, v, p, None, True, None, None, split=False)
             for q, k, v, p in cases]
     for q, k, v, p in cases:  # warm-up outside capture (makes the captured counters' store)
-        attention_forward_cuda(q, k, v, p, None, True, None, None, split=True)
+        attention_forward_cuda(q, k, v, p, None, True, None, None, split=True, gluon=gluon)
     torch.cuda.synchronize()
     graphs, got = [], []
     for q, k, v, p in cases:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            got.append(attention_forward_cuda(q, k, v, p, None, True, None, None, split=True))
+            got.append(attention_forward_cuda(q, k, v, p, None, True, None, None, split=True,
+                                              gluon=gluon))
         graphs.append(g)
     store, used = sp._CAPTURED[torch.device(DEV, torch.cuda.current_device())]
     assert used >= 1 * HKV + 4 * HKV, "the captured launches took counters of their own"
@@ -95,7 +101,8 @@ def test_chunks_in_parallel_captured_replays_give_the_same_bits():
         for g, (o, l), (wo, wl), (q, k, v, p) in zip(graphs, got, want, cases):
             o.fill_(NAN)
             g.replay()
-            eager = attention_forward_cuda(q, k, v, p, None, True, None, None, split=True)
+            eager = attention_forward_cuda(q, k, v, p, None, True, None, None, split=True,
+                                           gluon=gluon)
             torch.cuda.synchronize()
             assert_same_bits(o, wo, "replayed out")
             assert_same_bits(l, wl, "replayed lse")

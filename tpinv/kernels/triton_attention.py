@@ -285,8 +285,8 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
                            mask: Optional[torch.Tensor] = None, causal: bool = True,
                            window: Optional[int] = None, scale: Optional[float] = None, *,
                            split: Optional[bool] = None, config: Optional[AttentionConfig] = None,
-                           merge: Optional[bool] = None, tma: Optional[bool] = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           merge: Optional[bool] = None, tma: Optional[bool] = None,
+                           gluon: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, S, D] in q.dtype, lse [B, Hq, S] fp32)`` of ``tpinv::attention``.
 
     ``split``, ``config``, ``merge`` and ``tma`` pick the launch, never the bits: chunks in
@@ -295,7 +295,9 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     launch config other than the table's (16-bit inputs); the merging kernel even when the keys
     lie in one chunk (``True``; ``False`` needs them in one chunk); K/V blocks read through TMA
     descriptors (``None``: wherever :func:`kv_descriptors` can, ``True``: must, with one program
-    per row tile; ``False``: pointer loads).
+    per row tile; ``False``: pointer loads); the chunks-in-parallel launch as the Gluon kernel on
+    an sm_90 GPU (``True``: must, with ``split``; ``False``: the Triton kernel; ``None``: by
+    speed, :func:`~tpinv.kernels.triton_attention_split.decode_kernel_for`).
     """
     g = check_attention_inputs(q, k, v, q_pos, mask, causal, window)
     B, Hq, S, D = q.shape
@@ -322,8 +324,12 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         raise ValueError("attention_forward_cuda: config= is for bf16/fp16 inputs (fp32 has one shape)")
     cfg = config or forward_config(q.dtype, DP)
     n_tiles = cdiv(S * g, cfg.block_m)
+    if gluon and (split is False or tma):
+        raise ValueError("gluon=True is the chunks-in-parallel launch: it needs split and no tma")
     if split is None and tma:
         split = False
+    if split is None and gluon:
+        split = True
     if split is None:
         split = _split_module().use_split(B, Hkv, S * g, cfg.block_m, T, KV_BLOCK, KV_CHUNK_BLOCKS,
                                           DP)
@@ -337,7 +343,7 @@ def attention_forward_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         sp = _split_module()
         sp.split_forward_cuda(sp.SplitLaunch(q, k, v, q_pos, m, (s_mb, s_ms, s_mt), g, causal,
                                              window, scale, mask is not None, cfg, DP, KV_BLOCK,
-                                             KV_CHUNK_BLOCKS), out, lse)
+                                             KV_CHUNK_BLOCKS), out, lse, gluon)
         return out, lse
     plan = attention_plan((operands_key(q, k, v, q_pos, m), bool(causal), window, cfg, bool(merge), tma))
     bound = plan.setdefault("forward", {})

@@ -23,7 +23,10 @@ no launch pays for a memset.
 
 Every value comes from the forward's jit functions on the same values in the same order, so
 ``out`` and ``lse`` are bit-identical to the one-program forward; only the time differs.
-Which path a call takes is a speed choice (:func:`use_split`), never a bits choice.
+On an sm_90 GPU the same launch runs as a warp-specialized Gluon kernel where it fits
+(:mod:`tpinv.kernels.gluon_attention_decode`: the same states, the same merge, the same bits;
+:func:`decode_kernel_for`).  Which path a call takes is a speed choice (:func:`use_split`),
+never a bits choice.
 """
 from __future__ import annotations
 
@@ -35,12 +38,12 @@ import triton
 import triton.language as tl
 
 from tpinv.core.capture import capturing
-from tpinv.kernels.launch import launch, next_power_of_2
+from tpinv.kernels.launch import launch, next_power_of_2, sm_count
 from tpinv.kernels.triton_attention import finish_rows, forward_block, merge_state, n_chunks
 from tpinv.kernels.triton_attention_tiles import block_ranges, row_tile
 
 __all__ = ["split_forward_cuda", "merge_chunks_cuda", "SplitLaunch", "use_split", "n_chunks",
-           "counters"]
+           "counters", "decode_kernel_for"]
 
 #: Most (batch row x kv head) pairs for which chunks in parallel pay off (speed only; on an
 #: H100 at 4096 cached tokens: faster at 128 pairs, 109 against 117 us; slower at 256, 201
@@ -243,6 +246,38 @@ def _rows_p(a: SplitLaunch) -> int:
     return max(2, next_power_of_2(a.q.shape[2] * a.g))
 
 
+def _merge_group(rows_p: int, DP: int) -> int:
+    return max(1, min(MERGE_GROUP, MERGE_GROUP_ELEMENTS // (rows_p * DP)))
+
+
+_GLUON: list = []   # [the gluon_attention_decode module, or None without Gluon], once resolved
+
+
+def decode_kernel_for(a: SplitLaunch, gluon: Optional[bool] = None):
+    """:mod:`tpinv.kernels.gluon_attention_decode` where it runs the split call ``a``, else None.
+    ``gluon``: True, must (ValueError saying why it cannot); False, never; None, where it can
+    and its programs fit one wave of the GPU (speed only; on an H200 it was 1.13x faster at one
+    sequence of 4096 tokens and, past one wave, 1.12x slower at four, docs/benchmarks.md)."""
+    if gluon is False:
+        return None
+    if gluon is None and (not a.q.is_cuda or n_chunks(a.k.shape[2], a.KB, a.CB) * a.q.shape[0]
+                          * a.k.shape[1] > sm_count(a.q.device)):
+        return None
+    if not _GLUON:
+        try:
+            from tpinv.kernels import gluon_attention_decode
+        except ImportError:     # a Triton without Gluon
+            gluon_attention_decode = None
+        _GLUON.append(gluon_attention_decode)
+    mod = _GLUON[0]
+    reason = "needs Gluon, which this Triton lacks" if mod is None else mod.unsupported_reason(a)
+    if reason is None:
+        return mod
+    if gluon:
+        raise ValueError(f"gluon=True: the Gluon decode kernel {reason}")
+    return None
+
+
 def _launch(a: SplitLaunch, acc_st: torch.Tensor, ml_st: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, states: bool) -> None:
     q, k, v = a.q, a.k, a.v
@@ -259,20 +294,26 @@ def _launch(a: SplitLaunch, acc_st: torch.Tensor, ml_st: torch.Tensor, out: torc
            s_mb, s_ms, s_mt, out.stride(0), out.stride(1), out.stride(2),
            lse.stride(0), lse.stride(1), S, T, D, Hkv, nc, programs, int(a.window or 0), a.scale,
            BLOCK_M=a.cfg.block_m, **a.flags(rows_p),
-           GROUP=max(1, min(MERGE_GROUP, MERGE_GROUP_ELEMENTS // (rows_p * a.DP))), STATES=states,
+           GROUP=_merge_group(rows_p, a.DP), STATES=states,
            num_warps=a.cfg.num_warps, num_stages=a.cfg.num_stages, enable_fp_fusion=False)
 
 
-def split_forward_cuda(a: SplitLaunch, out: torch.Tensor,
-                       lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fill ``out`` and ``lse`` through chunks in parallel, in one launch.  Returns the chunk
-    states it merged: ``(acc [B * Hkv, chunks, rows, DP], (m, l) [B * Hkv, chunks, rows, 2])``
-    in fp32 (only the chunks a row's tile visits are written)."""
+def split_forward_cuda(a: SplitLaunch, out: torch.Tensor, lse: torch.Tensor,
+                       gluon: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fill ``out`` and ``lse`` through chunks in parallel, in one launch (the Gluon kernel's or
+    the Triton kernel's, :func:`decode_kernel_for`).  Returns the chunk states it merged:
+    ``(acc [B * Hkv, chunks, rows, DP], (m, l) [B * Hkv, chunks, rows, 2])`` in fp32 (only the
+    chunks a row's tile visits are written)."""
     B, Hkv, T = a.q.shape[0], a.k.shape[1], a.k.shape[2]
     nc, rows_p = n_chunks(T, a.KB, a.CB), _rows_p(a)
     acc_st = torch.empty((B * Hkv, nc, rows_p, a.DP), dtype=torch.float32, device=a.q.device)
     ml_st = torch.empty((B * Hkv, nc, rows_p, 2), dtype=torch.float32, device=a.q.device)
-    _launch(a, acc_st, ml_st, out, lse, True)
+    kernel = decode_kernel_for(a, gluon)
+    if kernel is not None:
+        kernel.decode_forward_cuda(a, acc_st, ml_st, counters(B * Hkv, a.q.device), out, lse,
+                                   _merge_group(rows_p, a.DP))
+    else:
+        _launch(a, acc_st, ml_st, out, lse, True)
     return acc_st, ml_st
 
 
