@@ -1,6 +1,8 @@
 """The Gluon decode kernel is a speed choice of the chunks-in-parallel attention launch: without
 an sm_90 GPU (here: CPU tensors) ``gluon=None`` never picks it and ``gluon=True`` raises, saying
-why; the GPU checks of its bits are ``tests/gpu/test_gluon_attention_decode.py``."""
+why; the GPU checks of its bits are ``tests/gpu/test_gluon_attention_decode.py``.  The Gluon
+kernels run only with the Triton release whose Gluon they are written for (its API moves between
+releases); any other runs the Triton kernels, with the same bits."""
 from __future__ import annotations
 
 import importlib.util
@@ -39,3 +41,13 @@ def test_gluon_true_raises_off_the_gpu_and_without_split():
         attention_forward_cuda(q, k, v, pos, None, True, None, None, split=False, gluon=True)
     with pytest.raises(ValueError, match="needs split"):
         attention_forward_cuda(q, k, v, pos, None, True, None, None, tma=True, gluon=True)
+
+
+def test_gluon_kernels_need_the_triton_release_they_are_written_for():
+    from tpinv.kernels.launch import GLUON_TRITON, gluon_version_reason
+    assert GLUON_TRITON == ((3, 6),)
+    assert gluon_version_reason("3.6.0") is None
+    assert gluon_version_reason("3.6.1+git1234") is None
+    for other in ("3.5.1", "3.7.0", "3.9.0", "4.0.0"):  # control: every other release refused
+        assert f"not of Triton {other}" in gluon_version_reason(other)
+    assert "cannot read" in gluon_version_reason("nightly")

@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from tpinv.kernels.launch import device_capability, launch
+from tpinv.kernels.launch import device_capability, gluon_version_reason, launch
 
 __all__ = ["unsupported_reason", "decode_forward_cuda", "BLOCK_M", "MAX_DP"]
 
@@ -330,6 +330,9 @@ def unsupported_reason(a) -> Optional[str]:
         return f"needs a CUDA device, got {q.device}"
     if device_capability(q.device) != (9, 0):
         return f"needs an sm_90 GPU (wgmma), got capability {device_capability(q.device)}"
+    version = gluon_version_reason()
+    if version is not None:
+        return version
     if q.dtype not in _DTYPES:
         return f"needs bf16 or fp16 inputs, got {q.dtype}"
     if a.window is not None or a.has_mask:

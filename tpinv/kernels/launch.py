@@ -40,7 +40,7 @@ except ImportError:          # Triton without the 3.4+ runtime knobs: always lau
 
 __all__ = ["launch", "launch_with", "cdiv", "device_capability", "next_power_of_2", "sm_count", "bound_launches",
            "direct_launches", "direct_available", "is_bound", "operands_key", "remember", "rows_2d", "BIND",
-           "REUSE_DESCRIPTORS", "DIRECT"]
+           "REUSE_DESCRIPTORS", "DIRECT", "GLUON_TRITON", "gluon_version_reason"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
 BIND = [True]
@@ -61,6 +61,30 @@ _BOUND: dict = {}        # (device, (id(kernel), key)) -> (compiled kernel, cons
 _NAMES: dict = {}        # kernel -> its parameter names and defaults
 _COUNT = [0]
 _DIRECT_COUNT = [0]
+
+
+#: Triton releases (major, minor) whose Gluon the Gluon kernels are written for and whose bits were
+#: checked on a GPU.  Gluon's API moves between releases (after 3.6 ``thread_barrier`` became
+#: ``barrier`` and the pointer copy into shared memory ``async_load``), and a Gluon kernel keeps
+#: its Triton twin's bits through the same tile layouts, which a release may change; so another
+#: release runs the Triton kernels, which give the same bits.
+GLUON_TRITON = ((3, 6),)
+
+
+def gluon_version_reason(version: Optional[str] = None) -> Optional[str]:
+    """Why the Gluon kernels cannot be built with Triton ``version`` (this Triton's by default),
+    or None when they can."""
+    if version is None:
+        import triton
+        version = triton.__version__
+    try:
+        release = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return f"cannot read the Triton version {version!r}"
+    if release in GLUON_TRITON:
+        return None
+    built = " / ".join(f"{major}.{minor}" for major, minor in GLUON_TRITON)
+    return f"is written for the Gluon of Triton {built}, not of Triton {version}"
 
 
 _SM_COUNT: dict = {}     # CUDA device index -> its multiprocessor count
