@@ -51,3 +51,10 @@ def test_gluon_kernels_need_the_triton_release_they_are_written_for():
     for other in ("3.5.1", "3.7.0", "3.9.0", "4.0.0"):  # control: every other release refused
         assert f"not of Triton {other}" in gluon_version_reason(other)
     assert "cannot read" in gluon_version_reason("nightly")
+    import triton
+    assert gluon_version_reason() == gluon_version_reason(triton.__version__)  # looked at once
+
+
+def test_gluon_kernels_need_a_hopper_gpu():
+    from tpinv.kernels.launch import gluon_device_reason
+    assert gluon_device_reason(torch.device("cpu")) == "needs a CUDA device, got cpu"

@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from tpinv.kernels.launch import device_capability, gluon_version_reason, launch
+from tpinv.kernels.launch import gluon_device_reason, launch
 
 __all__ = ["unsupported_reason", "decode_forward_cuda", "BLOCK_M", "MAX_DP"]
 
@@ -326,13 +326,9 @@ _DTYPES = (torch.bfloat16, torch.float16)
 def unsupported_reason(a) -> Optional[str]:
     """Why the kernel cannot run the split call ``a`` (a ``SplitLaunch``), or None when it can."""
     q, k, v = a.q, a.k, a.v
-    if not q.is_cuda:
-        return f"needs a CUDA device, got {q.device}"
-    if device_capability(q.device) != (9, 0):
-        return f"needs an sm_90 GPU (wgmma), got capability {device_capability(q.device)}"
-    version = gluon_version_reason()
-    if version is not None:
-        return version
+    device = gluon_device_reason(q.device)
+    if device is not None:
+        return device
     if q.dtype not in _DTYPES:
         return f"needs bf16 or fp16 inputs, got {q.dtype}"
     if a.window is not None or a.has_mask:

@@ -16,8 +16,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tpinv.kernels.gluon_matmul_kernel import SUPPORTED_LEAVES, _contract_mm_ws_kernel
 from tpinv.kernels.descriptors import reused_descriptor
-from tpinv.kernels.launch import (cdiv, device_capability, gluon_version_reason, is_bound,
-                                  launch_with, operands_key, remember, sm_count)
+from tpinv.kernels.launch import (cdiv, gluon_device_reason, is_bound, launch_with, operands_key,
+                                  remember, sm_count)
 from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
 __all__ = ["SUPPORTED_LEAVES", "unsupported_reason", "supported", "gluon_matmul_cuda", "plan_for",
@@ -55,11 +55,9 @@ def unsupported_reason(x, w, leaves: int, out_dtype) -> str | None:
         return "x and w must be torch tensors"
     if not (x.is_cuda and w.is_cuda) or x.device != w.device:
         return f"x and w must be on one CUDA device, got {x.device} and {w.device}"
-    if device_capability(x.device) != (9, 0):
-        return f"needs an sm_90 GPU (wgmma), got capability {device_capability(x.device)}"
-    version = gluon_version_reason()
-    if version is not None:
-        return version
+    device = gluon_device_reason(x.device)
+    if device is not None:
+        return device
     if x.dtype not in _DTYPES or w.dtype != x.dtype:
         return f"x and w must both be bf16 or fp16, got {x.dtype} and {w.dtype}"
     if out_dtype not in (None, x.dtype, torch.float32):

@@ -40,7 +40,8 @@ except ImportError:          # Triton without the 3.4+ runtime knobs: always lau
 
 __all__ = ["launch", "launch_with", "cdiv", "device_capability", "next_power_of_2", "sm_count", "bound_launches",
            "direct_launches", "direct_available", "is_bound", "operands_key", "remember", "rows_2d", "BIND",
-           "REUSE_DESCRIPTORS", "DIRECT", "GLUON_TRITON", "gluon_version_reason"]
+           "REUSE_DESCRIPTORS", "DIRECT", "GLUON_TRITON", "gluon_version_reason",
+           "gluon_device_reason"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
 BIND = [True]
@@ -72,11 +73,13 @@ GLUON_TRITON = ((3, 6),)
 
 
 def gluon_version_reason(version: Optional[str] = None) -> Optional[str]:
-    """Why the Gluon kernels cannot be built with Triton ``version`` (this Triton's by default),
-    or None when they can."""
+    """Why the Gluon kernels cannot be built with Triton ``version`` (this Triton's, looked at
+    once, by default), or None when they can."""
     if version is None:
-        import triton
-        version = triton.__version__
+        if not _GLUON_REASON:
+            import triton
+            _GLUON_REASON.append(gluon_version_reason(triton.__version__))
+        return _GLUON_REASON[0]
     try:
         release = tuple(int(part) for part in version.split(".")[:2])
     except ValueError:
@@ -85,6 +88,19 @@ def gluon_version_reason(version: Optional[str] = None) -> Optional[str]:
         return None
     built = " / ".join(f"{major}.{minor}" for major, minor in GLUON_TRITON)
     return f"is written for the Gluon of Triton {built}, not of Triton {version}"
+
+
+_GLUON_REASON: list = []  # [this Triton's gluon_version_reason], once looked at
+
+
+def gluon_device_reason(device: torch.device) -> Optional[str]:
+    """Why the Gluon kernels cannot run on ``device`` (an sm_90 GPU and this Triton's Gluon
+    release, :func:`gluon_version_reason`), or None when they can."""
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device}"
+    if device_capability(device) != (9, 0):
+        return f"needs an sm_90 GPU (wgmma), got capability {device_capability(device)}"
+    return gluon_version_reason()
 
 
 _SM_COUNT: dict = {}     # CUDA device index -> its multiprocessor count
