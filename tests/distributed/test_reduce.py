@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from tpinv.core.contract import rank_leaves, tree_combine, tree_combine_list
 from tpinv.kernels.reference_tree import leaf_partials, leaf_tree_sum
-import tpinv.distributed.reduce as reduce_module
+import tpinv.distributed.collective_calls as calls_module
 from tpinv.distributed.reduce import (ALGORITHMS, CHECK_ENV, CollectiveError, algorithms_for, all_gather,
                           choose_algorithm, tree_all_reduce, tree_reduce_scatter)
 from tpinv.testing import RankFailedError, assert_bits_differ, assert_same_bits, caught, record_ops, run_ranks
@@ -226,7 +226,7 @@ def _errors(rank):
 def _check_policy(rank):
     """How many descriptor checks each call makes (the descriptor is the only int64 exchange)."""
     checks = []
-    real = reduce_module._all_gather_single
+    real = calls_module.all_gather_single
 
     def counting(out, inp, group):
         checks.append(inp.dtype == torch.int64)
@@ -238,7 +238,7 @@ def _check_policy(rank):
         return sum(checks), result
 
     a, b, world = torch.full((6, 4), rank + 1.0), torch.full((6, 8), rank + 1.0), dist.group.WORLD
-    reduce_module._all_gather_single = counting
+    calls_module.all_gather_single = counting
     try:
         out = {
             "first": count(lambda: tree_all_reduce(a, world))[0],
@@ -263,7 +263,7 @@ def _check_policy(rank):
             lambda: tree_all_reduce(a if rank == 0 else b, world, check="always"))
         out["still_works"] = tree_all_reduce(a, world)
     finally:
-        reduce_module._all_gather_single = real
+        calls_module.all_gather_single = real
     return out
 
 

@@ -18,7 +18,7 @@ import torch
 
 import tpinv.core.capture
 import tpinv.models.vanilla
-import tpinv.distributed.reduce
+import tpinv.distributed.collective_calls
 from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.engine import Engine
 from tpinv.models import Transformer, get_config
@@ -26,7 +26,7 @@ from tpinv.models.vanilla import vanilla_forward
 from tpinv.testing import num_threads
 
 HOST_READS = ("item", "tolist", "__int__", "__bool__", "__float__", "__index__")
-ASKERS = (tpinv.core.capture, tpinv.models.vanilla, tpinv.distributed.reduce)   # where capturing() is asked
+ASKERS = (tpinv.core.capture, tpinv.models.vanilla, tpinv.distributed.collective_calls)   # where capturing() is asked
 
 
 @pytest.fixture(autouse=True, scope="module")

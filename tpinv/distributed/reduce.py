@@ -24,36 +24,28 @@ Algorithms (all give identical bits):
 * ``"auto"``: ``"pair_sum"`` for two NCCL ranks, else by message size, see
   :func:`choose_algorithm` (thresholds measured with ``benchmarks/bench_reduce.py``).
 
-The cross-rank check (``check=True``, the default) exchanges a small descriptor of the call
-(op, shape, dtype, settings) so that ranks that disagree raise :class:`InvarianceError` on every
-rank instead of hanging.  Reading the gathered descriptors makes the host wait for the device, so
-a rank checks each call signature on a group once, the first time it makes it, and trusts it
-afterwards: the steady state of a training or decode loop pays no check.  ``check="always"``, or
-``TPINV_CHECK_COLLECTIVES=always`` in the environment, checks every call (for debugging a rank
-that diverges only on a signature it has used before).
+Every call first checks that the group's ranks agree on it (``check=True``, the default: each call
+signature once per rank and group; ``check="always"``: every call), and a failed transport raises
+:class:`CollectiveError`: :mod:`tpinv.distributed.collective_calls`.
 
 Only torch.distributed collectives are used (gloo and NCCL).  These functions are not
 differentiable; :mod:`tpinv.distributed.mappings` wraps them in autograd regions.
 """
 from __future__ import annotations
 
-import contextlib
-import math
-import os
-from typing import Iterator
-
 import torch
 import torch.distributed as dist
 
 from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_tp_size, tree_combine_list
-from tpinv.core.capture import capturing, compiling
-from tpinv.core.dtypes import NAMES
+from tpinv.distributed.collective_calls import (CHECK_ENV, CHECK_MODES, CollectiveError, all_gather_single,
+                                               check_agree, check_mode, collective_errors)
 from tpinv.distributed.groups import LOCAL, group_size, group_size_rank
 
-__all__ = ["ALGORITHMS", "CHECK_MODES", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
+__all__ = ["ALGORITHMS", "CHECK_ENV", "CHECK_MODES", "CollectiveError", "tree_all_reduce", "tree_reduce_scatter",
            "all_gather", "gather_shards", "algorithms_for", "check_mode", "choose_algorithm"]
 
 ALGORITHMS = ("all_to_all", "halving", "all_gather", "pair_sum")
+_ALGORITHM_CODES = ("auto",) + ALGORITHMS   # the cross-rank check's codes for ``algorithm``
 
 #: ``"auto"`` runs ``"all_gather"`` while the bytes a rank receives, ``(C-1) * nbytes``,
 #: stay within this bound, else ``"all_to_all"``.  Measured with benchmarks/bench_reduce.py on
@@ -61,23 +53,6 @@ ALGORITHMS = ("all_to_all", "halving", "all_gather", "pair_sum")
 #: 256 MiB.  ``"halving"`` was the slowest at every size on NCCL (2 ranks) and on gloo
 #: (a point-to-point exchange costs several collective latencies), so auto never picks it.
 AUTO_ALL_GATHER_MAX_BYTES = {"gloo": 512 * 1024, "nccl": 16 * 1024 * 1024}
-
-#: The ``check`` values: True is ``"first"`` (each call signature once per rank and group; see the
-#: module docstring), unless ``TPINV_CHECK_COLLECTIVES=always``; False skips the check.
-CHECK_MODES = ("first", "always")
-CHECK_ENV = "TPINV_CHECK_COLLECTIVES"
-#: Verified signatures kept per group before the set starts over (every rank of a group that
-#: agrees makes the same calls, so every rank starts over at the same call).
-VERIFIED_MAX = 4096
-
-_OPS = ("tree_all_reduce", "tree_reduce_scatter", "all_gather")
-_DTYPES = tuple(NAMES.values())  # descriptor codes: a dtype's index in tpinv's one name table
-_DESC_DIMS = 10
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the tree reducer failed (a peer exited, hung, or the transport broke)."""
-
 
 def algorithms_for(group_size: int) -> tuple[str, ...]:
     """The algorithms a group of ``group_size`` ranks may run (``"pair_sum"``: two ranks only)."""
@@ -105,97 +80,6 @@ def _group(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, i
     return group, size, rank
 
 
-@contextlib.contextmanager
-def _collective(op: str, algorithm: str, size: int, rank: int) -> Iterator[None]:
-    try:
-        yield
-    except RuntimeError as exc:
-        raise CollectiveError(
-            f"{op} (algorithm={algorithm!r}) over a group of {size} ranks failed on group "
-            f"rank {rank}: a peer rank exited, broke its connection or did not reach the same "
-            f"collective within the process-group timeout. Cause: {exc}") from exc
-
-
-def _describe(row: list[int]) -> str:
-    op, algo, leaves, dcode, dim, ndim = row[:6]
-    dtype = _DTYPES[dcode] if dcode < len(_DTYPES) else "other"
-    shape = tuple(row[6:6 + min(ndim, _DESC_DIMS)]) + (("...",) if ndim > _DESC_DIMS else ())
-    algos = ("auto",) + ALGORITHMS
-    return (f"{_OPS[op]}(shape={shape}, dtype={dtype}, dim={dim}, algorithm={algos[algo]}, "
-            f"leaves={leaves})")
-
-
-_VERIFIED: dict = {}          # group -> the descriptors verified on it
-_VERIFIED_WORLD: list = [None]   # the default group those groups belong to
-
-
-def check_mode(check: bool | str) -> str | None:
-    """``"first"``, ``"always"`` or None (no check) for a collective's ``check`` argument."""
-    if check is True:
-        return "always" if os.environ.get(CHECK_ENV, "").strip().lower() == "always" else "first"
-    if check is False:
-        return None
-    if check not in CHECK_MODES:
-        raise ValueError(f"check={check!r}: expected True, False or one of {CHECK_MODES}")
-    return check
-
-
-def _verified(group) -> set:
-    world = dist.group.WORLD
-    if _VERIFIED_WORLD[0] is not world:   # a new default group: its groups are new too
-        _VERIFIED.clear()
-        _VERIFIED_WORLD[0] = world
-    return _VERIFIED.setdefault(group, set())
-
-
-def _check_agree(op: str, t: torch.Tensor, group, size: int, rank: int, *, algorithm: str,
-                 leaves: int, dim: int, mode: str = "always") -> None:
-    """All-gather a small descriptor; raise the same InvarianceError on every rank on mismatch.
-
-    ``mode="first"`` skips a descriptor this rank has verified on ``group`` before.  Not inside
-    a CUDA-graph capture (it reads the gathered descriptors on the host): a captured step
-    replays the shapes its eager warm-up runs checked.  Under torch.compile the comparison is a
-    ``torch._assert_async`` node of the graph (``RuntimeError`` naming the op), every call."""
-    if capturing():
-        return
-    shape = list(t.shape)
-    if len(shape) > _DESC_DIMS:  # fold the tail so the descriptor keeps a fixed length
-        shape = shape[:_DESC_DIMS - 1] + [math.prod(shape[_DESC_DIMS - 1:])]
-    shape += [0] * (_DESC_DIMS - len(shape))
-    algo = (("auto",) + ALGORITHMS).index(algorithm)
-    dtype = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
-    desc = [_OPS.index(op), algo, leaves, dtype, dim, t.dim()] + shape
-    seen = None
-    if mode == "first" and not compiling():
-        seen = _verified(group)
-        if tuple(desc) in seen:
-            return
-    mine = torch.tensor(desc, dtype=torch.int64, device=t.device)
-    every = torch.empty(size * mine.numel(), dtype=torch.int64, device=t.device)
-    with _collective(f"{op} descriptor check", algorithm, size, rank):
-        _all_gather_single(every, mine, group)
-    if compiling():  # no host read inside a graph: the same comparison, asserted in the graph
-        table = every.view(size, -1)
-        torch._assert_async((table == table[0]).all(), f"ranks disagree on {op}; every rank must pass the "
-                            f"same shape, dtype and settings (checked inside the compiled graph)")
-        return
-    rows = every.view(size, -1).tolist()
-    if any(r != rows[0] for r in rows):
-        lines = "\n".join(f"  group rank {i}: {_describe(r)}" for i, r in enumerate(rows))
-        raise InvarianceError(f"ranks disagree on {op}; every rank must pass the same shape, "
-                              f"dtype and settings:\n{lines}")
-    if seen is not None:
-        if len(seen) >= VERIFIED_MAX:
-            seen.clear()
-        seen.add(tuple(desc))
-
-
-def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    """Rank-order concatenation of the contiguous ``inp`` into the contiguous ``out``."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out.view(-1), inp.reshape(-1), group=group)
-
-
 def _prepare(op, partial, group, *, algorithm, leaves, check, dim=0):
     """Validation shared by the reducing collectives; returns ``(group, size, rank, algorithm)``
     with ``"auto"`` resolved by :func:`choose_algorithm`."""
@@ -205,8 +89,8 @@ def _prepare(op, partial, group, *, algorithm, leaves, check, dim=0):
         raise ValueError(f"algorithm={algorithm!r}: expected 'auto' or one of {ALGORITHMS}")
     mode = check_mode(check)
     if size > 1 and mode:
-        _check_agree(op, partial, group, size, rank, algorithm=algorithm, leaves=leaves, dim=dim,
-                     mode=mode)
+        check_agree(op, partial, group, size, rank, algorithm=algorithm, algorithms=_ALGORITHM_CODES,
+                    leaves=leaves, dim=dim, mode=mode)
     if algorithm != "auto" and algorithm not in algorithms_for(size):
         raise InvarianceError(
             f"{op}: algorithm 'pair_sum' needs a group of exactly 2 ranks (the tree is then one "
@@ -271,7 +155,7 @@ def _reduce_scatter_rows(rows: torch.Tensor, group, size: int, rank: int, algori
         return tree_combine_list(list(received.unbind(0)))
     if algorithm == "all_gather":
         every = torch.empty((size,) + tuple(rows.shape), dtype=rows.dtype, device=rows.device)
-        _all_gather_single(every, rows, group)
+        all_gather_single(every, rows, group)
         return tree_combine_list(list(every[:, rank].unbind(0)))
     # Halving leaves rank r the window at bit_reverse(r): lay chunk r out there.
     order = [_bit_reverse(p, size) for p in range(size)]
@@ -301,13 +185,13 @@ def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None, *,
     if n == 0:
         return torch.empty_like(partial, memory_format=torch.contiguous_format)
     flat = partial.detach().reshape(-1)
-    with torch.no_grad(), _collective("tree_all_reduce", algorithm, size, rank):
+    with torch.no_grad(), collective_errors("tree_all_reduce", algorithm, size, rank):
         if algorithm == "pair_sum":
             out = flat.clone()
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         elif algorithm == "all_gather":
             every = torch.empty((size, n), dtype=flat.dtype, device=flat.device)
-            _all_gather_single(every, flat.contiguous(), group)
+            all_gather_single(every, flat.contiguous(), group)
             out = tree_combine_list(list(every.unbind(0)))
         else:
             m = -(-n // size)
@@ -323,7 +207,7 @@ def tree_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None, *,
             else:
                 mine = _reduce_scatter_rows(buf.view(size, m), group, size, rank, algorithm)
                 out = torch.empty(size * m, dtype=buf.dtype, device=buf.device)
-                _all_gather_single(out, mine, group)
+                all_gather_single(out, mine, group)
                 out = out[:n]
     return out.reshape(partial.shape).contiguous()
 
@@ -355,7 +239,7 @@ def tree_reduce_scatter(partial: torch.Tensor, group: dist.ProcessGroup | None, 
     if partial.numel() == 0:
         return torch.empty((length // size,) + rest, dtype=partial.dtype,
                            device=partial.device).movedim(0, dim).contiguous()
-    with torch.no_grad(), _collective("tree_reduce_scatter", algorithm, size, rank):
+    with torch.no_grad(), collective_errors("tree_reduce_scatter", algorithm, size, rank):
         rows = moved.contiguous().reshape(size, -1)
         mine = _reduce_scatter_rows(rows, group, size, rank, algorithm)
     return mine.reshape((length // size,) + rest).movedim(0, dim).contiguous()
@@ -373,14 +257,14 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None, *, dim: in
     if size == 1:
         return tensor
     if mode:
-        _check_agree("all_gather", tensor, group, size, rank, algorithm="auto", leaves=1, dim=dim,
-                     mode=mode)
+        check_agree("all_gather", tensor, group, size, rank, algorithm="auto",
+                    algorithms=_ALGORITHM_CODES, leaves=1, dim=dim, mode=mode)
     moved = tensor.detach().movedim(dim, 0).contiguous()
     raw = moved.reshape(-1).view(torch.uint8)
     out = torch.empty(size * raw.numel(), dtype=torch.uint8, device=raw.device)
-    with torch.no_grad(), _collective("all_gather", "all_gather", size, rank):
+    with torch.no_grad(), collective_errors("all_gather", "all_gather", size, rank):
         if raw.numel():
-            _all_gather_single(out, raw, group)
+            all_gather_single(out, raw, group)
     out = out.view(tensor.dtype).reshape((size * moved.shape[0],) + tuple(moved.shape[1:]))
     return out.movedim(0, dim).contiguous()
 
