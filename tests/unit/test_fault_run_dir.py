@@ -116,8 +116,11 @@ def test_two_cli_writers_at_once_one_is_refused_and_nothing_is_lost(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "launch", "pretrain.py"), "--threads", "1", "--no-progress",
            "--model", "qwen3-tiny", "--digits", "1", "--seq-len", "6", "--global-batch", "4", "--micro-batch", "4",
            "--steps", "4", "--save-every", "1", "--eval-every", "0", "--save", str(save)]
+    ports = set()
+    while len(ports) < 2:   # two runs at once: two ports
+        ports.add(free_port())
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=dict(env, MASTER_PORT=str(free_port())), cwd=tmp_path) for _ in range(2)]
+                              env=dict(env, MASTER_PORT=str(port)), cwd=tmp_path) for port in ports]
     outs = [p.communicate(timeout=240) + (p.returncode,) for p in procs]
     ok = [o for o in outs if o[2] == 0]
     refused = [o for o in outs if o[2] != 0]

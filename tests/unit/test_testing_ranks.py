@@ -63,3 +63,20 @@ def test_a_result_arrives_though_the_teardown_blocks_holding_the_gil():
     # reports (and is then killed).  Were the result left to the feeder thread, rank 1 would
     # time out here (checked by hand with the wait removed: RankTimeoutError naming rank 1).
     assert run_ranks(_reduce_then_block_teardown, 3, timeout=60.0) == [6.0] * 3
+
+
+def test_a_free_port_for_a_launcher_lies_below_the_kernels_ephemeral_range():
+    # A launcher binds the port seconds after it is picked; the kernel hands ports of its
+    # ephemeral range to other sockets meanwhile (gloo's, in a parallel worker), never one below.
+    import socket
+    from tpinv.testing import free_port
+    from tpinv.testing.ranks import _ephemeral_low
+    ports = [free_port() for _ in range(20)]
+    assert all(1024 <= p < _ephemeral_low() for p in ports), ports
+    assert len(set(ports)) > 1, ports   # drawn, not one fixed port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", ports[-1]))
+    # control: a port the kernel picks itself lies inside the range, so the bound above can fail
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        assert s.getsockname()[1] >= _ephemeral_low()

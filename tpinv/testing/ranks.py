@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import sys
 import time
@@ -68,10 +69,33 @@ class RankTimeoutError(TimeoutError):
 
 def free_port() -> int:
     """A TCP port on the loopback address that was free a moment ago (:func:`run_ranks` holds
-    its own; this is for launchers such as ``torchrun`` that bind the port themselves)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    its own; this is for launchers such as ``torchrun`` that bind the port themselves).
+
+    Drawn at random below the kernel's ephemeral range: a launcher binds it seconds later (after
+    importing torch), and a port the kernel hands out itself (gloo's connections in a parallel
+    test worker take many) could be taken in between; one below that range never is."""
+    low = _ephemeral_low()
+    draw = random.Random(os.urandom(8))
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((_HOST, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:   # every draw taken: any free one
         s.bind((_HOST, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default, 32768, elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(2048, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _stable_env() -> dict:
