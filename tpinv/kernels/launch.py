@@ -25,6 +25,7 @@ metadata for it on every launch); host code computes grids with :func:`cdiv` and
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Optional
 
@@ -101,6 +102,23 @@ def gluon_device_reason(device: torch.device) -> Optional[str]:
     if device_capability(device) != (9, 0):
         return f"needs an sm_90 GPU (wgmma), got capability {device_capability(device)}"
     return gluon_version_reason()
+
+
+def gluon_module(name: str):
+    """``tpinv.kernels.<name>``, a module of Gluon kernels, imported on its first use, or None
+    where this Triton has no Gluon to import it with (then the Triton kernels run, same bits)."""
+    if name not in _GLUON_MODULES:
+        qualified = f"tpinv.kernels.{name}"
+        try:
+            _GLUON_MODULES[name] = importlib.import_module(qualified)
+        except ImportError as exc:
+            if getattr(exc, "name", None) == qualified:
+                raise           # no such module of tpinv: a wrong name, never taken for a missing Gluon
+            _GLUON_MODULES[name] = None  # a Triton without Gluon
+    return _GLUON_MODULES[name]
+
+
+_GLUON_MODULES: dict = {}  # module name -> the imported module, or None without Gluon
 
 
 _SM_COUNT: dict = {}     # CUDA device index -> its multiprocessor count

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from tpinv.core.contract import DEFAULT_LEAVES, TreeAccumulator
-from tpinv.kernels.launch import operands_key, remember
+from tpinv.kernels.launch import gluon_module, operands_key, remember
 from tpinv.kernels.tiles import GLUON_MIN_ROWS, MatmulConfig, check_config, launch_config
 from tpinv.kernels.triton_matmul import (check_inputs, contract_plan, empty_product, launch_contract,
                                          launch_contract_plan, no_work)
@@ -42,17 +42,10 @@ def gluon_kernel_for(x2: torch.Tensor, w: torch.Tensor, leaves: int, out_dtype: 
     if (x2.shape[0] < GLUON_MIN_ROWS or x2.dtype not in (torch.bfloat16, torch.float16)
             or not x2.is_cuda):
         return None
-    if not _GLUON:  # imported once, on the first product that could use it
-        try:
-            from tpinv.kernels import gluon_matmul
-        except ImportError:
-            gluon_matmul = None
-        _GLUON.append(gluon_matmul)
-    gluon = _GLUON[0]
+    gluon = gluon_module("gluon_matmul")   # imported on the first product that could use it
     return gluon if gluon is not None and gluon.unsupported_reason(x2, w, leaves, out_dtype) is None else None
 
 
-_GLUON: list = []   # [the gluon_matmul module, or None without Gluon], once resolved
 _ROUTES: dict = {}   # (operands_key, leaves, out_dtype) -> (gluon module or None, its launch plan)
 
 

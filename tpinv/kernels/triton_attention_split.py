@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from tpinv.core.capture import capturing
-from tpinv.kernels.launch import launch, next_power_of_2, sm_count
+from tpinv.kernels.launch import gluon_module, launch, next_power_of_2, sm_count
 from tpinv.kernels.triton_attention import finish_rows, forward_block, merge_state, n_chunks
 from tpinv.kernels.triton_attention_tiles import block_ranges, row_tile
 
@@ -250,9 +250,6 @@ def _merge_group(rows_p: int, DP: int) -> int:
     return max(1, min(MERGE_GROUP, MERGE_GROUP_ELEMENTS // (rows_p * DP)))
 
 
-_GLUON: list = []   # [the gluon_attention_decode module, or None without Gluon], once resolved
-
-
 def decode_kernel_for(a: SplitLaunch, gluon: Optional[bool] = None):
     """:mod:`tpinv.kernels.gluon_attention_decode` where it runs the split call ``a``, else None.
     ``gluon``: True, must (ValueError saying why it cannot); False, never; None, where it can
@@ -263,13 +260,7 @@ def decode_kernel_for(a: SplitLaunch, gluon: Optional[bool] = None):
     if gluon is None and (not a.q.is_cuda or n_chunks(a.k.shape[2], a.KB, a.CB) * a.q.shape[0]
                           * a.k.shape[1] > sm_count(a.q.device)):
         return None
-    if not _GLUON:
-        try:
-            from tpinv.kernels import gluon_attention_decode
-        except ImportError:     # a Triton without Gluon
-            gluon_attention_decode = None
-        _GLUON.append(gluon_attention_decode)
-    mod = _GLUON[0]
+    mod = gluon_module("gluon_attention_decode")
     reason = "needs Gluon, which this Triton lacks" if mod is None else mod.unsupported_reason(a)
     if reason is None:
         return mod

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import gluon_device_reason, launch
+from tpinv.kernels.launch import gluon_device_reason, gluon_module, launch
 from tpinv.kernels.triton_softmax import (_MODE_STATS, _leaf_sums_exp, _log2, _nan_max, _outputs,
                                           _pair_tree, _programs, _shift_of, _span_max, _write_chunk,
                                           leaf_block)
@@ -46,7 +46,6 @@ BY_LEAVES = [True]
 #: ``[True]``: leaves that fit shared memory on an sm_90 GPU are held there
 #: (:mod:`tpinv.kernels.gluon_softmax`); ``[False]``: they are read through L2 three times.
 HELD = [True]
-_HELD: list = []   # [the gluon_softmax module, or None without Gluon], once resolved
 #: Shortest leaf worth a program of its own (shorter rows fit in L2 as whole rows).
 MIN_LEAF_LEN = 2048
 
@@ -124,13 +123,7 @@ def held_module(rows: torch.Tensor, leaf_len: int):
     :func:`~tpinv.kernels.launch.gluon_device_reason`), else None; its ``held_plan`` decides."""
     if not HELD[0] or gluon_device_reason(rows.device) is not None:
         return None
-    if not _HELD:
-        try:
-            from tpinv.kernels import gluon_softmax
-        except ImportError:     # a Triton without Gluon
-            gluon_softmax = None
-        _HELD.append(gluon_softmax)
-    held = _HELD[0]
+    held = gluon_module("gluon_softmax")
     aligned = (leaf_len % 16 == 0 and rows.stride(0) % 16 == 0 and rows.data_ptr() % 16 == 0)
     return held if held is not None and aligned else None
 
