@@ -76,8 +76,8 @@ def free_port() -> int:
     test worker take many) could be taken in between; one below that range never is."""
     low = _ephemeral_low()
     draw = random.Random(os.urandom(8))
-    for _ in range(200):
-        port = draw.randrange(max(1024, low - 12000), low)
+    for _ in range(200 if low > _LOWEST_PORT else 0):   # no unprivileged port below the range: any free one
+        port = draw.randrange(max(_LOWEST_PORT, low - 12000), low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((_HOST, port))
@@ -93,9 +93,12 @@ def _ephemeral_low() -> int:
     """The first port of the kernel's ephemeral range (Linux's default, 32768, elsewhere)."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return max(2048, int(f.read().split()[0]))
+            return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+_LOWEST_PORT = 1024   # the first port an unprivileged process may bind
 
 
 def _stable_env() -> dict:
