@@ -309,7 +309,11 @@ def main(argv=None) -> None:
     if "invariant_graph_s" in train:
         label = f"train step s, CUDA graph (grads == eager: {train['graph_grads_equal_eager']})"
         print(f"{label:<40} {train['invariant_graph_s']:>12.4f} "
-              f"{train['vanilla_graph_s']:>12.4f} {train['ratio_time_graph']:>7.2f} {'<= 1.25':>8}")
+              f"{train['vanilla_graph_s']:>12.4f} {train['ratio_time_graph']:>7.2f} {'<= 1.0':>8}")
+        # a ratio well above 1: the eager step is its host's time, not its device's
+        label = "train step, eager over CUDA graph"
+        print(f"{label:<40} {train['invariant_s'] / train['invariant_graph_s']:>12.2f} "
+              f"{train['vanilla_s'] / train['vanilla_graph_s']:>12.2f}")
     if "compiled_error" in train:
         print(f"train step, compiled (invariant): not run ({train['compiled_error'][:300]})")
     if "invariant_compiled_s" in train:
