@@ -6,7 +6,10 @@ their CUDA slots); the vanilla path is :mod:`tpinv.models.vanilla` on the same w
 runs after a warm-up, in the same process, the two paths taking turns run by run:
 
 * training step: ``loss(tokens, targets).backward(w)`` at ``--batch x --seq`` tokens;
-  ratio = invariant time / vanilla time (the target is <= 1.25).  On CUDA each path is also
+  ratio = invariant time / vanilla time (the target is <= 1.25).  The invariant eager step is the
+  default one, its decoder layers replayed from recorded programs (:mod:`tpinv.models.replayed_layer`;
+  three warm-up calls: first sight, record, check); its modular step (replay off) is timed in the
+  same rounds, and on CUDA each path's peak memory is reported.  On CUDA each path is also
   timed replayed from a CUDA graph (the device time alone; the invariant graph's gradients
   are checked equal to the eager step's, bitwise), and compiled (``tpinv.compile`` of the
   invariant loss, ``torch.compile`` of the vanilla one; the compiled invariant step's loss and
@@ -57,6 +60,7 @@ from tpinv.core.compile import compile as tpinv_compile
 from tpinv.testing.bits import same_bits
 from tpinv.engine.decode_graph import DecodeGraph
 from tpinv.models import Transformer, get_config
+from tpinv.models.replayed_layer import REPLAY, replay_counts
 from tpinv.models.vanilla import vanilla_forward, vanilla_loss
 
 
@@ -84,9 +88,15 @@ def train_step_times(model, device, batch: int, seq: int, iters: int, compiled: 
 
     paths = {"invariant": model.loss, "vanilla": lambda t, y: vanilla_loss(model, t, y)}
     out = {"tokens": batch * seq}
-    medians = interleaved_medians({name: step(loss_fn) for name, loss_fn in paths.items()}, device, iters)
+    runs = {name: step(loss_fn) for name, loss_fn in paths.items()}
+    runs["invariant_modular"] = step(lambda t, y: modular_loss(model, t, y))
+    medians = interleaved_medians(runs, device, iters, warmup=3)
     out.update({f"{name}_s": seconds for name, seconds in medians.items()})
     out["ratio_time"] = out["invariant_s"] / out["vanilla_s"]
+    out["replay_counts"] = replay_counts()
+    out["replayed"] = out["replay_counts"]["replay"] > 0
+    if device.type == "cuda":
+        out.update({f"{name}_peak_bytes": peak_bytes(run, device) for name, run in runs.items()})
     eager_grads = train_grads(model, step(model.loss)) if device.type == "cuda" or compiled else None
     if device.type == "cuda":  # the same steps replayed from CUDA graphs: device time only
         try:
@@ -130,13 +140,33 @@ def compiled_train_times(model, paths, step, inputs, eager_grads, device, iters)
     return out
 
 
-def interleaved_medians(runs: dict, device, iters: int) -> dict:
+def modular_loss(model, tokens, targets):
+    """``model.loss`` with eager replay off: every decoder layer runs its modular code."""
+    REPLAY[0] = False
+    try:
+        return model.loss(tokens, targets)
+    finally:
+        REPLAY[0] = True
+
+
+def peak_bytes(run, device) -> int:
+    """Peak device memory allocated during ``run()`` (a training step), from the memory held before it."""
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def interleaved_medians(runs: dict, device, iters: int, warmup: int = 1) -> dict:
     """Median seconds of each ``runs[name]()`` over ``iters`` rounds, the paths taking turns in
-    each round after a warm-up of each (a host whose speed drifts during the run, as the lent
-    machines' hosts do, then weighs on every path alike)."""
+    each round after ``warmup`` calls of each (a host whose speed drifts during the run, as the lent
+    machines' hosts do, then weighs on every path alike).  A training step needs 3: eager replay
+    (:mod:`tpinv.models.replayed_layer`) records a layer on its second call and checks it on its third."""
     times = {name: [] for name in runs}
     for run in runs.values():
-        run()
+        for _ in range(warmup):
+            run()
     for _ in range(iters):
         for name, run in runs.items():
             sync(device)
@@ -304,6 +334,13 @@ def main(argv=None) -> None:
     train_label = f"train step s ({train['tokens']} tokens)"
     print(f"{train_label:<40} {train['invariant_s']:>12.4f} "
           f"{train['vanilla_s']:>12.4f} {train['ratio_time']:>7.2f} {'<= 1.25':>8}")
+    label = f"  eager replay ran: {train['replayed']}; modular"
+    print(f"{label:<40} {train['invariant_modular_s']:>12.4f} {train['vanilla_s']:>12.4f} "
+          f"{train['invariant_modular_s'] / train['vanilla_s']:>7.2f}")
+    if "invariant_peak_bytes" in train:
+        label = "  peak GB: replayed, modular / vanilla"
+        print(f"{label:<40} {train['invariant_peak_bytes'] / 1e9:>6.2f} {train['invariant_modular_peak_bytes'] / 1e9:>5.2f}"
+              f" {train['vanilla_peak_bytes'] / 1e9:>12.2f}")
     if "graph_error" in train:
         print(f"train step, CUDA graph: not captured ({train['graph_error'][:300]})")
     if "invariant_graph_s" in train:

@@ -33,6 +33,7 @@ from tpinv.layers.linear_cross_entropy import check_chunk_tokens, linear_cross_e
 from tpinv.models.args import ModelArgs
 from tpinv.models.kv_cache import KVCache
 from tpinv.models.recompute import Recompute, checkpointed, recompute_active
+from tpinv.models.replayed_layer import ReplayedLayer, eligible
 from tpinv.ops import attention, rope_cos_sin, silu_mul
 
 #: Std of the normal init of projection and embedding weights (HF ``initializer_range``).
@@ -133,10 +134,26 @@ class DecoderLayer(torch.nn.Module):
         self.self_attn = Attention(args, config, tp_group, tp_size)
         self.post_attention_layernorm = _norm(args, config, tp_group)
         self.mlp = MLP(args, config, tp_group)
+        # eager training calls at TP=1 replay a recorded program (tpinv.models.replayed_layer)
+        self.replay = ReplayedLayer(type(self).__name__) if tp_size == 1 and not config.sequence_parallel else None
+        self.recomputed = False
 
     def forward(self, x, cos, sin, positions, mask, cache, layer, k_pos=None, dropout=None):
         """``dropout``: a :class:`tpinv.layers.dropout.TokenDropout` (training with hidden dropout)
-        applied to the attention and MLP outputs before each residual add (sites ``4*layer``, ``+1``)."""
+        applied to the attention and MLP outputs before each residual add (sites ``4*layer``, ``+1``).
+
+        An eligible eager training call (:func:`tpinv.models.replayed_layer.eligible`: TP=1, no
+        cache, mask, packed positions, dropout or recompute) runs as one node replaying its program:
+        the same bits as the modular code below, which it was recorded from and checked against."""
+        if (self.replay is not None and cache is None and mask is None and k_pos is None and dropout is None
+                and not self.recomputed and eligible(x, self)):
+            return self.replay(self._training_call, x, (cos, sin, positions), tuple(self.parameters()))
+        return self._modular(x, cos, sin, positions, mask, cache, layer, k_pos, dropout)
+
+    def _training_call(self, x, cos, sin, positions):
+        return self._modular(x, cos, sin, positions, None, None, 0)
+
+    def _modular(self, x, cos, sin, positions, mask, cache, layer, k_pos=None, dropout=None):
         a = self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache, layer, k_pos)
         h = x + (a if dropout is None else dropout(a, 4 * layer))
         m = self.mlp(self.post_attention_layernorm(h))
@@ -247,6 +264,7 @@ class Transformer(torch.nn.Module):
         self.recompute = Recompute(granularity, method, num_layers, self.args.num_layers)
         for layer in self.layers:
             layer.self_attn.recompute_core = self.recompute.selective
+            layer.recomputed = self.recompute.granularity is not None   # no replay under a checkpoint
         return self
 
     def _run_layers(self, start, end, h, cos, sin, positions, mask, cache, k_pos, dropout):

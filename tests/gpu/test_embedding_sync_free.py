@@ -61,11 +61,14 @@ def test_a_bad_id_stops_the_process_with_a_device_assert():
 
 def test_a_training_step_synchronizes_once_at_the_input_check():
     from tpinv.models import Transformer, get_config
+    from tpinv.models.replayed_layer import replay_counts
     from tpinv.testing.syncs import training_step_syncs
     torch.manual_seed(0)
     model = Transformer(get_config("qwen3-tiny", dtype=torch.bfloat16)).cuda()
     tokens = torch.randint(0, model.args.vocab_size, (2, 16)).cuda()
+    before = replay_counts()["replay"]
     syncs, control = training_step_syncs(model, tokens, tokens)
+    assert replay_counts()["replay"] - before == 2 * len(model.layers)   # the steps counted were replayed
     assert len(syncs) == 1, syncs
     # control: one host read more is one synchronization more
     assert len(control) == 2, control

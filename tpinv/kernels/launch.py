@@ -41,7 +41,7 @@ except ImportError:          # Triton without the 3.4+ runtime knobs: always lau
 
 __all__ = ["launch", "launch_with", "cdiv", "device_capability", "next_power_of_2", "sm_count", "bound_launches",
            "direct_launches", "direct_available", "is_bound", "operands_key", "remember", "rows_2d", "BIND",
-           "REUSE_DESCRIPTORS", "DIRECT", "GLUON_TRITON", "gluon_version_reason",
+           "REUSE_DESCRIPTORS", "DIRECT", "GLUON_TRITON", "RECORDER", "gluon_version_reason",
            "gluon_device_reason"]
 
 #: ``[True]``: reuse bound launchers; ``[False]``: every launch through Triton (tests compare).
@@ -54,6 +54,11 @@ REUSE_DESCRIPTORS = [True]
 #: ``[True]``: a bound launch calls the compiled launcher's C entry with the arguments Triton's
 #: wrapper would build (:func:`_direct_entry`); ``[False]``: through the wrapper (tests compare).
 DIRECT = [True]
+
+#: ``[None]``, or a recorder told of every launch (:class:`tpinv.ops.replay.Recording`): its
+#: ``launch(entry, grid, full)`` gets each bound launch's kept entry, grid and arguments (the
+#: constexpr tail appended), its ``unbound(fn)`` each launch that went through Triton unbound.
+RECORDER: list = [None]
 
 #: Entries a table of bound launchers or launch plans keeps before it is cleared and refilled
 #: (shapes that keep changing, e.g. a decode's cache length, would otherwise grow it forever).
@@ -261,7 +266,10 @@ def launch(fn, grid: tuple, *args, bound: Optional[dict] = None, **kwargs) -> No
 def launch_with(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict] = None) -> None:
     """:func:`launch` with the arguments as a tuple and the constexprs as a dict (a launch plan
     keeps its constexprs' dict and passes it as is)."""
+    recorder = RECORDER[0]
     if not BIND[0] or _knobs is None or _interpreting(fn):
+        if recorder is not None:
+            recorder.unbound(fn)
         on_cuda_context(lambda: fn[grid](*args, **kwargs))
         return
     key = None
@@ -269,16 +277,24 @@ def launch_with(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict
         try:
             key = (id(fn), _specialization(args), tuple(kwargs.items()))
         except TypeError:        # an argument kind this module does not key: Triton decides
+            if recorder is not None:
+                recorder.unbound(fn)
             on_cuda_context(lambda: fn[grid](*args, **kwargs))
             return
     device = _current_device()
     entry = _BOUND.get((device, key)) if bound is None else bound.get(device)
     if entry is None:
-        _bind(fn, grid, args, kwargs, bound, device, key)
+        entry = _bind(fn, grid, args, kwargs, bound, device, key)
+        if recorder is not None and entry is None:
+            recorder.unbound(fn)
+        elif recorder is not None:
+            recorder.launch(entry, grid, (*args, *entry[1]))
         return
     compiled, tail, direct = entry[:3]
     stream = _current_stream(device)
     full = (*args, *tail)
+    if recorder is not None:
+        recorder.launch(entry, grid, full)
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     enter, leave = _hooks()
@@ -296,13 +312,14 @@ def launch_with(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict
     _COUNT[0] += 1
 
 
-def _bind(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict], device: int, key) -> None:
+def _bind(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict], device: int, key) -> Optional[tuple]:
     """The first launch of a specialization: through Triton, then its compiled kernel is kept (in
-    ``bound`` per device, or in the module's table under ``key``) unless it cannot be bound."""
+    ``bound`` per device, or in the module's table under ``key``) unless it cannot be bound.
+    Returns the kept entry, or None."""
     compiled = on_cuda_context(lambda: fn[grid](*args, **kwargs))
     params = _parameters(fn)
     if compiled is None or fn.pre_run_hooks or len(args) > len(params):
-        return
+        return None
     tail = []
     for name, default in params[len(args):]:
         if name in kwargs:
@@ -310,12 +327,13 @@ def _bind(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict], dev
         elif default is not inspect.Parameter.empty:
             tail.append(default)
         else:
-            return                   # a runtime argument passed by keyword: not bound
+            return None              # a runtime argument passed by keyword: not bound
     entry = (compiled, tuple(tail), _direct_entry(compiled), fn)   # fn kept alive: the key holds id(fn)
     if bound is not None:
         bound[device] = entry
     else:
         remember(_BOUND, (device, key), entry)
+    return entry
 
 
 def _hooks() -> tuple:

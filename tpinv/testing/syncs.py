@@ -34,13 +34,17 @@ def host_syncs(fn: Callable[[], object]) -> list[str]:
 
 def training_step_syncs(model, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[list[str], list[str]]:
     """``(step, control)``: :func:`host_syncs` of one eager training step of ``model`` (zero the
-    gradients, ``model.loss(tokens, targets).sum()``, backward), run once before to warm every
-    cache, and of the same step plus one ``loss.item()`` (the control: one more)."""
+    gradients, ``model.loss(tokens, targets).sum()``, backward), run three times before to warm
+    every cache -- on CUDA a decoder layer's eager replay records on its second call and checks on
+    its third, comparing on the host (:mod:`tpinv.models.replayed_layer`), so the step counted is
+    the replayed one every later step is -- and of the same step plus one ``loss.item()`` (the
+    control: one more)."""
     def step():
         model.zero_grad(set_to_none=True)
         loss = model.loss(tokens, targets).sum()
         loss.backward()
         return loss
 
-    step()
+    for _ in range(3):
+        step()
     return host_syncs(step), host_syncs(lambda: step().item())

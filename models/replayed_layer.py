@@ -1,0 +1,297 @@
+"""Eager training steps of a decoder layer replayed from a recorded program (one autograd node a layer).
+
+Invariant kept: a replayed layer's output and every gradient have the bits of the layer's
+modular code (its tpinv layers and ops, one autograd node each) for the same inputs: a replay
+issues the recorded kernels and aten ops in the recorded order (:mod:`tpinv.ops.replay`), and a
+program is used only after its first replay matched the modular code byte for byte, run on
+allocations filled with 0xFF bytes, so that memory the recording did not see written shows.
+
+Per call signature (shapes, strides, dtypes, 16-byte alignment of the inputs and parameters,
+which need a gradient, the device) a layer goes through four calls:
+
+0. **first sight**: the modular code runs (a signature that never comes again costs nothing);
+1. **record**: the modular forward runs under a :class:`~tpinv.ops.replay.Recording`, and so
+   does its backward (``torch.autograd.grad`` over the same graph, inside this layer's node);
+2. **check**: the program replays on poisoned allocations, then the modular code runs; outputs
+   and gradients are compared byte for byte.  The modular results are what the call returns;
+   a mismatch turns replay off for the signature with a warning naming what differed;
+3. **replay**: every later call runs the two programs: no module, op, plan or autograd node
+   is entered, each kernel is launched through its C entry with its addresses patched.
+
+Replay runs only where it is exact by construction and the host's time is the cost: a training
+forward (grad enabled, the input needing a gradient) at TP=1, no cache, mask, packed positions,
+dropout or recompute, not under ``torch.compile``, a dispatch or function mode, the profiler or
+a CUDA graph capture, on CUDA (on the CPU only when :data:`REPLAY_DEVICES` names it).  Anything
+else runs the modular code.  :func:`replay_counts` says how many calls took each path.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from tpinv.core.autograd import observed
+from tpinv.ops.replay import ALLOCATING, Recording, ReplayRefused, pool_allocations, poisoning, prune, same_bytes
+
+__all__ = ["REPLAY", "REPLAY_DEVICES", "ReplayedLayer", "replay_counts", "same_bytes"]
+
+#: ``[True]``: eligible calls replay (``TPINV_EAGER_REPLAY=0`` in the environment starts it off).
+REPLAY = [os.environ.get("TPINV_EAGER_REPLAY", "1") != "0"]
+#: Device types whose calls replay (tests add ``"cpu"`` to run the mechanism on the CPU kernels).
+REPLAY_DEVICES = {"cuda"}
+
+#: ``[True]``: allocations only kernels read come from one buffer per program part (fewer aten calls).
+POOL = [True]
+
+_COUNTS = {"record": 0, "check": 0, "replay": 0, "refused": 0}
+
+
+def replay_counts() -> dict:
+    """Calls so far by path: ``record``, ``check``, ``replay``, ``refused`` (a copy)."""
+    return dict(_COUNTS)
+
+
+class _Entry:
+    """One call signature's state: ``record`` -> (``recording``) -> ``check`` -> ``ready`` | ``refused``."""
+
+    def __init__(self):
+        self.state, self.reason = "record", None
+        self.forward = self.backward = None
+        self.out_slot = self.grad_slot = None
+        self.grad_slots: tuple = ()
+        self.drop: tuple = ()
+
+
+class ReplayedLayer:
+    """Replay state of one module: :meth:`__call__` runs ``modular(x, *inputs)`` or its replay, with
+    ``params`` (the module's parameters) as the program's inputs after ``x`` and ``inputs``.
+    A copy (``copy.deepcopy`` of the module) starts with no programs."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.entries: dict = {}
+
+    def __deepcopy__(self, memo):
+        return ReplayedLayer(self.name)
+
+    def __call__(self, modular: Callable, x: torch.Tensor, inputs: tuple, params: tuple) -> torch.Tensor:
+        key = _signature(x, inputs, params)
+        entry = self.entries.get(key)
+        if entry is None:                 # a signature seen once runs the modular code: one seen
+            if len(self.entries) >= 64:   # again is recorded (a shape that never repeats costs nothing)
+                self.entries.clear()
+            self.entries[key] = _Entry()
+            return modular(x, *inputs)
+        if entry.state in ("recording", "refused"):
+            return modular(x, *inputs)
+        return _LayerNode.apply(self, entry, modular, len(inputs), x, *inputs, *params)
+
+
+def eligible(x: torch.Tensor, module: torch.nn.Module) -> bool:
+    """Whether a call of ``module`` with input ``x`` may replay (see the module docstring): a
+    training call on a replayed device (its CUDA device the current one), nothing watching or
+    transforming it, no hook on any of ``module``'s submodules or on all modules (a replay enters
+    no submodule, so their hooks would not run)."""
+    if not (REPLAY[0] and x.requires_grad and x.device.type in REPLAY_DEVICES and torch.is_grad_enabled()):
+        return False
+    if observed() or _global_hooks():
+        return False
+    if x.is_cuda and (x.device.index != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing()):
+        return False
+    for sub in module.modules():
+        if sub is not module and (sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks
+                                  or sub._backward_pre_hooks):
+            return False
+    return True
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+                or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
+
+
+def _signature(x, inputs, params) -> tuple:
+    def sig(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        return (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16, t.requires_grad)
+    return (sig(x), tuple(sig(t) for t in inputs), tuple(sig(p) for p in params))
+
+
+_HEAD = (None, None, None, None)   # no gradient for layer, entry, modular, the input count
+
+
+class _LayerNode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer, entry, modular, n, x, *rest):
+        inputs, params = rest[:n], rest[n:]
+        ctx.layer, ctx.entry, ctx.n, ctx.params = layer, entry, n, params
+        ctx.wants = tuple(p.requires_grad for p in params)
+        ctx.env = ctx.inner = ctx.rec = None
+        if entry.state == "ready":
+            _COUNTS["replay"] += 1
+            ctx.mode = "replay"
+            env = entry.forward.env([x, *inputs, *params])
+            entry.forward.run(env)
+            out = env[entry.out_slot]
+            for s in entry.drop:
+                env[s] = None
+            ctx.env = env
+            return out
+        x_in = x.detach().requires_grad_(True)
+        if entry.state == "record":
+            _COUNTS["record"] += 1
+            ctx.mode, entry.state = "record", "recording"
+            rec = Recording([x_in, *inputs, *params])
+            try:
+                with torch.enable_grad(), rec:
+                    y = modular(x_in, *inputs)
+            except BaseException:
+                entry.state = "record"
+                raise
+            ctx.rec, ctx.split, ctx.out_slot = rec, len(rec.steps), rec.by_id.get(id(y))
+            ctx.inner = (x_in, y)
+            return y.detach()
+        # check: the program on poisoned allocations first, then the modular code
+        _COUNTS["check"] += 1
+        ctx.mode = "check"
+        with poisoning():
+            env = entry.forward.env([x, *inputs, *params])
+            entry.forward.run(env)
+        with torch.enable_grad():
+            y = modular(x_in, *inputs)
+        ctx.inner, ctx.env = (x_in, y), env
+        if not same_bytes(env[entry.out_slot], y):
+            _refuse(layer, entry, "the forward output")
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        layer, entry, mode = ctx.layer, ctx.entry, ctx.mode
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{layer.name}: a replayed layer has no double backward (create_graph=True); "
+                               f"set tpinv.models.replayed_layer.REPLAY[0] = False for this run")
+        wanted = [p for p, w in zip(ctx.params, ctx.wants) if w]
+        env, ctx.env = ctx.env, None
+        if mode == "replay":
+            env[entry.grad_slot] = _in_layout(g, entry.grad_layout)
+            entry.backward.run(env)
+            grads = [None if s is None else env[s] for s in entry.grad_slots]
+            return (*_HEAD, grads[0], *([None] * ctx.n), *_spread(grads[1:], ctx.wants))
+        (x_in, y), ctx.inner = ctx.inner, None
+        if mode == "record":
+            rec, ctx.rec = ctx.rec, None
+            g_slot = rec._new_slot(g)
+            try:
+                with rec:
+                    grads = torch.autograd.grad(y, [x_in, *wanted], g, allow_unused=True)
+            except BaseException:
+                entry.state = "record"
+                raise
+            try:
+                _finish(entry, rec, ctx.split, ctx.out_slot, g, g_slot, grads)
+            except ReplayRefused as exc:
+                entry.state, entry.reason = "refused", str(exc)
+                _COUNTS["refused"] += 1
+                warnings.warn(f"{layer.name}: eager replay is off for this call signature: {exc}",
+                              RuntimeWarning, stacklevel=2)
+            return (*_HEAD, grads[0], *([None] * ctx.n), *_spread(grads[1:], ctx.wants))
+        checking = entry.state == "check"           # (a mismatch in the forward refused it already)
+        if checking:
+            with poisoning():
+                env[entry.grad_slot] = _in_layout(g, entry.grad_layout)
+                entry.backward.run(env)
+        grads = torch.autograd.grad(y, [x_in, *wanted], g, allow_unused=True)
+        if checking:
+            for i, (s, mine) in enumerate(zip(entry.grad_slots, grads)):
+                if not same_bytes(None if s is None else env[s], mine):
+                    _refuse(layer, entry, "the input's gradient" if i == 0 else f"parameter gradient {i - 1}")
+                    break
+            else:
+                entry.state = "ready"
+        return (*_HEAD, grads[0], *([None] * ctx.n), *_spread(grads[1:], ctx.wants))
+
+
+def _spread(grads, wants) -> list:
+    """Gradients of the wanted parameters placed at every parameter's position (None elsewhere)."""
+    it = iter(grads)
+    return [next(it) if w else None for w in wants]
+
+
+def _in_layout(g: torch.Tensor, layout: tuple) -> torch.Tensor:
+    """``g`` in the recorded gradient's strides (an exact copy where they differ)."""
+    if g.stride() == layout:
+        return g
+    out = torch.empty_strided(g.shape, layout, dtype=g.dtype, device=g.device)
+    out.copy_(g)
+    return out
+
+
+def _finish(entry: _Entry, rec: Recording, split: int, out_slot: Optional[int], g: torch.Tensor, g_slot: int,
+            grads: tuple) -> None:
+    """Split the recording into the forward and backward programs; the entry moves to ``check``."""
+    if out_slot is None:
+        raise ReplayRefused("the layer's output is not a tensor an op returned")
+    program = rec.program()
+    slots = [None if t is None else rec.by_id.get(id(t)) for t in grads]
+    if any(t is not None and s is None for t, s in zip(grads, slots)):
+        raise ReplayRefused("a gradient is not a tensor an op returned")
+    forward_steps, backward_steps = program.steps[:split], program.steps[split:]
+    outputs = {s for s in slots if s is not None}
+    backward_steps = prune(backward_steps, outputs)
+    forward_steps = prune(forward_steps, {out_slot}.union(*(s.reads for s in backward_steps)))
+    size = program.size
+    if POOL[0]:
+        forward_steps, backward_steps = _pooled(rec, forward_steps, backward_steps, outputs | {out_slot}, size)
+        size += 3
+    reads = set()
+    for step in backward_steps:
+        reads |= step.reads
+    entry.forward = type(program)(forward_steps, size, program.constants,
+                                  sum(s.kind == "launch" for s in forward_steps),
+                                  sum(s.kind == "aten" for s in forward_steps))
+    entry.backward = type(program)(backward_steps, size, {},
+                                   sum(s.kind == "launch" for s in backward_steps),
+                                   sum(s.kind == "aten" for s in backward_steps))
+    written = set()
+    for step in forward_steps:
+        written |= step.writes
+    entry.drop = tuple(sorted(written - reads - {out_slot}))
+    entry.out_slot, entry.grad_slot, entry.grad_slots = out_slot, g_slot, tuple(slots)
+    entry.grad_layout = g.stride()
+    entry.state = "check"
+
+
+def _pooled(rec: Recording, forward: list, backward: list, outputs: set, size: int) -> tuple:
+    """The two programs with every allocation only launches read made from three pools: the
+    forward's kept for the backward (slot ``size``), the forward's scratch (``size + 1``, dropped
+    after the forward) and the backward's (``size + 2``)."""
+    tensors = outputs.union(*(s.reads for s in forward + backward if s.kind != "launch"))
+    for_backward = set().union(*(s.reads for s in backward if s.kind == "launch"))
+
+    def allocations(steps):
+        return [next(iter(s.writes)) for s in steps
+                if s.kind == "aten" and s.name in ALLOCATING and len(s.writes) == 1 and not s.writes & tensors]
+
+    def nbytes(slot):
+        return rec.ranges[slot][3] - rec.ranges[slot][2]
+
+    made_forward, made_backward = allocations(forward), allocations(backward)
+    devices = {rec.slots[s].device for s in made_forward + made_backward}
+    if len(devices) != 1:
+        return forward, backward
+    pools = [{size: [(s, nbytes(s)) for s in made_forward if s in for_backward],
+              size + 1: [(s, nbytes(s)) for s in made_forward if s not in for_backward]},
+             {size + 2: [(s, nbytes(s)) for s in made_backward]}]
+    forward, backward = pool_allocations([forward, backward], pools, devices.pop())
+    return forward, backward
+
+
+def _refuse(layer: ReplayedLayer, entry: _Entry, what: str) -> None:
+    entry.state, entry.reason = "refused", f"{what} differed from the modular code's"
+    _COUNTS["refused"] += 1
+    warnings.warn(f"{layer.name}: eager replay turned off for this call signature: {entry.reason} on the "
+                  f"check call (the modular code's results are used)", RuntimeWarning, stacklevel=3)
