@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -35,7 +36,7 @@ import torch
 from tpinv.core.autograd import observed
 from tpinv.ops.replay import ALLOCATING, Recording, ReplayRefused, pool_allocations, poisoning, prune, same_bytes
 
-__all__ = ["REPLAY", "REPLAY_DEVICES", "ReplayedLayer", "replay_counts", "same_bytes"]
+__all__ = ["REPLAY", "REPLAY_DEVICES", "ReplayedLayer", "eligible", "replay_counts"]
 
 #: ``[True]``: eligible calls replay (``TPINV_EAGER_REPLAY=0`` in the environment starts it off).
 REPLAY = [os.environ.get("TPINV_EAGER_REPLAY", "1") != "0"]
@@ -61,13 +62,14 @@ class _Entry:
         self.forward = self.backward = None
         self.out_slot = self.grad_slot = None
         self.grad_slots: tuple = ()
-        self.drop: tuple = ()
+        self.keep: tuple = ()              # forward slots the backward reads (saved for it)
+        self.recording = lambda: None      # while recording: a weak reference to the Recording
 
 
 class ReplayedLayer:
     """Replay state of one module: :meth:`__call__` runs ``modular(x, *inputs)`` or its replay, with
     ``params`` (the module's parameters) as the program's inputs after ``x`` and ``inputs``.
-    A copy (``copy.deepcopy`` of the module) starts with no programs."""
+    A copy (``copy.deepcopy`` or a pickle of the module) starts with no programs."""
 
     def __init__(self, name: str):
         self.name = name
@@ -75,6 +77,9 @@ class ReplayedLayer:
 
     def __deepcopy__(self, memo):
         return ReplayedLayer(self.name)
+
+    def __reduce__(self):                 # a pickled module (torch.save(model)) keeps no programs
+        return ReplayedLayer, (self.name,)
 
     def __call__(self, modular: Callable, x: torch.Tensor, inputs: tuple, params: tuple) -> torch.Tensor:
         key = _signature(x, inputs, params)
@@ -84,6 +89,8 @@ class ReplayedLayer:
                 self.entries.clear()
             self.entries[key] = _Entry()
             return modular(x, *inputs)
+        if entry.state == "recording" and entry.recording() is None:
+            entry.state = "record"        # the record call's graph was dropped before its backward
         if entry.state in ("recording", "refused"):
             return modular(x, *inputs)
         return _LayerNode.apply(self, entry, modular, len(inputs), x, *inputs, *params)
@@ -136,11 +143,8 @@ class _LayerNode(torch.autograd.Function):
             ctx.mode = "replay"
             env = entry.forward.env([x, *inputs, *params])
             entry.forward.run(env)
-            out = env[entry.out_slot]
-            for s in entry.drop:
-                env[s] = None
-            ctx.env = env
-            return out
+            ctx.save_for_backward(*[env[s] for s in entry.keep])   # freed by autograd as any saved tensor
+            return env[entry.out_slot]
         x_in = x.detach().requires_grad_(True)
         if entry.state == "record":
             _COUNTS["record"] += 1
@@ -153,6 +157,7 @@ class _LayerNode(torch.autograd.Function):
                 entry.state = "record"
                 raise
             ctx.rec, ctx.split, ctx.out_slot = rec, len(rec.steps), rec.by_id.get(id(y))
+            entry.recording = weakref.ref(rec)
             ctx.inner = (x_in, y)
             return y.detach()
         # check: the program on poisoned allocations first, then the modular code
@@ -175,19 +180,22 @@ class _LayerNode(torch.autograd.Function):
             raise RuntimeError(f"{layer.name}: a replayed layer has no double backward (create_graph=True); "
                                f"set tpinv.models.replayed_layer.REPLAY[0] = False for this run")
         wanted = [p for p, w in zip(ctx.params, ctx.wants) if w]
-        env, ctx.env = ctx.env, None
         if mode == "replay":
+            env = entry.backward.env([])
+            for s, t in zip(entry.keep, ctx.saved_tensors):
+                env[s] = t
             env[entry.grad_slot] = _in_layout(g, entry.grad_layout)
             entry.backward.run(env)
             grads = [None if s is None else env[s] for s in entry.grad_slots]
             return (*_HEAD, grads[0], *([None] * ctx.n), *_spread(grads[1:], ctx.wants))
-        (x_in, y), ctx.inner = ctx.inner, None
-        if mode == "record":
-            rec, ctx.rec = ctx.rec, None
+        # record and check: the inner (modular) graph is kept for a second backward (retain_graph)
+        x_in, y = ctx.inner
+        rec, ctx.rec = ctx.rec, None
+        if rec is not None:                          # the record call's first backward
             g_slot = rec._new_slot(g)
             try:
                 with rec:
-                    grads = torch.autograd.grad(y, [x_in, *wanted], g, allow_unused=True)
+                    grads = torch.autograd.grad(y, [x_in, *wanted], g, allow_unused=True, retain_graph=True)
             except BaseException:
                 entry.state = "record"
                 raise
@@ -199,12 +207,14 @@ class _LayerNode(torch.autograd.Function):
                 warnings.warn(f"{layer.name}: eager replay is off for this call signature: {exc}",
                               RuntimeWarning, stacklevel=2)
             return (*_HEAD, grads[0], *([None] * ctx.n), *_spread(grads[1:], ctx.wants))
-        checking = entry.state == "check"           # (a mismatch in the forward refused it already)
+        env, ctx.env = ctx.env, None
+        # the check call's first backward (a mismatch in the forward refused the signature already)
+        checking = mode == "check" and env is not None and entry.state == "check"
         if checking:
             with poisoning():
                 env[entry.grad_slot] = _in_layout(g, entry.grad_layout)
                 entry.backward.run(env)
-        grads = torch.autograd.grad(y, [x_in, *wanted], g, allow_unused=True)
+        grads = torch.autograd.grad(y, [x_in, *wanted], g, allow_unused=True, retain_graph=True)
         if checking:
             for i, (s, mine) in enumerate(zip(entry.grad_slots, grads)):
                 if not same_bytes(None if s is None else env[s], mine):
@@ -247,19 +257,17 @@ def _finish(entry: _Entry, rec: Recording, split: int, out_slot: Optional[int], 
     if POOL[0]:
         forward_steps, backward_steps = _pooled(rec, forward_steps, backward_steps, outputs | {out_slot}, size)
         size += 3
-    reads = set()
+    reads, made = set(), set()          # slots the backward reads before it makes them: the forward's
     for step in backward_steps:
-        reads |= step.reads
+        reads |= step.reads - made
+        made |= step.writes
     entry.forward = type(program)(forward_steps, size, program.constants,
                                   sum(s.kind == "launch" for s in forward_steps),
                                   sum(s.kind == "aten" for s in forward_steps))
-    entry.backward = type(program)(backward_steps, size, {},
+    entry.backward = type(program)(backward_steps, size, program.constants,
                                    sum(s.kind == "launch" for s in backward_steps),
                                    sum(s.kind == "aten" for s in backward_steps))
-    written = set()
-    for step in forward_steps:
-        written |= step.writes
-    entry.drop = tuple(sorted(written - reads - {out_slot}))
+    entry.keep = tuple(sorted(reads - set(program.constants) - {g_slot}))
     entry.out_slot, entry.grad_slot, entry.grad_slots = out_slot, g_slot, tuple(slots)
     entry.grad_layout = g.stride()
     entry.state = "check"

@@ -14,6 +14,7 @@ run the modular code.  The CUDA programs (launches, pooled allocations) are chec
 from __future__ import annotations
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -206,6 +207,12 @@ def test_a_copy_of_the_module_starts_without_programs():
     twin = copy.deepcopy(block)
     assert twin.replay is not block.replay and not twin.replay.entries
     _assert_same(_step(twin, 4, True), _step(block, 4, False))
+    saved = io.BytesIO()
+    torch.save(block, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert not loaded.replay.entries
+    _assert_same(_step(loaded, 5, True), _step(block, 5, False))
 
 
 def test_a_shape_seen_once_is_not_recorded():
@@ -215,3 +222,37 @@ def test_a_shape_seen_once_is_not_recorded():
         x = torch.randn(2, tokens, ARGS.hidden_size).to(ARGS.dtype).requires_grad_()
         block(x, torch.ones(ARGS.hidden_size, dtype=ARGS.dtype)).sum().backward()
     assert rl.replay_counts() == before and len(block.replay.entries) == 4
+
+
+@pytest.mark.parametrize("calls", [1, 2, 3])            # the record call, the check call, a replay
+def test_a_second_backward_with_retain_graph(calls):
+    block, ref = _block(), _block()
+    for seed in range(calls):
+        _step(block, seed, True)
+    for b, replay in ((block, True), (ref, False)):
+        rl.REPLAY[0] = replay
+        b.zero_grad(set_to_none=True)
+        x, scale, g = _inputs(9)
+        y = b(x, scale)
+        y.backward(g, retain_graph=True)
+        y.backward(g)                                     # into the same .grad: twice the gradient
+        if replay and calls == 3:                          # a replay saves for backward as any node does
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                y.backward(g)
+    _assert_same([p.grad for p in block.parameters()], [p.grad for p in ref.parameters()])
+
+
+def test_a_record_call_whose_graph_is_dropped_is_recorded_again():
+    block = _block()
+    _step(block, 0, True)                                # first sight
+    x, scale, _ = _inputs(1)
+    block(x, scale)                                      # the record call; its graph dropped unused
+    (entry,) = block.replay.entries.values()
+    import gc
+    gc.collect()
+    assert entry.state == "recording" and entry.recording() is None
+    before = rl.replay_counts()
+    for seed in (2, 3, 4):                               # record again, check, replay
+        _step(block, seed, True)
+    assert {k: rl.replay_counts()[k] - before[k] for k in before} == {"record": 1, "check": 1, "replay": 1,
+                                                                      "refused": 0}
