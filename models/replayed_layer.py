@@ -20,8 +20,9 @@ which need a gradient, the device) a layer goes through four calls:
 
 Replay runs only where it is exact by construction and the host's time is the cost: a training
 forward (grad enabled, the input needing a gradient) at TP=1, no cache, mask, packed positions,
-dropout or recompute, not under ``torch.compile``, a dispatch or function mode, the profiler or
-a CUDA graph capture, on CUDA (on the CPU only when :data:`REPLAY_DEVICES` names it).  Anything
+dropout or recompute, not under ``torch.compile``, a dispatch or function mode, the profiler,
+autocast, saved-tensor hooks (``torch.utils.checkpoint``) or a CUDA graph capture, plain tensors
+(no subclass such as DTensor), on CUDA (on the CPU only when :data:`REPLAY_DEVICES` names it).  Anything
 else runs the modular code.  :func:`replay_counts` says how many calls took each path.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tpinv.core.autograd import observed
+from tpinv.core.autograd import PLAIN_TENSORS, observed
 from tpinv.ops.replay import ALLOCATING, Recording, ReplayRefused, pool_allocations, poisoning, prune, same_bytes
 
 __all__ = ["REPLAY", "REPLAY_DEVICES", "ReplayedLayer", "eligible", "replay_counts"]
@@ -82,6 +83,9 @@ class ReplayedLayer:
         return ReplayedLayer, (self.name,)
 
     def __call__(self, modular: Callable, x: torch.Tensor, inputs: tuple, params: tuple) -> torch.Tensor:
+        for t in (x, *inputs, *params):
+            if t is not None and type(t) not in PLAIN_TENSORS:   # a tensor subclass (DTensor, ...):
+                return modular(x, *inputs)                      # its addresses are not its data's
         key = _signature(x, inputs, params)
         entry = self.entries.get(key)
         if entry is None:                 # a signature seen once runs the modular code: one seen
@@ -99,11 +103,12 @@ class ReplayedLayer:
 def eligible(x: torch.Tensor, module: torch.nn.Module) -> bool:
     """Whether a call of ``module`` with input ``x`` may replay (see the module docstring): a
     training call on a replayed device (its CUDA device the current one), nothing watching or
-    transforming it, no hook on any of ``module``'s submodules or on all modules (a replay enters
-    no submodule, so their hooks would not run)."""
+    transforming it, no autocast (the recorded casts are the recording's), no saved-tensor hooks,
+    no hook on any of ``module``'s submodules or on all modules (a replay enters no submodule, so
+    their hooks would not run)."""
     if not (REPLAY[0] and x.requires_grad and x.device.type in REPLAY_DEVICES and torch.is_grad_enabled()):
         return False
-    if observed() or _global_hooks():
+    if observed() or _global_hooks() or _saved_tensor_hooks() or torch.is_autocast_enabled(x.device.type):
         return False
     if x.is_cuda and (x.device.index != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing()):
         return False
@@ -112,6 +117,15 @@ def eligible(x: torch.Tensor, module: torch.nn.Module) -> bool:
                                   or sub._backward_pre_hooks):
             return False
     return True
+
+
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are active (``torch.utils.checkpoint``, activation offloading):
+    they act on what a node saves, which a replay saves differently from its record and check calls."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    except TypeError:                     # an older signature without ignore_is_tracing
+        return torch._C._autograd._top_saved_tensors_default_hooks() is not None
 
 
 def _global_hooks() -> bool:

@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpinv.ops.replay import Recording, ReplayRefused
@@ -176,7 +177,8 @@ class _Watch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("how", ["no_grad_input", "hook", "dispatch_mode", "off"])
+@pytest.mark.parametrize("how", ["no_grad_input", "hook", "dispatch_mode", "off", "autocast", "checkpoint",
+                                 "subclass"])
 def test_watched_or_untrained_calls_run_the_modular_code(how):
     block = _block()
     for seed in range(3):
@@ -194,6 +196,14 @@ def test_watched_or_untrained_calls_run_the_modular_code(how):
     elif how == "dispatch_mode":
         with _Watch():
             block(x, scale).backward(g)
+    elif how == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            block(x, scale).backward(g)
+    elif how == "checkpoint":
+        torch.utils.checkpoint.checkpoint(block, x, scale, use_reentrant=False).backward(g)
+    elif how == "subclass":
+        _Sub = type("_Sub", (torch.Tensor,), {})
+        block(x.detach().as_subclass(_Sub).requires_grad_(), scale).backward(g)
     else:
         rl.REPLAY[0] = False
         block(x, scale).backward(g)
