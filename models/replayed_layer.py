@@ -28,6 +28,7 @@ else runs the modular code.  :func:`replay_counts` says how many calls took each
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 import weakref
 from typing import Callable, Optional
@@ -121,11 +122,28 @@ def eligible(x: torch.Tensor, module: torch.nn.Module) -> bool:
 
 def _saved_tensor_hooks() -> bool:
     """Whether saved-tensor hooks are active (``torch.utils.checkpoint``, activation offloading):
-    they act on what a node saves, which a replay saves differently from its record and check calls."""
+    they act on what a node saves, which a replay saves differently from its record and check calls.
+    torch before 2.8 cannot read the hook stack: there a call inside ``torch.utils.checkpoint``
+    (its forward or its recomputation, both below a frame of that module) counts as hooked."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return _inside_checkpoint()
     try:
-        return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    except TypeError:                     # an older signature without ignore_is_tracing
-        return torch._C._autograd._top_saved_tensors_default_hooks() is not None
+        return top(False) is not None
+    except TypeError:                     # a signature without ignore_is_tracing
+        return top() is not None
+
+
+def _inside_checkpoint() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
 def _global_hooks() -> bool:

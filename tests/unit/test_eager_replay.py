@@ -266,3 +266,17 @@ def test_a_record_call_whose_graph_is_dropped_is_recorded_again():
         _step(block, seed, True)
     assert {k: rl.replay_counts()[k] - before[k] for k in before} == {"record": 1, "check": 1, "replay": 1,
                                                                       "refused": 0}
+
+
+def test_a_call_inside_torch_checkpoint_is_seen_without_the_hook_stack():
+    """torch before 2.8 has no hook-stack query: a frame of ``torch.utils.checkpoint`` below the
+    call (its forward, and its recomputation in the backward) is what marks it."""
+    seen = []
+
+    def fn(x):
+        seen.append(rl._inside_checkpoint())
+        return x.exp()                                   # saves its result: the backward recomputes
+
+    x = torch.ones(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert seen == [True, True] and not rl._inside_checkpoint()      # forward, recomputation; control
