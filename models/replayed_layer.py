@@ -34,9 +34,11 @@ import weakref
 from typing import Callable, Optional
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from tpinv.core.autograd import PLAIN_TENSORS, observed
-from tpinv.ops.replay import ALLOCATING, Recording, ReplayRefused, pool_allocations, poisoning, prune, same_bytes
+from tpinv.ops.replay import Program, Recording, ReplayRefused, poisoning, same_bytes
+from tpinv.ops.replay_passes import pool_allocations, prune
 
 __all__ = ["REPLAY", "REPLAY_DEVICES", "ReplayedLayer", "eligible", "replay_counts"]
 
@@ -44,9 +46,6 @@ __all__ = ["REPLAY", "REPLAY_DEVICES", "ReplayedLayer", "eligible", "replay_coun
 REPLAY = [os.environ.get("TPINV_EAGER_REPLAY", "1") != "0"]
 #: Device types whose calls replay (tests add ``"cpu"`` to run the mechanism on the CPU kernels).
 REPLAY_DEVICES = {"cuda"}
-
-#: ``[True]``: allocations only kernels read come from one buffer per program part (fewer aten calls).
-POOL = [True]
 
 _COUNTS = {"record": 0, "check": 0, "replay": 0, "refused": 0}
 
@@ -65,6 +64,7 @@ class _Entry:
         self.out_slot = self.grad_slot = None
         self.grad_slots: tuple = ()
         self.keep: tuple = ()              # forward slots the backward reads (saved for it)
+        self.grad_layout: tuple = ()       # the recorded output gradient's strides
         self.recording = lambda: None      # while recording: a weak reference to the Recording
 
 
@@ -77,10 +77,7 @@ class ReplayedLayer:
         self.name = name
         self.entries: dict = {}
 
-    def __deepcopy__(self, memo):
-        return ReplayedLayer(self.name)
-
-    def __reduce__(self):                 # a pickled module (torch.save(model)) keeps no programs
+    def __reduce__(self):                 # a copied or pickled module keeps no programs
         return ReplayedLayer, (self.name,)
 
     def __call__(self, modular: Callable, x: torch.Tensor, inputs: tuple, params: tuple) -> torch.Tensor:
@@ -147,7 +144,6 @@ _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
                 or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
 
@@ -285,49 +281,17 @@ def _finish(entry: _Entry, rec: Recording, split: int, out_slot: Optional[int], 
     outputs = {s for s in slots if s is not None}
     backward_steps = prune(backward_steps, outputs)
     forward_steps = prune(forward_steps, {out_slot}.union(*(s.reads for s in backward_steps)))
-    size = program.size
-    if POOL[0]:
-        forward_steps, backward_steps = _pooled(rec, forward_steps, backward_steps, outputs | {out_slot}, size)
-        size += 3
+    forward_steps, backward_steps, size = pool_allocations(rec, forward_steps, backward_steps, outputs | {out_slot})
     reads, made = set(), set()          # slots the backward reads before it makes them: the forward's
     for step in backward_steps:
         reads |= step.reads - made
         made |= step.writes
-    entry.forward = type(program)(forward_steps, size, program.constants,
-                                  sum(s.kind == "launch" for s in forward_steps),
-                                  sum(s.kind == "aten" for s in forward_steps))
-    entry.backward = type(program)(backward_steps, size, program.constants,
-                                   sum(s.kind == "launch" for s in backward_steps),
-                                   sum(s.kind == "aten" for s in backward_steps))
+    entry.forward = Program(forward_steps, size, program.constants)
+    entry.backward = Program(backward_steps, size, program.constants)
     entry.keep = tuple(sorted(reads - set(program.constants) - {g_slot}))
     entry.out_slot, entry.grad_slot, entry.grad_slots = out_slot, g_slot, tuple(slots)
     entry.grad_layout = g.stride()
     entry.state = "check"
-
-
-def _pooled(rec: Recording, forward: list, backward: list, outputs: set, size: int) -> tuple:
-    """The two programs with every allocation only launches read made from three pools: the
-    forward's kept for the backward (slot ``size``), the forward's scratch (``size + 1``, dropped
-    after the forward) and the backward's (``size + 2``)."""
-    tensors = outputs.union(*(s.reads for s in forward + backward if s.kind != "launch"))
-    for_backward = set().union(*(s.reads for s in backward if s.kind == "launch"))
-
-    def allocations(steps):
-        return [next(iter(s.writes)) for s in steps
-                if s.kind == "aten" and s.name in ALLOCATING and len(s.writes) == 1 and not s.writes & tensors]
-
-    def nbytes(slot):
-        return rec.ranges[slot][3] - rec.ranges[slot][2]
-
-    made_forward, made_backward = allocations(forward), allocations(backward)
-    devices = {rec.slots[s].device for s in made_forward + made_backward}
-    if len(devices) != 1:
-        return forward, backward
-    pools = [{size: [(s, nbytes(s)) for s in made_forward if s in for_backward],
-              size + 1: [(s, nbytes(s)) for s in made_forward if s not in for_backward]},
-             {size + 2: [(s, nbytes(s)) for s in made_backward]}]
-    forward, backward = pool_allocations([forward, backward], pools, devices.pop())
-    return forward, backward
 
 
 def _refuse(layer: ReplayedLayer, entry: _Entry, what: str) -> None:

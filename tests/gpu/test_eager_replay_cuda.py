@@ -36,6 +36,7 @@ def _step(model, seed: int, replay: bool):
 
 
 def _assert_same(a, b):
+    assert len(a) == len(b)
     for i, (u, v) in enumerate(zip(a, b)):
         assert_same_bits(u, v, f"tensor {i}")
 

@@ -80,6 +80,7 @@ def _step(block, seed, replay: bool, zero=True):
 
 
 def _assert_same(a, b):
+    assert len(a) == len(b)
     for i, (u, v) in enumerate(zip(a, b)):
         assert_same_bits(u, v, f"result {i}")
 

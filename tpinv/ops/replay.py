@@ -31,8 +31,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ALLOCATING", "Program", "Recording", "ReplayRefused", "poisoning", "pool_allocations", "prune",
-           "same_bytes"]
+__all__ = ["ALLOCATING", "Program", "Recording", "ReplayRefused", "poisoning", "pool_step", "same_bytes"]
 
 
 class ReplayRefused(RuntimeError):
@@ -73,15 +72,26 @@ def _poison(t: torch.Tensor) -> None:
 def _launch():
     """:mod:`tpinv.kernels.launch`, imported on first use (a CPU-only process never imports Triton)."""
     from tpinv.kernels import launch
+    _LAUNCH[:] = [launch]
     return launch
+
+
+_LAUNCH: list = []   # [tpinv.kernels.launch] once imported here
 
 
 class Program:
     """Steps over slots; :meth:`run` issues them on ``env`` (a list: the inputs, then room)."""
 
-    def __init__(self, steps: list, size: int, constants: dict, launches: int, aten: int):
+    def __init__(self, steps: list, size: int, constants: dict):
         self.steps, self.size, self.constants = steps, size, constants
-        self.launches, self.aten = launches, aten
+
+    @property
+    def launches(self) -> int:
+        return sum(step.kind == "launch" for step in self.steps)
+
+    @property
+    def aten(self) -> int:
+        return sum(step.kind == "aten" for step in self.steps)
 
     def env(self, inputs: list) -> list:
         env = inputs + [None] * (self.size - len(inputs))
@@ -90,7 +100,8 @@ class Program:
         return env
 
     def run(self, env: list) -> list:
-        stream = _launch()._current_stream(_launch()._current_device()) if self.launches else None
+        # a program with launches was recorded over CUDA tensors, which imported the launch module
+        stream = _LAUNCH[0]._current_stream(_LAUNCH[0]._current_device()) if _LAUNCH else None
         for step in self.steps:
             step(env, stream)
         return env
@@ -109,7 +120,6 @@ class Recording(TorchDispatchMode):
         self.by_id: dict = {}
         self.constants: dict = {}
         self.steps: list = []
-        self.launches = self.aten = 0
         self.refused: Optional[str] = None
         self._outer: list = []       # RECORDER before each (re-)entry
         self.cuda = any(t is not None and t.is_cuda for t in inputs)
@@ -195,7 +205,6 @@ class Recording(TorchDispatchMode):
         poison = name in ALLOCATING
         self.steps.append(_aten_step(func, template, kwargs, refs, lists, named, places,
                                      isinstance(out, (tuple, list)), poison))
-        self.aten += 1
         return out
 
     # -- launches (tpinv.kernels.launch.RECORDER) --------------------------------------------------
@@ -223,7 +232,6 @@ class Recording(TorchDispatchMode):
         g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         self.steps.append(_launch_step(c_launch, g, compiled.function, cooperative, pdl,
                                        compiled.packed_metadata, template, pointers, descs, descriptors))
-        self.launches += 1
 
     def unbound(self, fn) -> None:
         self.refuse(f"a launch of {getattr(fn, '__name__', fn)} through Triton (not bound)")
@@ -245,7 +253,7 @@ class Recording(TorchDispatchMode):
         """The recorded steps (raises :class:`ReplayRefused` with the first reason to refuse)."""
         if self.refused is not None:
             raise ReplayRefused(self.refused)
-        return Program(list(self.steps), len(self.slots), dict(self.constants), self.launches, self.aten)
+        return Program(list(self.steps), len(self.slots), dict(self.constants))
 
 
 def _recorder(cuda: bool) -> list:
@@ -289,19 +297,6 @@ def _marked(step: Callable, kind: str, reads, writes, pure: bool = False, name: 
     write to a slot it reads: a view, an allocation, an out-of-place op) and its op's name."""
     step.kind, step.reads, step.writes, step.pure, step.name = kind, frozenset(reads), frozenset(writes), pure, name
     return step
-
-
-def prune(steps: list, needed: set) -> list:
-    """``steps`` without those whose results nothing after them reads: a pure step (a view, an
-    allocation, an out-of-place op) none of whose slots is read later or in ``needed``.  Launches
-    and ops that write into a slot they read are kept; what they read is needed."""
-    needed, kept = set(needed), []
-    for step in reversed(steps):
-        if step.pure and not (step.writes & needed):
-            continue
-        kept.append(step)
-        needed |= step.reads
-    return kept[::-1]
 
 
 def _view_step(base: int, slot: int, shape: tuple, stride: tuple, offset: int) -> Callable:
@@ -371,50 +366,13 @@ def _launch_step(c_launch, g: tuple, function, cooperative, pdl, packed, templat
         if descriptors:
             full = expand_descriptors(full, descriptors)
         c_launch(g0, g1, g2, stream, function, cooperative, pdl, None, None, packed, None, None, None, *full)
-    step.pointers, step.descs = pointers, descs          # rewritten in place by pool_allocations
+    step.pointers, step.descs = pointers, descs   # rewritten by tpinv.ops.replay_passes.pool_allocations
     return _marked(step, "launch", [s for _, s, _ in pointers] + [s for _, s, _, _ in descs], ())
 
 
-def pool_allocations(programs: list, pools: list, device: torch.device) -> list:
-    """Each step list of ``programs`` with the allocations of the slots in its ``pools`` entry
-    (``{pool slot: [(slot, nbytes), ...]}``) made as one byte buffer per pool, first in that
-    program: each slot's allocation step is dropped and every launch (in any of the programs)
-    addresses the slot at its offset in its pool, 512-byte aligned as the caching allocator's
-    blocks are.  Only slots that nothing but launches reads may be pooled: they need an address,
-    not a tensor."""
-    where, made = {}, []
-    for program_pools in pools:
-        made.append([])
-        for pool, members in program_pools.items():
-            offset = 0
-            for slot, nbytes in members:
-                where[slot] = (pool, offset)
-                offset += -(-max(nbytes, 1) // 512) * 512
-            if members:
-                made[-1].append(_pool_step(pool, offset, device))
-    out = []
-    for steps, first in zip(programs, made):
-        kept = list(first)
-        for step in steps:
-            if step.kind == "aten" and step.name in ALLOCATING and step.writes and set(step.writes) <= set(where):
-                continue
-            if step.kind == "launch":
-                step.pointers[:] = [(i, *_moved(where, s, d)) for i, s, d in step.pointers]
-                step.descs[:] = [(i, *_moved(where, s, d), make) for i, s, d, make in step.descs]
-                step.reads = frozenset([s for _, s, _ in step.pointers] + [s for _, s, _, _ in step.descs])
-            kept.append(step)
-        out.append(kept)
-    return out
+def pool_step(slot: int, nbytes: int, device: torch.device) -> Callable:
+    """A step making slot ``slot`` a buffer of ``nbytes`` bytes (filled with 0xFF while poisoning)."""
 
-
-def _moved(where: dict, slot: int, offset: int) -> tuple:
-    if slot not in where:
-        return slot, offset
-    pool, start = where[slot]
-    return pool, start + offset
-
-
-def _pool_step(slot: int, nbytes: int, device: torch.device) -> Callable:
     def step(env, stream):
         env[slot] = t = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if _POISON[0]:
