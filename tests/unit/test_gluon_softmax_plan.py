@@ -58,3 +58,47 @@ def test_registers_are_capped_so_the_programs_an_sm_fit():
     assert cap(4, 0.01) is None                              # a fraction of an SM is one program
     warps, per_sm, _ = gluon_softmax.HELD_CONFIG[torch.bfloat16, False]
     assert cap(warps, per_sm) is not None                    # the table's bf16 shape is capped
+
+
+def held_lanes(layout, warp):
+    """The lanes each (register, thread) of ``warp`` holds in a 1-D linear ``layout``."""
+    def at(bases, index):
+        out = 0
+        for bit, (basis,) in enumerate(bases):
+            if index >> bit & 1:
+                out ^= basis
+        return out
+    return [[at(layout.reg_bases, r) ^ at(layout.lane_bases, t) ^ at(layout.warp_bases, warp)
+             for r in range(1 << len(layout.reg_bases))] for t in range(32)]
+
+
+@pytest.mark.parametrize("lanes,num_warps",
+                         [(1024, 4), (512, 4), (1024, 8), (64, 4), (8, 4), (1, 4)])
+def test_the_fold_layout_gives_every_warp_all_the_lanes(lanes, num_warps):
+    """The fold's exchange (``_fold_lanes``): every warp holds each of the remaining lanes, a
+    thread four contiguous ones (one vector load) and, from 128 lanes on, the same four of every
+    128 -- so the halving levels at distances of 128 and more are a thread's own adds."""
+    layout = gluon_softmax.fold_layout_of(lanes, num_warps)
+    assert len(layout.lane_bases) == 5 and len(layout.warp_bases) == num_warps.bit_length() - 1
+    for warp in range(num_warps):
+        held = held_lanes(layout, warp)
+        assert sorted({lane for thread in held for lane in thread}) == list(range(lanes))
+        assert held == held_lanes(layout, 0)                 # the warps hold the same lanes
+    thread = held_lanes(layout, 0)[1]
+    if lanes >= 128:
+        assert thread[:4] == [4, 5, 6, 7] and thread[4] == 4 + 128
+    # control: a layout whose warps split the lanes would fail the check above
+    split = gluon_softmax.gl.DistributedLinearLayout(layout.reg_bases, layout.lane_bases,
+                                                     [[lanes // 2]] + layout.warp_bases[1:], [],
+                                                     [lanes])
+    if lanes >= 2:
+        assert held_lanes(split, 1) != held_lanes(split, 0)
+
+
+def test_the_fold_levels_a_thread_holds():
+    """bf16 rows (8 lanes a thread, 4 warps: 1024 a tile): the first of a 2048-lane block's
+    levels pairs lanes of one thread; fp32 (4 a thread) the first two; a block no wider than a
+    tile none."""
+    levels = gluon_softmax.in_thread_levels
+    assert levels(2048, 8, 4) == 1 and levels(2048, 4, 4) == 2 and levels(2048, 4, 8) == 1
+    assert levels(1024, 8, 4) == 0 and levels(256, 8, 4) == 0

@@ -56,13 +56,15 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 #: The CTA-wide barrier (``thread_barrier`` before Triton 3.7, ``barrier`` after).
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 #: Per (input dtype, statistics alone): (num_warps, programs per SM, stagger in ns), from the
-#: H100 sweeps in docs/benchmarks.md (4096 / 1024 rows, % of copy: fp32 log_softmax 86 / 82,
+#: sweeps in docs/benchmarks.md.  H100 (4096 / 1024 rows, % of copy): fp32 log_softmax 86 / 82,
 #: statistics 71 / 66; bf16 at five programs, registers capped by :func:`register_cap`, starts
 #: staggered (:func:`_stagger`): log_softmax 81 / 78, statistics 66 / 59, against 80 / 72.5 and
-#: 60 / 53 all at once; in fp32 a stagger was slower); None would send the case to the L2
-#: kernel.  Speed only: no choice here moves a bit.
+#: 60 / 53 all at once; in fp32 a stagger was slower.  H200, with the fold's one exchange
+#: (:func:`_fold_lanes`): bf16 log_softmax 75 / 70, statistics 62 / 55; fp32 log_softmax 75 / 72
+#: at 4 warps (8: 72 / 70), statistics 61 / 58 at 8 warps (4: 58 / 54).  None would send the
+#: case to the L2 kernel.  Speed only: no choice here moves a bit.
 HELD_CONFIG = {
-    (torch.float32, False): (4, 2, 0), (torch.float32, True): (4, 2, 0),
+    (torch.float32, False): (4, 2, 0), (torch.float32, True): (8, 2, 0),
     (torch.bfloat16, False): (4, 5, 3000), (torch.bfloat16, True): (4, 5, 2000),
     (torch.float16, False): (4, 5, 3000), (torch.float16, True): (4, 5, 2000),
 }
@@ -81,11 +83,31 @@ def _shift_of(m):
 
 
 @gluon.jit
-def _fold_lanes(acc, BLOCK: gl.constexpr, LOG2_BLOCK: gl.constexpr):
-    """``[BLOCK] -> scalar`` by contiguous halving: lane ``i`` plus lane ``i + n/2``, repeated."""
-    for i in gl.static_range(LOG2_BLOCK):
-        pairs = gl.reshape(acc, [2, BLOCK >> (i + 1)])
-        acc = gl.sum(pairs, axis=0)
+def _max_keeping_nan(a, b):
+    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def _leaf_max(run):
+    """:func:`_nan_max` of the leaf's running maxima in one block reduction: the maximum that
+    keeps NaN, its NaN then written as ``float("nan")``'s bits (the value is order-free)."""
+    m = gl.reduce(run, 0, _max_keeping_nan)
+    return gl.where(m != m, float("nan"), m)
+
+
+@gluon.jit
+def _fold_lanes(acc, BLOCK: gl.constexpr, LOG2_BLOCK: gl.constexpr, IN_THREAD: gl.constexpr,
+                fold_layout: gl.constexpr):
+    """``[BLOCK] -> scalar`` by contiguous halving: lane ``i`` plus lane ``i + n/2``, repeated.
+    The first ``IN_THREAD`` levels pair lanes one thread holds; the rest run after one exchange
+    through shared memory into ``fold_layout`` (:func:`fold_layout`), where every warp holds
+    all the remaining lanes, so their levels are a thread's own adds and warp shuffles -- the same
+    adds in the same order, without a block barrier a level."""
+    for i in gl.static_range(IN_THREAD):
+        acc = gl.sum(gl.reshape(acc, [2, BLOCK >> (i + 1)]), axis=0)
+    acc = gl.convert_layout(acc, fold_layout)
+    for i in gl.static_range(IN_THREAD, LOG2_BLOCK):
+        acc = gl.sum(gl.reshape(acc, [2, BLOCK >> (i + 1)]), axis=0)
     return gl.sum(acc, axis=0)
 
 
@@ -161,7 +183,8 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
 def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_y, lanes,
              leaf_ids, MODE: gl.constexpr, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr,
              STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
-             LOG2_BLOCK: gl.constexpr, lanes_layout: gl.constexpr, small_layout: gl.constexpr):
+             LOG2_BLOCK: gl.constexpr, IN_THREAD: gl.constexpr, lanes_layout: gl.constexpr,
+             small_layout: gl.constexpr, fold_layout: gl.constexpr):
     """``item``'s leaf, already in ``a, b, c`` (what lies past its end is read as -inf): its max,
     the row's meetings, its sum and, unless statistics alone, its output."""
     row = (item // LEAVES).to(gl.int64)
@@ -172,7 +195,7 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
     for k in gl.static_range(STEPS):
         x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
         run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
-    _publish(slots + leaf, _nan_max(run))
+    _publish(slots + leaf, _leaf_max(run))
     m = _nan_max(_gather(slots, leaf_ids))
     shift = _shift_of(m)
     # 2. the leaf's sum from shared memory: the row kernel's lanes and fold (each thread reads
@@ -181,7 +204,7 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
     for k in gl.static_range(STEPS):
         x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
         acc += gl.exp(x - shift)
-    _publish(slots + LEAVES + leaf, _fold_lanes(acc, BLOCK, LOG2_BLOCK))
+    _publish(slots + LEAVES + leaf, _fold_lanes(acc, BLOCK, LOG2_BLOCK, IN_THREAD, fold_layout))
     if MODE == 0:
         # the statistics alone: nobody waits; _combine_sums takes the row's total after the launch
         if leaf == 0:
@@ -238,7 +261,8 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
                          LOG2_LEAVES: gl.constexpr, BLOCK: gl.constexpr,
                          LOG2_BLOCK: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr,
                          B: gl.constexpr, C: gl.constexpr, VEC: gl.constexpr,
-                         STAGGER: gl.constexpr, num_warps: gl.constexpr):
+                         STAGGER: gl.constexpr, IN_THREAD: gl.constexpr,
+                         fold_layout: gl.constexpr, num_warps: gl.constexpr):
     lanes_layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [num_warps], [0])
     small_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     held_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -261,8 +285,8 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
         async_copy.wait_group(0)
         _thread_barrier()
         _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_y, lanes,
-                 leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, LOG2_BLOCK,
-                 lanes_layout, small_layout)
+                 leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, LOG2_BLOCK, IN_THREAD,
+                 lanes_layout, small_layout, fold_layout)
         item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
         _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B,
                BLOCK)
@@ -282,6 +306,25 @@ def _powers(steps: int) -> tuple[int, int, int]:
     """``steps`` as ``A + B + C``, powers of two from the largest (0 where unused)."""
     parts = [1 << i for i in reversed(range(steps.bit_length())) if steps >> i & 1]
     return tuple(parts + [0] * (3 - len(parts)))
+
+
+def fold_layout_of(lanes: int, num_warps: int) -> gl.DistributedLinearLayout:
+    """The layout :func:`_fold_lanes` folds its last ``lanes`` (a power of two) in: lane ``l`` is
+    lanes ``4 * l .. 4 * l + 3`` of every ``128`` (four contiguous in one thread: one vector
+    load), the rows of 128 in the thread's registers, every warp holding all of them (so each
+    level pairs a thread's own values or, at the ``4 .. 64`` distances, two lanes of a warp)."""
+    bits = lanes.bit_length() - 1
+    low, mid = min(2, bits), min(5, max(0, bits - 2))
+    regs = [[1 << b] for b in range(low)] + [[1 << b] for b in range(7, bits)]
+    thread = [[1 << b] for b in range(2, 2 + mid)] + [[0]] * (5 - mid)
+    return gl.DistributedLinearLayout(regs, thread, [[0]] * (num_warps.bit_length() - 1), [],
+                                      [lanes])
+
+
+def in_thread_levels(block: int, vec: int, num_warps: int) -> int:
+    """The fold's first levels whose pairs one thread holds in the row layout (``vec`` contiguous
+    lanes a thread, ``32 * num_warps`` threads)."""
+    return max(0, block.bit_length() - (vec * 32 * num_warps).bit_length())
 
 
 def held_plan(rows: torch.Tensor, leaves: int, block: int, stats: bool,
@@ -327,12 +370,15 @@ def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: i
     slots = zeroed[:n_rows * 2 * leaves]
     sync = zeroed[n_rows * 2 * leaves:].view(torch.int32)
     cap = register_cap(num_warps, per_sm)
+    vec = 16 // rows.element_size()
+    in_thread = in_thread_levels(block, vec, num_warps)
     launch(_softmax_held_kernel, (n_programs,),
            rows, target, max_, total, slots, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
            stagger_ns if slots_per_sm else 0, MODE=mode, LEAVES=leaves,
            LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block, LOG2_BLOCK=block.bit_length() - 1,
-           STEPS=steps, A=a, B=b, C=c, VEC=16 // rows.element_size(), STAGGER=slots_per_sm,
-           num_warps=num_warps, enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap}))
+           STEPS=steps, A=a, B=b, C=c, VEC=vec, STAGGER=slots_per_sm, IN_THREAD=in_thread,
+           fold_layout=fold_layout_of(block >> in_thread, num_warps), num_warps=num_warps,
+           enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap}))
     if mode == 0:
         launch(_combine_sums, (n_rows,), slots, total, LEAVES=leaves,
                LOG2_LEAVES=leaves.bit_length() - 1, num_warps=1)
