@@ -8,7 +8,9 @@ that order from ``+0`` (lanes past the leaf add ``exp(-inf) = +0``), folded by c
 (lane ``i`` plus lane ``i + n/2``); the leaf sums meet in the adjacent-pair tree; each output is
 ``(x - shift) - log(s)`` or ``div_rn(exp(x - shift), s)`` in fp32, rounded once.  Each add, exp,
 log and division is the same IEEE operation on the same operands as in the row kernel, compiled
-without FMA contraction (``tests/gpu/test_softmax_by_leaves.py`` compares the bytes).
+without FMA contraction (``tests/gpu/test_softmax_by_leaves.py`` compares the bytes); where a
+leaf's least element shows that no exp can round below 2**-126, the sum takes each exp as the one
+hardware instruction the row kernel's exp reduces to there (:func:`_exp`).
 
 Why: the Triton by-leaves kernel reads its leaf three times (max, sum, output), the last two from
 L2, so every element crosses L2 four times.  Here a program copies its leaf from memory into
@@ -49,6 +51,8 @@ __all__ = ["softmax_rows_held", "held_plan", "register_cap", "HELD_CONFIG", "SME
 
 #: Shared memory a program may hold its leaf in (bytes): two such programs fit an SM.
 SMEM_BUDGET = 100 * 1024
+#: log2(e), as Triton's exp multiplies by it (an fp32 operand rounds it to fp32).
+_LOG2E = gl.constexpr(1.4426950408889634)
 #: 32-bit registers of one SM (sm_90).
 REGISTERS_PER_SM = 64 * 1024
 #: The cp.async copy from global to shared memory (renamed ``async_load`` after Triton 3.6).
@@ -61,8 +65,10 @@ _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 #: staggered (:func:`_stagger`): log_softmax 81 / 78, statistics 66 / 59, against 80 / 72.5 and
 #: 60 / 53 all at once; in fp32 a stagger was slower.  H200, with the fold's one exchange
 #: (:func:`_fold_lanes`): bf16 log_softmax 75 / 70, statistics 62 / 55; fp32 log_softmax 75 / 72
-#: at 4 warps (8: 72 / 70), statistics 61 / 58 at 8 warps (4: 58 / 54).  None would send the
-#: case to the L2 kernel.  Speed only: no choice here moves a bit.
+#: at 4 warps (8: 72 / 70), statistics 61 / 58 at 8 warps (4: 58 / 54); then with the
+#: flush-free exp (:func:`_exp`): bf16 log_softmax 79 / 74, fp32 80 / 77, statistics 63 / 56
+#: and 71 / 66.  None would send the case to the L2 kernel.  Speed only: no choice here moves a
+#: bit.
 HELD_CONFIG = {
     (torch.float32, False): (4, 2, 0), (torch.float32, True): (8, 2, 0),
     (torch.bfloat16, False): (4, 5, 3000), (torch.bfloat16, True): (4, 5, 2000),
@@ -93,6 +99,49 @@ def _leaf_max(run):
     keeps NaN, its NaN then written as ``float("nan")``'s bits (the value is order-free)."""
     m = gl.reduce(run, 0, _max_keeping_nan)
     return gl.where(m != m, float("nan"), m)
+
+
+@gluon.jit
+def _max_and_min(a_max, a_min, b_max, b_min):
+    return gl.maximum(a_max, b_max, propagate_nan=tl.PropagateNan.ALL), gl.minimum(a_min, b_min)
+
+
+@gluon.jit
+def _leaf_max_and_min(run, low):
+    """The leaf's :func:`_nan_max` from its running maxima (a maximum that keeps NaN, its NaN
+    then written as ``float("nan")``'s bits) and the least of its running minima (NaN ignored),
+    in one block reduction; both are order-free."""
+    m, lo = gl.reduce((run, low), 0, _max_and_min)
+    return gl.where(m != m, float("nan"), m), lo
+
+
+@gluon.jit
+def _exp(d, FLUSH_FREE: gl.constexpr):
+    """``gl.exp(d)``'s bits.  Triton's fp32 exp is ``ex2.approx.f32(d * log2(e))``, which the
+    assembler writes as the hardware ex2 alone where the product is -126 or more (or NaN), and
+    elsewhere as: halve the product, ex2, square the result (so that results under 2**-126 are
+    not flushed to zero) -- a compare and two predicated multiplies on every element.  With
+    ``FLUSH_FREE`` the caller knows every product is -126 or more, and ``ex2.approx.ftz.f32``,
+    the hardware ex2 alone, gives the same bits in one instruction."""
+    if FLUSH_FREE:
+        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [d * _LOG2E],
+                                         dtype=gl.float32, is_pure=True, pack=1)
+    else:
+        return gl.exp(d)
+
+
+@gluon.jit
+def _leaf_sum(a, b, c, shift, lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
+              BLOCK: gl.constexpr, STEPS: gl.constexpr, lanes_layout: gl.constexpr,
+              FLUSH_FREE: gl.constexpr):
+    """The row kernel's lanes: lane ``i`` adds ``exp(x - shift)`` of the leaf's elements
+    ``i, i + BLOCK, ...`` in order from ``+0`` (each thread reads back the elements it copied, so
+    no barrier is needed after the max pass)."""
+    acc = gl.zeros([BLOCK], gl.float32, lanes_layout)
+    for k in gl.static_range(STEPS):
+        x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
+        acc += _exp(x - shift, FLUSH_FREE)
+    return acc
 
 
 @gluon.jit
@@ -190,20 +239,34 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
     row = (item // LEAVES).to(gl.int64)
     leaf = item % LEAVES
     slots = slot_ptr + row * (2 * LEAVES)   # the leaf maxima, then the leaf sums
-    # 1. the leaf's exact max, then the row's from every leaf's
+    # 1. the leaf's exact max, then the row's from every leaf's; but for softmax, whose program
+    #    the general exp keeps shortest, the leaf's least element too
     run = gl.full([BLOCK], float("-inf"), gl.float32, lanes_layout)
+    if MODE != 2:
+        low = gl.full([BLOCK], float("inf"), gl.float32, lanes_layout)
     for k in gl.static_range(STEPS):
         x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
         run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
-    _publish(slots + leaf, _leaf_max(run))
+        if MODE != 2:
+            if k == STEPS - 1:   # past the leaf's end (read as -inf) is no element
+                x = gl.where(k * BLOCK + lanes < leaf_len, x, float("inf"))
+            low = gl.minimum(low, x)
+    if MODE == 2:
+        leaf_max = _leaf_max(run)
+    else:
+        leaf_max, lo = _leaf_max_and_min(run, low)
+    _publish(slots + leaf, leaf_max)
     m = _nan_max(_gather(slots, leaf_ids))
     shift = _shift_of(m)
-    # 2. the leaf's sum from shared memory: the row kernel's lanes and fold (each thread reads
-    #    back the elements it copied, so no barrier is needed between the passes)
-    acc = gl.zeros([BLOCK], gl.float32, lanes_layout)
-    for k in gl.static_range(STEPS):
-        x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
-        acc += gl.exp(x - shift)
+    # 2. the leaf's sum.  (x - shift) * log2(e) rounds monotonically in x, so where the least
+    #    element's is -126 or more, every element's is (_exp's FLUSH_FREE; -inf and NaN in the
+    #    leaf fail the test and take the general exp)
+    if MODE == 2:
+        acc = _leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, False)
+    elif (lo - shift) * _LOG2E >= -126.0:
+        acc = _leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, True)
+    else:
+        acc = _leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, False)
     _publish(slots + LEAVES + leaf, _fold_lanes(acc, BLOCK, LOG2_BLOCK, IN_THREAD, fold_layout))
     if MODE == 0:
         # the statistics alone: nobody waits; _combine_sums takes the row's total after the launch
