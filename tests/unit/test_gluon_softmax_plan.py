@@ -1,4 +1,5 @@
-"""Where and how the held-leaf softmax kernel runs (:mod:`tpinv.kernels.gluon_softmax`).
+"""Where and how the held-leaf softmax kernel runs (:mod:`tpinv.kernels.gluon_softmax`), and the
+layout its leaf sums fold in (:mod:`tpinv.kernels.gluon_softmax_leaf`).
 
 Host logic only (the kernel's bytes are compared on a GPU in ``tests/gpu/test_softmax_by_leaves.py``):
 the table's launch shapes for a Qwen3 row, the L2 kernel where the table has no entry, no plan
@@ -11,6 +12,7 @@ import torch
 
 gluon_softmax = pytest.importorskip("tpinv.kernels.gluon_softmax",
                                     reason="needs a Triton with Gluon", exc_type=ImportError)
+from tpinv.kernels import gluon_softmax_leaf  # noqa: E402
 
 from tpinv.kernels.triton_softmax import leaf_block  # noqa: E402
 
@@ -75,10 +77,10 @@ def held_lanes(layout, warp):
 @pytest.mark.parametrize("lanes,num_warps",
                          [(1024, 4), (512, 4), (1024, 8), (64, 4), (8, 4), (1, 4)])
 def test_the_fold_layout_gives_every_warp_all_the_lanes(lanes, num_warps):
-    """The fold's exchange (``_fold_lanes``): every warp holds each of the remaining lanes, a
+    """The fold's exchange (``fold_lanes``): every warp holds each of the remaining lanes, a
     thread four contiguous ones (one vector load) and, from 128 lanes on, the same four of every
     128 -- so the halving levels at distances of 128 and more are a thread's own adds."""
-    layout = gluon_softmax.fold_layout_of(lanes, num_warps)
+    layout = gluon_softmax_leaf.fold_layout_of(lanes, num_warps)
     assert len(layout.lane_bases) == 5 and len(layout.warp_bases) == num_warps.bit_length() - 1
     for warp in range(num_warps):
         held = held_lanes(layout, warp)
@@ -88,9 +90,9 @@ def test_the_fold_layout_gives_every_warp_all_the_lanes(lanes, num_warps):
     if lanes >= 128:
         assert thread[:4] == [4, 5, 6, 7] and thread[4] == 4 + 128
     # control: a layout whose warps split the lanes would fail the check above
-    split = gluon_softmax.gl.DistributedLinearLayout(layout.reg_bases, layout.lane_bases,
-                                                     [[lanes // 2]] + layout.warp_bases[1:], [],
-                                                     [lanes])
+    split = gluon_softmax_leaf.gl.DistributedLinearLayout(layout.reg_bases, layout.lane_bases,
+                                                          [[lanes // 2]] + layout.warp_bases[1:],
+                                                          [], [lanes])
     if lanes >= 2:
         assert held_lanes(split, 1) != held_lanes(split, 0)
 
@@ -99,6 +101,6 @@ def test_the_fold_levels_a_thread_holds():
     """bf16 rows (8 lanes a thread, 4 warps: 1024 a tile): the first of a 2048-lane block's
     levels pairs lanes of one thread; fp32 (4 a thread) the first two; a block no wider than a
     tile none."""
-    levels = gluon_softmax.in_thread_levels
+    levels = gluon_softmax_leaf.in_thread_levels
     assert levels(2048, 8, 4) == 1 and levels(2048, 4, 4) == 2 and levels(2048, 4, 8) == 1
     assert levels(1024, 8, 4) == 0 and levels(256, 8, 4) == 0

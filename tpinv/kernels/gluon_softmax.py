@@ -10,7 +10,7 @@ that order from ``+0`` (lanes past the leaf add ``exp(-inf) = +0``), folded by c
 log and division is the same IEEE operation on the same operands as in the row kernel, compiled
 without FMA contraction (``tests/gpu/test_softmax_by_leaves.py`` compares the bytes); where a
 leaf's least element shows that no exp can round below 2**-126, the sum takes each exp as the one
-hardware instruction the row kernel's exp reduces to there (:func:`_exp`).
+hardware instruction the row kernel's exp reduces to there (:func:`exp_shifted`).
 
 Why: the Triton by-leaves kernel reads its leaf three times (max, sum, output), the last two from
 L2, so every element crosses L2 four times.  Here a program copies its leaf from memory into
@@ -44,6 +44,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from tpinv.kernels.gluon_softmax_leaf import (fold_layout_of, fold_lanes, held_step, held_step_fp32,
+                                             in_thread_levels, exp_never_flushes, leaf_max,
+                                             leaf_max_and_min, leaf_sum, nan_max, pair_tree,
+                                             shift_of)
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
 
@@ -51,8 +55,6 @@ __all__ = ["softmax_rows_held", "held_plan", "register_cap", "HELD_CONFIG", "SME
 
 #: Shared memory a program may hold its leaf in (bytes): two such programs fit an SM.
 SMEM_BUDGET = 100 * 1024
-#: log2(e), as Triton's exp multiplies by it (an fp32 operand rounds it to fp32).
-_LOG2E = gl.constexpr(1.4426950408889634)
 #: 32-bit registers of one SM (sm_90).
 REGISTERS_PER_SM = 64 * 1024
 #: The cp.async copy from global to shared memory (renamed ``async_load`` after Triton 3.6).
@@ -64,9 +66,9 @@ _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 #: statistics 71 / 66; bf16 at five programs, registers capped by :func:`register_cap`, starts
 #: staggered (:func:`_stagger`): log_softmax 81 / 78, statistics 66 / 59, against 80 / 72.5 and
 #: 60 / 53 all at once; in fp32 a stagger was slower.  H200, with the fold's one exchange
-#: (:func:`_fold_lanes`): bf16 log_softmax 75 / 70, statistics 62 / 55; fp32 log_softmax 75 / 72
+#: (:func:`fold_lanes`): bf16 log_softmax 75 / 70, statistics 62 / 55; fp32 log_softmax 75 / 72
 #: at 4 warps (8: 72 / 70), statistics 61 / 58 at 8 warps (4: 58 / 54); then with the
-#: flush-free exp (:func:`_exp`): bf16 log_softmax 79 / 74, fp32 80 / 77, statistics 63 / 56
+#: flush-free exp (:func:`exp_shifted`): bf16 log_softmax 79 / 74, fp32 80 / 77, statistics 63 / 56
 #: and 71 / 66.  None would send the case to the L2 kernel.  Speed only: no choice here moves a
 #: bit.
 HELD_CONFIG = {
@@ -74,122 +76,6 @@ HELD_CONFIG = {
     (torch.bfloat16, False): (4, 5, 3000), (torch.bfloat16, True): (4, 5, 2000),
     (torch.float16, False): (4, 5, 3000), (torch.float16, True): (4, 5, 2000),
 }
-
-
-@gluon.jit
-def _nan_max(v):
-    """The exact max of a 1-D ``v`` (order-free), NaN if any element is NaN, as ``torch.amax``."""
-    return gl.where(gl.max(gl.where(v != v, 1, 0), axis=0) > 0, float("nan"), gl.max(v, axis=0))
-
-
-@gluon.jit
-def _shift_of(m):
-    """``safe_shift``: the max where finite, else 0 (NaN stays NaN)."""
-    return gl.where(gl.abs(m) == float("inf"), 0.0, m)
-
-
-@gluon.jit
-def _max_keeping_nan(a, b):
-    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@gluon.jit
-def _leaf_max(run):
-    """:func:`_nan_max` of the leaf's running maxima in one block reduction: the maximum that
-    keeps NaN, its NaN then written as ``float("nan")``'s bits (the value is order-free)."""
-    m = gl.reduce(run, 0, _max_keeping_nan)
-    return gl.where(m != m, float("nan"), m)
-
-
-@gluon.jit
-def _max_and_min(a_max, a_min, b_max, b_min):
-    return gl.maximum(a_max, b_max, propagate_nan=tl.PropagateNan.ALL), gl.minimum(a_min, b_min)
-
-
-@gluon.jit
-def _leaf_max_and_min(run, low):
-    """The leaf's :func:`_nan_max` from its running maxima (a maximum that keeps NaN, its NaN
-    then written as ``float("nan")``'s bits) and the least of its running minima (NaN ignored),
-    in one block reduction; both are order-free."""
-    m, lo = gl.reduce((run, low), 0, _max_and_min)
-    return gl.where(m != m, float("nan"), m), lo
-
-
-@gluon.jit
-def _exp(d, FLUSH_FREE: gl.constexpr):
-    """``gl.exp(d)``'s bits.  Triton's fp32 exp is ``ex2.approx.f32(d * log2(e))``, which the
-    assembler writes as the hardware ex2 alone where the product is -126 or more (or NaN), and
-    elsewhere as: halve the product, ex2, square the result (so that results under 2**-126 are
-    not flushed to zero) -- a compare and two predicated multiplies on every element.  With
-    ``FLUSH_FREE`` the caller knows every product is -126 or more, and ``ex2.approx.ftz.f32``,
-    the hardware ex2 alone, gives the same bits in one instruction."""
-    if FLUSH_FREE:
-        return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [d * _LOG2E],
-                                         dtype=gl.float32, is_pure=True, pack=1)
-    else:
-        return gl.exp(d)
-
-
-@gluon.jit
-def _leaf_sum(a, b, c, shift, lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
-              BLOCK: gl.constexpr, STEPS: gl.constexpr, lanes_layout: gl.constexpr,
-              FLUSH_FREE: gl.constexpr):
-    """The row kernel's lanes: lane ``i`` adds ``exp(x - shift)`` of the leaf's elements
-    ``i, i + BLOCK, ...`` in order from ``+0`` (each thread reads back the elements it copied, so
-    no barrier is needed after the max pass)."""
-    acc = gl.zeros([BLOCK], gl.float32, lanes_layout)
-    for k in gl.static_range(STEPS):
-        x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
-        acc += _exp(x - shift, FLUSH_FREE)
-    return acc
-
-
-@gluon.jit
-def _fold_lanes(acc, BLOCK: gl.constexpr, LOG2_BLOCK: gl.constexpr, IN_THREAD: gl.constexpr,
-                fold_layout: gl.constexpr):
-    """``[BLOCK] -> scalar`` by contiguous halving: lane ``i`` plus lane ``i + n/2``, repeated.
-    The first ``IN_THREAD`` levels pair lanes one thread holds; the rest run after one exchange
-    through shared memory into ``fold_layout`` (:func:`fold_layout`), where every warp holds
-    all the remaining lanes, so their levels are a thread's own adds and warp shuffles -- the same
-    adds in the same order, without a block barrier a level."""
-    for i in gl.static_range(IN_THREAD):
-        acc = gl.sum(gl.reshape(acc, [2, BLOCK >> (i + 1)]), axis=0)
-    acc = gl.convert_layout(acc, fold_layout)
-    for i in gl.static_range(IN_THREAD, LOG2_BLOCK):
-        acc = gl.sum(gl.reshape(acc, [2, BLOCK >> (i + 1)]), axis=0)
-    return gl.sum(acc, axis=0)
-
-
-@gluon.jit
-def _pair_tree(v, N: gl.constexpr, LOG2_N: gl.constexpr, layout: gl.constexpr):
-    """The adjacent-pair tree ``((v0+v1)+(v2+v3))+...`` of ``tree_combine``."""
-    for i in gl.static_range(LOG2_N):
-        pairs = gl.reshape(gl.convert_layout(v, layout), [N >> (i + 1), 2])
-        v = gl.sum(pairs, axis=1)
-    return gl.sum(v, axis=0)
-
-
-@gluon.jit
-def _held(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr):
-    """Step ``k`` of the held leaf: steps ``[0, A)`` live in ``a``, ``[A, A + B)`` in ``b``, the
-    rest in ``c`` (shared-memory shapes are powers of two, so a leaf of, say, 5 steps is 4 + 1)."""
-    if k < A:
-        return a.slice(k * BLOCK, BLOCK)
-    elif k < A + B:
-        return b.slice((k - A) * BLOCK, BLOCK)
-    else:
-        return c.slice((k - A - B) * BLOCK, BLOCK)
-
-
-@gluon.jit
-def _held_fp32(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
-               lanes, leaf_len, layout: gl.constexpr, STEPS: gl.constexpr):
-    """Step ``k`` of the held leaf in fp32, ``-inf`` past the leaf's end (the row kernel's
-    masked load; only the last step can reach past it)."""
-    x = _held(a, b, c, k, A, B, BLOCK).load(layout).to(gl.float32)
-    if k == STEPS - 1:
-        x = gl.where(k * BLOCK + lanes < leaf_len, x, float("-inf"))
-    return x
 
 
 @gluon.jit
@@ -220,10 +106,10 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
         x_leaf = x_ptr + row * stride_x + (item % LEAVES).to(gl.int64) * leaf_len
         for k in gl.static_range(STEPS):
             if k == STEPS - 1:
-                _async_load(_held(a, b, c, k, A, B, BLOCK), x_leaf + k * BLOCK + lanes,
+                _async_load(held_step(a, b, c, k, A, B, BLOCK), x_leaf + k * BLOCK + lanes,
                             mask=k * BLOCK + lanes < leaf_len, eviction_policy="evict_first")
             else:
-                _async_load(_held(a, b, c, k, A, B, BLOCK), x_leaf + k * BLOCK + lanes,
+                _async_load(held_step(a, b, c, k, A, B, BLOCK), x_leaf + k * BLOCK + lanes,
                             eviction_policy="evict_first")
     async_copy.commit_group()
 
@@ -245,36 +131,34 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
     if MODE != 2:
         low = gl.full([BLOCK], float("inf"), gl.float32, lanes_layout)
     for k in gl.static_range(STEPS):
-        x = _held_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
+        x = held_step_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
         run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
         if MODE != 2:
             if k == STEPS - 1:   # past the leaf's end (read as -inf) is no element
                 x = gl.where(k * BLOCK + lanes < leaf_len, x, float("inf"))
             low = gl.minimum(low, x)
     if MODE == 2:
-        leaf_max = _leaf_max(run)
+        m_leaf = leaf_max(run)
     else:
-        leaf_max, lo = _leaf_max_and_min(run, low)
-    _publish(slots + leaf, leaf_max)
-    m = _nan_max(_gather(slots, leaf_ids))
-    shift = _shift_of(m)
-    # 2. the leaf's sum.  (x - shift) * log2(e) rounds monotonically in x, so where the least
-    #    element's is -126 or more, every element's is (_exp's FLUSH_FREE; -inf and NaN in the
-    #    leaf fail the test and take the general exp)
+        m_leaf, lo = leaf_max_and_min(run, low)
+    _publish(slots + leaf, m_leaf)
+    m = nan_max(_gather(slots, leaf_ids))
+    shift = shift_of(m)
+    # 2. the leaf's sum, each exp the hardware ex2 alone where the least element shows it is
+    #    (-inf, NaN or a value about 87.3 below the row max in the leaf take the general exp)
     if MODE == 2:
-        acc = _leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, False)
-    elif (lo - shift) * _LOG2E >= -126.0:
-        acc = _leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, True)
+        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, False)
+    elif exp_never_flushes(lo, shift):
+        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, True)
     else:
-        acc = _leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, False)
-    _publish(slots + LEAVES + leaf, _fold_lanes(acc, BLOCK, LOG2_BLOCK, IN_THREAD, fold_layout))
+        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, False)
+    _publish(slots + LEAVES + leaf, fold_lanes(acc, BLOCK, LOG2_BLOCK, IN_THREAD, fold_layout))
     if MODE == 0:
         # the statistics alone: nobody waits; _combine_sums takes the row's total after the launch
         if leaf == 0:
             gl.store(max_ptr + row, m)
     else:
-        total = _pair_tree(_gather(slots + LEAVES, leaf_ids), LEAVES, LOG2_LEAVES,
-                           small_layout)
+        total = pair_tree(_gather(slots + LEAVES, leaf_ids), LEAVES, LOG2_LEAVES, small_layout)
         if leaf == 0:
             gl.store(max_ptr + row, m)
             gl.store(total_ptr + row, total)
@@ -282,7 +166,7 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
         y_leaf = y_ptr + row * stride_y + leaf.to(gl.int64) * leaf_len
         for k in gl.static_range(STEPS):
             offs = k * BLOCK + lanes
-            shifted = _held(a, b, c, k, A, B, BLOCK).load(lanes_layout).to(gl.float32) - shift
+            shifted = held_step(a, b, c, k, A, B, BLOCK).load(lanes_layout).to(gl.float32) - shift
             if MODE == 1:
                 y = shifted - gl.log(total)
             else:
@@ -369,25 +253,6 @@ def _powers(steps: int) -> tuple[int, int, int]:
     """``steps`` as ``A + B + C``, powers of two from the largest (0 where unused)."""
     parts = [1 << i for i in reversed(range(steps.bit_length())) if steps >> i & 1]
     return tuple(parts + [0] * (3 - len(parts)))
-
-
-def fold_layout_of(lanes: int, num_warps: int) -> gl.DistributedLinearLayout:
-    """The layout :func:`_fold_lanes` folds its last ``lanes`` (a power of two) in: lane ``l`` is
-    lanes ``4 * l .. 4 * l + 3`` of every ``128`` (four contiguous in one thread: one vector
-    load), the rows of 128 in the thread's registers, every warp holding all of them (so each
-    level pairs a thread's own values or, at the ``4 .. 64`` distances, two lanes of a warp)."""
-    bits = lanes.bit_length() - 1
-    low, mid = min(2, bits), min(5, max(0, bits - 2))
-    regs = [[1 << b] for b in range(low)] + [[1 << b] for b in range(7, bits)]
-    thread = [[1 << b] for b in range(2, 2 + mid)] + [[0]] * (5 - mid)
-    return gl.DistributedLinearLayout(regs, thread, [[0]] * (num_warps.bit_length() - 1), [],
-                                      [lanes])
-
-
-def in_thread_levels(block: int, vec: int, num_warps: int) -> int:
-    """The fold's first levels whose pairs one thread holds in the row layout (``vec`` contiguous
-    lanes a thread, ``32 * num_warps`` threads)."""
-    return max(0, block.bit_length() - (vec * 32 * num_warps).bit_length())
 
 
 def held_plan(rows: torch.Tensor, leaves: int, block: int, stats: bool,
