@@ -54,9 +54,9 @@ def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // L
         pytest.skip("no ptxas in this Triton")
     source = _source()
     warps, per_sm, stagger = gluon_softmax.HELD_CONFIG[dtype, mode == 0]
-    options = gluon_softmax.held_launch_options(torch.empty(0, dtype=dtype).element_size(),
-                                                leaf_len, LEAVES, mode, leaf_block(leaf_len),
-                                                warps, per_sm, stagger)
+    options = dict(gluon_softmax.held_launch_options(
+        torch.empty(0, dtype=dtype).element_size(), leaf_len, LEAVES, mode, leaf_block(leaf_len),
+        warps, per_sm, stagger))
     kernel = gluon_softmax._softmax_held_kernel
     launch_options = {k: options.pop(k) for k in ("enable_fp_fusion", "maxnreg") if k in options}
     launch_options["num_warps"] = options["num_warps"]      # also the kernel's own constexpr

@@ -35,6 +35,7 @@ same bits.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -278,10 +279,12 @@ def register_cap(num_warps: int, per_sm: float) -> int | None:
     return None if budget >= 128 else budget
 
 
+@functools.lru_cache(maxsize=256)
 def held_launch_options(element_size: int, leaf_len: int, leaves: int, mode: int, block: int,
                         num_warps: int, per_sm: float, stagger_ns: int) -> dict:
     """The held kernel's constexprs and launch options for leaves of ``leaf_len`` elements of
-    ``element_size`` bytes (what :func:`softmax_rows_held` launches with)."""
+    ``element_size`` bytes (what :func:`softmax_rows_held` launches with; kept per shape, so the
+    caller must not change the dict)."""
     steps = cdiv(leaf_len, block)
     a, b, c = _powers(steps)
     vec = 16 // element_size
