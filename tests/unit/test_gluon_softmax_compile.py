@@ -5,7 +5,7 @@ compiler (with the ``ptxas`` its wheel ships) builds the kernel for an H100/H200
 constexprs :func:`~tpinv.kernels.gluon_softmax.held_launch_options` gives a Qwen3 row, so a change
 that does not compile, or that costs the table's programs their place on an SM, fails here first:
 
-- every mode compiles, in bf16 and fp32, at the table's launch shapes;
+- every mode compiles, in bf16, fp16 and fp32, at the table's launch shapes;
 - log_softmax and the statistics hold both exps (the hardware ex2 alone where the leaf's least
   element allows it, Triton's general exp elsewhere); softmax only the general one;
 - a program's shared memory lets the table's programs share one SM (233,472 bytes on sm_90, 1 KiB
@@ -60,7 +60,7 @@ def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // L
     kernel = gluon_softmax._softmax_held_kernel
     launch_options = {k: options.pop(k) for k in ("enable_fp_fusion", "maxnreg") if k in options}
     launch_options["num_warps"] = options["num_warps"]      # also the kernel's own constexpr
-    element = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     signature = {"x_ptr": f"*{element}", "y_ptr": f"*{element}", "max_ptr": "*fp32",
                  "total_ptr": "*fp32", "slot_ptr": "*i64", "sync_ptr": "*i32", "n_rows": "i32",
                  "leaf_len": "i32", "stride_x": "i32", "stride_y": "i32", "stagger_ns": "i32"}
@@ -73,7 +73,8 @@ def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // L
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16,
-                                   pytest.param(torch.float32, marks=pytest.mark.slow)])
+                                   pytest.param(torch.float32, marks=pytest.mark.slow),
+                                   pytest.param(torch.float16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode,name", [(0, "statistics"), (1, "log_softmax"), (2, "softmax")])
 def test_the_held_kernel_compiles_for_sm90(dtype, mode, name):
     compiled, per_sm = compile_held(dtype, mode)
