@@ -10,7 +10,8 @@ that order from ``+0`` (lanes past the leaf add ``exp(-inf) = +0``), folded by c
 log and division is the same IEEE operation on the same operands as in the row kernel, compiled
 without FMA contraction (``tests/gpu/test_softmax_by_leaves.py`` compares the bytes); where a
 leaf's least element shows that no exp can round below 2**-126, the sum takes each exp as the one
-hardware instruction the row kernel's exp reduces to there (:func:`exp_shifted`).
+hardware instruction the row kernel's exp reduces to there.  A held leaf's arithmetic (max, exp,
+sum, fold, pair tree) is :mod:`tpinv.kernels.gluon_softmax_leaf`; this module schedules it.
 
 Why: the Triton by-leaves kernel reads its leaf three times (max, sum, output), the last two from
 L2, so every element crosses L2 four times.  Here a program copies its leaf from memory into
