@@ -44,7 +44,7 @@ def test_gluon_true_raises_off_the_gpu_and_without_split():
 
 
 def test_gluon_kernels_need_the_triton_release_they_are_written_for():
-    from tpinv.kernels.launch import GLUON_TRITON, gluon_version_reason
+    from tpinv.kernels.device import GLUON_TRITON, gluon_version_reason
     assert GLUON_TRITON == ((3, 6),)
     assert gluon_version_reason("3.6.0") is None
     assert gluon_version_reason("3.6.1+git1234") is None
@@ -56,5 +56,5 @@ def test_gluon_kernels_need_the_triton_release_they_are_written_for():
 
 
 def test_gluon_kernels_need_a_hopper_gpu():
-    from tpinv.kernels.launch import gluon_device_reason
+    from tpinv.kernels.device import gluon_device_reason
     assert gluon_device_reason(torch.device("cpu")) == "needs a CUDA device, got cpu"

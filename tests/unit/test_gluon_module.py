@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import types
 
 import pytest
 
@@ -12,8 +13,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def test_loader_imports_once_and_keeps_the_module(monkeypatch):
-    from tpinv.kernels import launch
-    monkeypatch.setattr(launch, "_GLUON_MODULES", {})
+    from tpinv.kernels import device
+    monkeypatch.setattr(device, "_GLUON_MODULES", {})
     calls = []
     real = importlib.import_module
 
@@ -21,27 +22,28 @@ def test_loader_imports_once_and_keeps_the_module(monkeypatch):
         calls.append(name)
         return real(name, *args)
 
-    monkeypatch.setattr(launch.importlib, "import_module", counting)
-    first = launch.gluon_module("triton_tree")       # any tpinv.kernels module: the loader is the same
+    # the loader's own imports only (importlib is shared: a global patch would count Triton's)
+    monkeypatch.setattr(device, "importlib", types.SimpleNamespace(import_module=counting))
+    first = device.gluon_module("triton_tree")       # any tpinv.kernels module: the loader is the same
     assert first is real("tpinv.kernels.triton_tree")
-    assert launch.gluon_module("triton_tree") is first
+    assert device.gluon_module("triton_tree") is first
     assert calls == ["tpinv.kernels.triton_tree"]    # control: a second call imports nothing
 
 
 def test_a_triton_without_gluon_gives_none(monkeypatch):
-    from tpinv.kernels import launch
-    monkeypatch.setattr(launch, "_GLUON_MODULES", {})
+    from tpinv.kernels import device
+    monkeypatch.setattr(device, "_GLUON_MODULES", {})
 
     def no_gluon(name, *args):
         raise ImportError("cannot import name 'gluon' from 'triton.experimental'", name="triton.experimental")
 
-    monkeypatch.setattr(launch.importlib, "import_module", no_gluon)
-    assert launch.gluon_module("gluon_matmul") is None
+    monkeypatch.setattr(device, "importlib", types.SimpleNamespace(import_module=no_gluon))
+    assert device.gluon_module("gluon_matmul") is None
 
 
 def test_a_wrong_module_name_raises(monkeypatch):
-    from tpinv.kernels import launch
-    monkeypatch.setattr(launch, "_GLUON_MODULES", {})
+    from tpinv.kernels import device
+    monkeypatch.setattr(device, "_GLUON_MODULES", {})
     with pytest.raises(ModuleNotFoundError, match="tpinv.kernels.gluon_no_such_module"):
-        launch.gluon_module("gluon_no_such_module")
-    assert "gluon_no_such_module" not in launch._GLUON_MODULES
+        device.gluon_module("gluon_no_such_module")
+    assert "gluon_no_such_module" not in device._GLUON_MODULES

@@ -36,7 +36,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma
 
-from tpinv.kernels.launch import gluon_device_reason, launch
+from tpinv.kernels.device import gluon_device_reason
+from tpinv.kernels.launch import launch
 
 __all__ = ["unsupported_reason", "decode_forward_cuda", "BLOCK_M", "MAX_DP"]
 

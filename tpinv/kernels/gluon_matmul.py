@@ -16,8 +16,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tpinv.kernels.gluon_matmul_kernel import SUPPORTED_LEAVES, _contract_mm_ws_kernel
 from tpinv.kernels.descriptors import reused_descriptor
-from tpinv.kernels.launch import (cdiv, gluon_device_reason, is_bound, launch_with, operands_key,
-                                  remember, sm_count)
+from tpinv.kernels.device import gluon_device_reason, sm_count
+from tpinv.kernels.launch import cdiv, is_bound, launch_with, operands_key, remember
 from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
 
 __all__ = ["SUPPORTED_LEAVES", "unsupported_reason", "supported", "gluon_matmul_cuda", "plan_for",

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from tpinv.core.contract import DEFAULT_LEAVES, TreeAccumulator
-from tpinv.kernels.launch import gluon_module, operands_key, remember
+from tpinv.kernels.device import gluon_module
+from tpinv.kernels.launch import operands_key, remember
 from tpinv.kernels.tiles import GLUON_MIN_ROWS, MatmulConfig, check_config, launch_config
 from tpinv.kernels.triton_matmul import (check_inputs, contract_plan, empty_product, launch_contract,
                                          launch_contract_plan, no_work)

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from tpinv.core.capture import capturing
-from tpinv.kernels.launch import gluon_module, launch, next_power_of_2, sm_count
+from tpinv.kernels.device import gluon_module, sm_count
+from tpinv.kernels.launch import launch, next_power_of_2
 from tpinv.kernels.triton_attention import finish_rows, forward_block, merge_state, n_chunks
 from tpinv.kernels.triton_attention_tiles import block_ranges, row_tile
 

@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import cdiv, launch, next_power_of_2, rows_2d, sm_count
+from tpinv.kernels.device import sm_count
+from tpinv.kernels.launch import cdiv, launch, next_power_of_2, rows_2d
 from tpinv.core.contract import tree_combine
 from tpinv.kernels.reference_softmax import (check_partial_inputs, check_softmax_inputs,
                                        logsumexp_from_parts, safe_shift)

@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tpinv.kernels.launch import gluon_device_reason, gluon_module, launch
+from tpinv.kernels.device import gluon_device_reason, gluon_module
+from tpinv.kernels.launch import launch
 from tpinv.kernels.triton_softmax import (_MODE_STATS, _leaf_sums_exp, _log2, _nan_max, _outputs,
                                           _pair_tree, _programs, _shift_of, _span_max, _write_chunk,
                                           leaf_block)
@@ -120,7 +121,7 @@ def _softmax_leaves_kernel(x_ptr, y_ptr, max_ptr, total_ptr, part_ptr, sync_ptr,
 def held_module(rows: torch.Tensor, leaf_len: int):
     """:mod:`tpinv.kernels.gluon_softmax` where its kernel may run ``rows`` (an sm_90 GPU, Gluon,
     16-byte aligned rows and leaves; :data:`HELD` on; a Triton whose Gluon it is written for:
-    :func:`~tpinv.kernels.launch.gluon_device_reason`), else None; its ``held_plan`` decides."""
+    :func:`~tpinv.kernels.device.gluon_device_reason`), else None; its ``held_plan`` decides."""
     if not HELD[0] or gluon_device_reason(rows.device) is not None:
         return None
     held = gluon_module("gluon_softmax")
