@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["GLUON_TRITON", "gluon_version_reason", "gluon_device_reason", "gluon_module", "sm_count",
-           "device_capability"]
+__all__ = ["GLUON_TRITON", "gluon_version_reason", "gluon_device_reason", "gluon_module",
+           "sm_count", "device_capability"]
 
 
 #: Triton releases (major, minor) whose Gluon the Gluon kernels are written for and whose bits were
