@@ -36,7 +36,7 @@ from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError
 from tpinv.engine import Engine, Request, SamplingParams
 from tpinv.engine.metrics import mismatch_metrics
 from tpinv.models import Transformer, get_config
-from tpinv.models.transformer import check_model_sizes
+from tpinv.models.args import check_model_sizes
 from tpinv.rl.mismatch import correct, importance_weights
 from tpinv.rl.grpo import (arithmetic_prompt, arithmetic_reward, full_weights, group_advantages, policy_loss,
                            sequence_log_probs, sync_weights)

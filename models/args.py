@@ -8,6 +8,9 @@ the reduction order is fixed by the layers and ops, whatever the sizes.
 A key missing from a HF config takes the value transformers gives it (:data:`HF_DEFAULTS`), so a
 config means the same model here and there: a Mistral config without ``sliding_window`` attends
 through a window of 4096 tokens, a Qwen3 config without ``head_dim`` has heads of 128.
+
+:func:`check_model_sizes` says whether the sizes split into the contract's leaves and a TP size
+(naming the field that does not), :func:`kv_replicas` how many ranks hold each KV head.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tpinv.core.contract import check_dtype
+from tpinv.core.contract import InvarianceError, check_divisible, check_dtype, check_tp_size
 from tpinv.core.dtypes import MODEL_DTYPES, dtype_from_name
 
 #: HF ``architectures`` entry -> family.
@@ -234,3 +237,29 @@ def _sliding_window(cfg: dict, family: str) -> Optional[int]:
 def _config_dtype(cfg: dict) -> torch.dtype:
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return dtype_from_name(name, allowed=MODEL_DTYPES, error=NotImplementedError, what="config dtype")
+
+
+def kv_replicas(args: ModelArgs, tp_size: int) -> int:
+    """Ranks holding each KV head: 1 while TP <= num_kv_heads, else ``TP / num_kv_heads``."""
+    if tp_size <= args.num_kv_heads:
+        return 1
+    if tp_size % args.num_kv_heads:
+        raise InvarianceError(f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads} and is not a multiple "
+                              f"of it: KV heads are replicated TP/num_kv_heads times; use a TP that "
+                              f"num_kv_heads divides or that divides num_kv_heads")
+    return tp_size // args.num_kv_heads
+
+
+def check_model_sizes(args: ModelArgs, tp_size: int, leaves: int) -> None:
+    """Raise InvarianceError naming the field that does not split into ``leaves`` / ``tp_size``."""
+    check_tp_size(tp_size, leaves)
+    kv_replicas(args, tp_size)
+    for name in ("num_heads", "intermediate_size", "vocab_size"):
+        check_divisible(name, getattr(args, name), tp_size, "tensor-parallel size")
+    if tp_size <= args.num_kv_heads:
+        check_divisible("num_kv_heads", args.num_kv_heads, tp_size, "tensor-parallel size")
+    for name in ("hidden_size", "intermediate_size", "vocab_size"):
+        check_divisible(name, getattr(args, name), leaves, "leaves")
+    for name, size in (("num_heads*head_dim", args.num_heads * args.head_dim),
+                       ("num_kv_heads*head_dim", args.num_kv_heads * args.head_dim)):
+        check_divisible(name, size, leaves, "leaves")

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tpinv.core.contract import DEFAULT_LEAVES, InvarianceError, check_divisible, check_tp_size
+from tpinv.core.contract import DEFAULT_LEAVES, check_divisible
 from tpinv.layers import (ColumnParallelLinear, HeadRMSNorm, RMSNorm, RowParallelLinear, VocabParallelEmbedding,
                           column_parallel_group, norm_and_rope, vocab_parallel_cross_entropy)
 from tpinv.distributed.groups import group_size_rank
@@ -30,7 +30,7 @@ from tpinv.distributed.mappings import (gather_from_sequence_parallel_region,
                                         gather_from_tensor_model_parallel_region,
                                         scatter_to_sequence_parallel_region)
 from tpinv.layers.linear_cross_entropy import check_chunk_tokens, linear_cross_entropy
-from tpinv.models.args import ModelArgs
+from tpinv.models.args import ModelArgs, check_model_sizes, kv_replicas
 from tpinv.models.kv_cache import KVCache
 from tpinv.models.recompute import Recompute, checkpointed, recompute_active
 from tpinv.models.replayed_layer import ReplayedLayer, eligible
@@ -162,32 +162,6 @@ class DecoderLayer(torch.nn.Module):
 
 def _call(fn, *args, **kwargs):
     return fn(*args, **kwargs)
-
-
-def kv_replicas(args: ModelArgs, tp_size: int) -> int:
-    """Ranks holding each KV head: 1 while TP <= num_kv_heads, else ``TP / num_kv_heads``."""
-    if tp_size <= args.num_kv_heads:
-        return 1
-    if tp_size % args.num_kv_heads:
-        raise InvarianceError(f"TP={tp_size} exceeds num_kv_heads={args.num_kv_heads} and is not a multiple "
-                              f"of it: KV heads are replicated TP/num_kv_heads times; use a TP that "
-                              f"num_kv_heads divides or that divides num_kv_heads")
-    return tp_size // args.num_kv_heads
-
-
-def check_model_sizes(args: ModelArgs, tp_size: int, leaves: int) -> None:
-    """Raise InvarianceError naming the field that does not split into ``leaves`` / ``tp_size``."""
-    check_tp_size(tp_size, leaves)
-    kv_replicas(args, tp_size)
-    for name in ("num_heads", "intermediate_size", "vocab_size"):
-        check_divisible(name, getattr(args, name), tp_size, "tensor-parallel size")
-    if tp_size <= args.num_kv_heads:
-        check_divisible("num_kv_heads", args.num_kv_heads, tp_size, "tensor-parallel size")
-    for name in ("hidden_size", "intermediate_size", "vocab_size"):
-        check_divisible(name, getattr(args, name), leaves, "leaves")
-    for name, size in (("num_heads*head_dim", args.num_heads * args.head_dim),
-                       ("num_kv_heads*head_dim", args.num_kv_heads * args.head_dim)):
-        check_divisible(name, size, leaves, "leaves")
 
 
 def packed_key_positions(tokens: torch.Tensor, positions: Optional[torch.Tensor],

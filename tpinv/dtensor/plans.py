@@ -56,7 +56,7 @@ from tpinv.dtensor.styles import (InvariantColumnOnlyParallel, InvariantColwiseP
                                   InvariantVocabEmbedding, ShardedHeads, TpinvModelGroup, replica_mesh)
 from tpinv.layers import vocab_parallel_cross_entropy
 from tpinv.models import ModelArgs, Transformer, check_model_sizes
-from tpinv.models.transformer import kv_replicas
+from tpinv.models.args import kv_replicas
 
 __all__ = ["PLANS", "ModelLayout", "default_plan", "numerically_stable_plan", "invariant_plan", "validate",
            "parallelize", "cross_entropy"]

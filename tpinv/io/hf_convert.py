@@ -24,7 +24,7 @@ from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.models.args import ModelArgs
 from tpinv.io.hf_keys import (args_from_dict, args_to_dict, fused_group, fused_parts, hf_config_from_args,
                                   is_ignored, param_specs, to_hf_name, to_tpinv_name)
-from tpinv.models.transformer import check_model_sizes
+from tpinv.models.args import check_model_sizes
 from tpinv.io.safetensors_stream import SafetensorsReader, TensorSpec, write_safetensors
 
 CONFIG_FILE, INDEX_FILE, SINGLE_FILE = "config.json", "model.safetensors.index.json", "model.safetensors"
