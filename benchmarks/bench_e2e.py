@@ -52,7 +52,7 @@ import torch
 
 from benchmarks.common import host_median_s, synchronize as sync, write_json
 from benchmarks.memory_e2e import ISSUE_CASES, TINY_CASES, format_rows, run_cases
-from benchmarks.peers_e2e import hf_available, hf_times
+from benchmarks.peers_e2e import hf_available, hf_times, print_peers
 from tpinv.layers.linear_cross_entropy import LOG_PROB_CHUNK_TOKENS
 from tpinv.core.dtypes import dtype_from_name
 from tpinv.core.capture import capture
@@ -382,28 +382,6 @@ def main(argv=None) -> None:
     if opts.json:
         write_json(opts.json, {"device": dev, "model": opts.model, "params": params, "dtype": opts.dtype,
                                "train": train, "decode": decode, "peers": peers, "memory": memory}, indent=2)
-
-
-def print_peers(peers: dict, train: dict, decode: dict, batch: int) -> None:
-    """tpinv's best and eager numbers against HF transformers' (its attention named)."""
-    print(f"{'against HF transformers (' + peers['hf_attn_implementation'] + ')':<40} {'tpinv':>12} {'HF':>12} "
-          f"{'tpinv/HF':>9}")
-    rows = [("train step s, eager", train["invariant_s"], peers["hf_s"])]
-    if "invariant_graph_s" in train:
-        rows.append(("train step s, tpinv graph vs HF eager", train["invariant_graph_s"], peers["hf_s"]))
-    rows.append((f"decode tok/s (batch {batch}), eager", decode["invariant_eager_tokens_per_s"],
-                 peers["hf_eager_tokens_per_s"]))
-    if "hf_static_compiled_tokens_per_s" in peers and "invariant_graph_tokens_per_s" in decode:
-        rows.append(("decode tok/s, tpinv graph vs HF static+compiled", decode["invariant_graph_tokens_per_s"],
-                     peers["hf_static_compiled_tokens_per_s"]))
-    if "hf_bio_s" in peers:
-        rows.append(("train step s, eager vs HF + batch_invariant_ops", train["invariant_s"], peers["hf_bio_s"]))
-        rows.append(("decode tok/s, eager vs HF + batch_invariant_ops", decode["invariant_eager_tokens_per_s"],
-                     peers["hf_bio_eager_tokens_per_s"]))
-    for label, ours, theirs in rows:
-        print(f"{label:<40} {ours:>12.4g} {theirs:>12.4g} {ours / theirs:>9.2f}")
-    if "hf_static_error" in peers:
-        print(f"HF static-cache decoding failed: {peers['hf_static_error'][:300]}")
 
 
 if __name__ == "__main__":

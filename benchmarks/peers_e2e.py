@@ -114,3 +114,25 @@ def hf_times(model, device, *, batch: int, seq: int, iters: int, decode_batch: i
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def print_peers(peers: dict, train: dict, decode: dict, batch: int) -> None:
+    """tpinv's best and eager numbers against HF transformers' (its attention named)."""
+    print(f"{'against HF transformers (' + peers['hf_attn_implementation'] + ')':<40} {'tpinv':>12} {'HF':>12} "
+          f"{'tpinv/HF':>9}")
+    rows = [("train step s, eager", train["invariant_s"], peers["hf_s"])]
+    if "invariant_graph_s" in train:
+        rows.append(("train step s, tpinv graph vs HF eager", train["invariant_graph_s"], peers["hf_s"]))
+    rows.append((f"decode tok/s (batch {batch}), eager", decode["invariant_eager_tokens_per_s"],
+                 peers["hf_eager_tokens_per_s"]))
+    if "hf_static_compiled_tokens_per_s" in peers and "invariant_graph_tokens_per_s" in decode:
+        rows.append(("decode tok/s, tpinv graph vs HF static+compiled", decode["invariant_graph_tokens_per_s"],
+                     peers["hf_static_compiled_tokens_per_s"]))
+    if "hf_bio_s" in peers:
+        rows.append(("train step s, eager vs HF + batch_invariant_ops", train["invariant_s"], peers["hf_bio_s"]))
+        rows.append(("decode tok/s, eager vs HF + batch_invariant_ops", decode["invariant_eager_tokens_per_s"],
+                     peers["hf_bio_eager_tokens_per_s"]))
+    for label, ours, theirs in rows:
+        print(f"{label:<40} {ours:>12.4g} {theirs:>12.4g} {ours / theirs:>9.2f}")
+    if "hf_static_error" in peers:
+        print(f"HF static-cache decoding failed: {peers['hf_static_error'][:300]}")
