@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import functools
 import math
+import types
+from typing import Mapping
 
 import torch
 import triton
@@ -282,25 +284,21 @@ def register_cap(num_warps: int, per_sm: float) -> int | None:
 
 @functools.lru_cache(maxsize=256)
 def held_launch_options(element_size: int, leaf_len: int, leaves: int, mode: int, block: int,
-                        num_warps: int, per_sm: float, stagger_ns: int) -> dict:
+                        num_warps: int, per_sm: float, stagger_ns: int) -> Mapping:
     """The held kernel's constexprs and launch options for leaves of ``leaf_len`` elements of
-    ``element_size`` bytes (what :func:`softmax_rows_held` launches with; kept per shape, so the
-    caller must not change the dict)."""
+    ``element_size`` bytes (what :func:`softmax_rows_held` launches with), kept per shape and
+    read-only."""
     steps = cdiv(leaf_len, block)
     a, b, c = _powers(steps)
     vec = 16 // element_size
     in_thread = in_thread_levels(block, vec, num_warps)
     cap = register_cap(num_warps, per_sm)
-    return dict(MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block,
-                LOG2_BLOCK=block.bit_length() - 1, STEPS=steps, A=a, B=b, C=c, VEC=vec,
-                STAGGER=_stagger_slots(per_sm, stagger_ns), IN_THREAD=in_thread,
-                fold_layout=fold_layout_of(block >> in_thread, num_warps), num_warps=num_warps,
-                enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap}))
-
-
-def _stagger_slots(per_sm: float, stagger_ns: int) -> int:
-    """The programs an SM holds that start one after another (0: all at once)."""
-    return math.ceil(per_sm) if stagger_ns > 0 and per_sm > 1 else 0
+    stagger = math.ceil(per_sm) if stagger_ns > 0 and per_sm > 1 else 0   # started in turn
+    return types.MappingProxyType(dict(
+        MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block,
+        LOG2_BLOCK=block.bit_length() - 1, STEPS=steps, A=a, B=b, C=c, VEC=vec, STAGGER=stagger,
+        IN_THREAD=in_thread, fold_layout=fold_layout_of(block >> in_thread, num_warps),
+        num_warps=num_warps, enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap})))
 
 
 def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: int, block: int,
@@ -313,7 +311,9 @@ def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: i
     n_rows, width = rows.shape
     leaf_len = width // leaves
     target = rows if out is None else out
-    slots_per_sm = _stagger_slots(per_sm, stagger_ns)
+    options = held_launch_options(rows.element_size(), leaf_len, leaves, mode, block, num_warps,
+                                  per_sm, stagger_ns)
+    slots_per_sm = options["STAGGER"]
     # one zeroed buffer: the rows' meeting slots, the ticket counter (int32, padded to 64
     # bits), then (staggered starts) an arrival count per SM (int32)
     zeroed = torch.zeros(n_rows * 2 * leaves + 1 + (512 if slots_per_sm else 0), dtype=torch.int64,
@@ -322,9 +322,7 @@ def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: i
     sync = zeroed[n_rows * 2 * leaves:].view(torch.int32)
     launch(_softmax_held_kernel, (n_programs,),
            rows, target, max_, total, slots, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
-           stagger_ns if slots_per_sm else 0,
-           **held_launch_options(rows.element_size(), leaf_len, leaves, mode, block, num_warps,
-                                 per_sm, stagger_ns))
+           stagger_ns if slots_per_sm else 0, **options)
     if mode == 0:
         launch(_combine_sums, (n_rows,), slots, total, LEAVES=leaves,
                LOG2_LEAVES=leaves.bit_length() - 1, num_warps=1)
