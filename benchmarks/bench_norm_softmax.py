@@ -2,13 +2,13 @@
 
 Bandwidth = bytes read + written once (input, output, weight) / median time
 (``triton.testing.do_bench``), against a measured device-to-device copy and against the
-plain torch ops (the HF RMSNorm formula, ``F.log_softmax``, ``torch.logsumexp``).  The
-softmax rows time the public one-launch kernels (``log_softmax_forward_cuda``,
-``logsumexp_forward_cuda``: the row read once, plus the ``[T]`` result; long rows run one
+plain torch ops (the HF RMSNorm formula, ``F.log_softmax``, ``F.softmax``, ``torch.logsumexp``).
+The softmax rows time the public one-launch kernels (``log_softmax_forward_cuda``,
+``softmax_forward_cuda``, ``logsumexp_forward_cuda``: the row read once, plus the ``[T]`` result; long rows run one
 program per leaf, its leaf held in shared memory on an sm_90 GPU) and, beside them, the same
 by-leaves kernel reading its leaf through L2 and the one-program-per-row kernel.  Prints a
 Markdown table and writes JSON (``--json PATH``).  ``--sweep`` also times the held-leaf kernel's
-launch shapes (warps, programs per SM) for log_softmax and for the statistics alone, each checked
+launch shapes (warps, programs per SM) for log_softmax, softmax and the statistics alone, each checked
 first to give the row kernel's bytes.
 
     python -m benchmarks.bench_norm_softmax [--sweep] --json out.json
@@ -26,7 +26,8 @@ from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.kernels.triton_norm import (rms_norm_backward_cuda, rms_norm_backward_heads_cuda,
                                       rms_norm_forward_cuda, tile_for)
 from tpinv.kernels import triton_softmax, triton_softmax_leaves
-from tpinv.kernels.triton_softmax import log_softmax_forward_cuda, logsumexp_forward_cuda
+from tpinv.kernels.triton_softmax import (log_softmax_forward_cuda, logsumexp_forward_cuda,
+                                         softmax_forward_cuda)
 from tpinv.models.vanilla import plain_rms_norm
 from tpinv.testing import same_bits
 
@@ -74,28 +75,26 @@ def run(copy_gbps: float) -> list[dict]:
                          frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
                          bwd_ms=bms, bwd_gbps=bbw, bwd_frac_copy=bbw / copy_gbps))
         del x, g
+    ts = triton_softmax
+    softmax_ops = (("log_softmax", log_softmax_forward_cuda, F.log_softmax, ts._MODE_LOG),
+                   ("softmax", softmax_forward_cuda, F.softmax, ts._MODE_SOFTMAX),
+                   ("logsumexp", logsumexp_forward_cuda, torch.logsumexp, ts._MODE_STATS))
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         for tokens in (1024, 4096):
             x = torch.randn(tokens, VOCAB, device="cuda", dtype=dtype)
-            n_bytes = 2 * x.numel() * x.element_size()
-            row_cfg = triton_softmax._FUSED_CONFIG[dtype]
-            ms, bw = gbps(n_bytes, lambda: log_softmax_forward_cuda(x, DEFAULT_LEAVES))
-            tms, tbw = gbps(n_bytes, lambda: F.log_softmax(x, -1))
-            rms, rbw = gbps(n_bytes, lambda: triton_softmax._fused(x, DEFAULT_LEAVES, triton_softmax._MODE_LOG, row_cfg))
-            lms, lbw = gbps(n_bytes, through_l2(lambda: log_softmax_forward_cuda(x, DEFAULT_LEAVES)))
-            rows.append(dict(op="log_softmax", dtype=name, T=tokens, V=VOCAB, ms=ms, gbps=bw,
-                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
-                             row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps,
-                             l2_ms=lms, l2_frac_copy=lbw / copy_gbps))
-            lse_bytes = x.numel() * x.element_size() + tokens * x.element_size()
-            ms, bw = gbps(lse_bytes, lambda: logsumexp_forward_cuda(x, DEFAULT_LEAVES))
-            tms, tbw = gbps(lse_bytes, lambda: torch.logsumexp(x, -1))
-            rms, rbw = gbps(lse_bytes, lambda: triton_softmax._fused(x, DEFAULT_LEAVES, triton_softmax._MODE_STATS, row_cfg))
-            lms, lbw = gbps(lse_bytes, through_l2(lambda: logsumexp_forward_cuda(x, DEFAULT_LEAVES)))
-            rows.append(dict(op="logsumexp", dtype=name, T=tokens, V=VOCAB, ms=ms, gbps=bw,
-                             frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
-                             row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps,
-                             l2_ms=lms, l2_frac_copy=lbw / copy_gbps))
+            row_cfg = ts._FUSED_CONFIG[dtype]
+            for op, ours, theirs, mode in softmax_ops:
+                # the row read and written once; logsumexp writes one value a row
+                written = tokens if mode == ts._MODE_STATS else x.numel()
+                n_bytes = (x.numel() + written) * x.element_size()
+                ms, bw = gbps(n_bytes, lambda: ours(x, DEFAULT_LEAVES))
+                tms, tbw = gbps(n_bytes, lambda: theirs(x, -1))
+                rms, rbw = gbps(n_bytes, lambda: ts._fused(x, DEFAULT_LEAVES, mode, row_cfg))
+                lms, lbw = gbps(n_bytes, through_l2(lambda: ours(x, DEFAULT_LEAVES)))
+                rows.append(dict(op=op, dtype=name, T=tokens, V=VOCAB, ms=ms, gbps=bw,
+                                 frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
+                                 row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps,
+                                 l2_ms=lms, l2_frac_copy=lbw / copy_gbps))
             del x
             torch.cuda.empty_cache()
     return rows
@@ -117,9 +116,10 @@ def sweep(copy_gbps: float, tokens: int = 4096, dtypes: tuple = ("fp32", "bf16")
         x = torch.randn(tokens, VOCAB, device="cuda", dtype=dtype)
         if triton_softmax_leaves.held_module(x, VOCAB // DEFAULT_LEAVES) is None:
             raise SystemExit("--sweep times the held-leaf kernel: it runs on an sm_90 GPU only")
-        for mode, op in ((ts._MODE_LOG, "log_softmax"), (ts._MODE_STATS, "max_sum")):
+        for mode, op in ((ts._MODE_LOG, "log_softmax"), (ts._MODE_SOFTMAX, "softmax"),
+                         (ts._MODE_STATS, "max_sum")):
             want = ts._fused(x, DEFAULT_LEAVES, mode, ts._FUSED_CONFIG[dtype])
-            n_bytes = x.numel() * x.element_size() * (2 if mode == ts._MODE_LOG else 1)
+            n_bytes = x.numel() * x.element_size() * (1 if mode == ts._MODE_STATS else 2)
             for cfg in SWEEP:
                 try:
                     got = softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, held_config=cfg)

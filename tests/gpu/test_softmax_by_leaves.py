@@ -53,7 +53,7 @@ def held_runs(request, monkeypatch):
 def table_holds(dtype, mode) -> bool:
     """Whether the held kernel's table runs ``dtype`` in ``mode`` (else the L2 kernel is faster)."""
     from tpinv.kernels import gluon_softmax, triton_softmax
-    return gluon_softmax.HELD_CONFIG[dtype, mode == triton_softmax._MODE_STATS] is not None
+    return gluon_softmax.HELD_CONFIG[dtype, mode] is not None
 
 
 def mods():
@@ -113,20 +113,49 @@ def test_same_bytes_as_the_row_kernel(dtype, held_runs):
     assert all((stagger > 0) == (dtype != torch.float32) for _, stagger in held_runs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_leaves_at_the_quotient_guard(dtype, held_runs):
+    """Softmax's leaves whose least element sits about the line where the quotient from the row's
+    reciprocal stops being exact (``reciprocal_divides_exactly``: ``(lo - shift) * log2(e)`` at
+    least ``t - 96``, ``t`` the total's exponent; and where the exp would flush), on both sides
+    of it: every leaf has the row kernel's bytes, whichever way its output is computed."""
+    ts, bl = mods()
+    log2e = 1.4426950408889634
+    rows = []
+    for k, spread in enumerate((96.0, 126.0)):            # the two guards, in log2 units
+        for t in (0, 3, 11, 17):                          # the total's exponent, ~2**t
+            for nudge in (-2.0, -0.5, -1e-3, 0.0, 1e-3, 0.5):
+                gen = torch.Generator().manual_seed(int(1000 * (k + t + nudge)) % 2**31)
+                row = -torch.rand(151936, generator=gen) - 30.0   # each exp about 1e-13
+                row[torch.randperm(151936, generator=gen)[: 2 ** t]] = 0.0   # total about 2**t
+                low = -(spread - (t if spread == 96.0 else 0) + nudge) / log2e
+                leaf_len = 151936 // DEFAULT_LEAVES
+                starts = torch.arange(DEFAULT_LEAVES) * leaf_len
+                row[starts + torch.randint(0, leaf_len, (DEFAULT_LEAVES,), generator=gen)] = low
+                rows.append(row)                           # each leaf's least element: low
+    x = torch.stack(rows).to(dtype).to(DEV)
+    want = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_SOFTMAX)
+    check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_SOFTMAX), want,
+               f"softmax {dtype} at the guard")
+
+
 def test_launch_shapes_do_not_move_bits(held_runs):
     ts, bl = mods()
     x = special_rows(rand(203, 151936, dtype=torch.bfloat16, seed=5))
     want = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_LOG)
     want_stats = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_STATS)
+    want_softmax = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_SOFTMAX)
     if bl.HELD[0]:
         # (warps, programs per SM, stagger_ns): staggered starts are scheduling only
         configs = ((4, 0.01, 0), (8, 1, 0), (4, 2, 1000), (8, 4, 0), (4, 8, 500), (4, 3, 0),
                    (4, 5, 4000))
+        modes = ((ts._MODE_LOG, want), (ts._MODE_STATS, want_stats),
+                 (ts._MODE_SOFTMAX, want_softmax))
         for held_config in configs:
-            for mode, w in ((ts._MODE_LOG, want), (ts._MODE_STATS, want_stats)):
+            for mode, w in modes:
                 got = bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, held_config=held_config)
                 check_same(got, w, f"held {held_config} mode={mode}")
-        assert [stagger for _, stagger in held_runs] == [c[2] for c in configs for _ in range(2)]
+        assert [stagger for _, stagger in held_runs] == [c[2] for c in configs for _ in modes]
         return
     for config in ((1024, 4, 0.01, 1), (8192, 8, 1, 2), (16384, 16, 4, 3), (2048, 4, 8, 1)):
         check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_LOG, config), want, str(config))

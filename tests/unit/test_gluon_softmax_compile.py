@@ -6,8 +6,10 @@ constexprs :func:`~tpinv.kernels.gluon_softmax.held_launch_options` gives a Qwen
 that does not compile, or that costs the table's programs their place on an SM, fails here first:
 
 - every mode compiles, in bf16, fp16 and fp32, at the table's launch shapes;
-- log_softmax and the statistics hold both exps (the hardware ex2 alone where the leaf's least
-  element allows it, Triton's general exp elsewhere); softmax only the general one;
+- every mode holds both exps (the hardware ex2 alone where the leaf's least element allows it,
+  Triton's general exp elsewhere); softmax also both quotients (``div_rn`` and, where the leaf
+  allows it, the fused multiply-adds from the row's reciprocal), the other modes no fused
+  multiply-add at all (the kernel is built without contraction);
 - a program's shared memory lets the table's programs share one SM (233,472 bytes on sm_90, 1 KiB
   of it reserved per program); control: one step more of leaf would not.
 """
@@ -30,6 +32,7 @@ QWEN3_VOCAB, LEAVES = 151936, 8
 #: Shared memory an sm_90 SM gives its programs, and what each program's launch reserves.
 SM90_SHARED, RESERVED_PER_PROGRAM = 233472, 1024
 GENERAL_EXP, FLUSH_FREE_EXP = "ex2.approx.f32", "ex2.approx.ftz.f32"
+DIVISION, FUSED_MULTIPLY_ADD = "div.rn.f32", "fma.rn.f32"
 
 
 def _source():
@@ -53,7 +56,7 @@ def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // L
     if not _ptxas_present():
         pytest.skip("no ptxas in this Triton")
     source = _source()
-    warps, per_sm, stagger = gluon_softmax.HELD_CONFIG[dtype, mode == 0]
+    warps, per_sm, stagger = gluon_softmax.HELD_CONFIG[dtype, mode]
     options = dict(gluon_softmax.held_launch_options(
         torch.empty(0, dtype=dtype).element_size(), leaf_len, LEAVES, mode, leaf_block(leaf_len),
         warps, per_sm, stagger))
@@ -79,8 +82,9 @@ def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // L
 def test_the_held_kernel_compiles_for_sm90(dtype, mode, name):
     compiled, per_sm = compile_held(dtype, mode)
     ptx = compiled.asm["ptx"]
-    assert GENERAL_EXP in ptx                                   # where a leaf needs it
-    assert (FLUSH_FREE_EXP in ptx) == (mode != 2), name
+    assert GENERAL_EXP in ptx and FLUSH_FREE_EXP in ptx, name
+    assert (DIVISION in ptx) == (mode == 2), name
+    assert (FUSED_MULTIPLY_ADD in ptx) == (mode == 2), name
     shared = compiled.metadata.shared
     assert per_sm * (shared + RESERVED_PER_PROGRAM) <= SM90_SHARED, (name, shared)
 

@@ -19,24 +19,25 @@ from tpinv.kernels.triton_softmax import leaf_block  # noqa: E402
 QWEN3_VOCAB = 151936
 
 
-def plan(width, dtype, stats=False, leaves=8, config=None):
+def plan(width, dtype, mode=1, leaves=8, config=None):
     rows = torch.empty(2, width, dtype=dtype)
-    return gluon_softmax.held_plan(rows, leaves, leaf_block(width // leaves), stats, config)
+    return gluon_softmax.held_plan(rows, leaves, leaf_block(width // leaves), mode, config)
 
 
 def test_the_table_holds_a_qwen3_leaf():
-    assert plan(QWEN3_VOCAB, torch.float32) == gluon_softmax.HELD_CONFIG[torch.float32, False]
-    assert plan(QWEN3_VOCAB, torch.bfloat16) == gluon_softmax.HELD_CONFIG[torch.bfloat16, False]
-    assert plan(QWEN3_VOCAB, torch.float32, stats=True) is not None
+    for mode in (0, 1, 2):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert plan(QWEN3_VOCAB, dtype, mode) == gluon_softmax.HELD_CONFIG[dtype, mode]
+            assert plan(QWEN3_VOCAB, dtype, mode) is not None
     assert plan(QWEN3_VOCAB, torch.bfloat16, config=(8, 1)) == (8, 1)      # an explicit shape
 
 
 def test_a_case_the_table_leaves_out_goes_through_l2(monkeypatch):
     for dtype in (torch.bfloat16, torch.float16):
-        assert plan(QWEN3_VOCAB, dtype, stats=True) == gluon_softmax.HELD_CONFIG[dtype, True]
-        monkeypatch.setitem(gluon_softmax.HELD_CONFIG, (dtype, True), None)
-        assert plan(QWEN3_VOCAB, dtype, stats=True) is None
-        assert plan(QWEN3_VOCAB, dtype, stats=True, config=(4, 4)) == (4, 4)
+        assert plan(QWEN3_VOCAB, dtype, 0) == gluon_softmax.HELD_CONFIG[dtype, 0]
+        monkeypatch.setitem(gluon_softmax.HELD_CONFIG, (dtype, 0), None)
+        assert plan(QWEN3_VOCAB, dtype, 0) is None
+        assert plan(QWEN3_VOCAB, dtype, 0, config=(4, 4)) == (4, 4)
 
 
 def test_no_plan_where_a_leaf_cannot_be_held():
@@ -58,7 +59,7 @@ def test_registers_are_capped_so_the_programs_an_sm_fit():
     assert cap(4, 6) == 80 and cap(8, 4) == 64
     assert cap(4, 4) is None and cap(4, 2) is None and cap(8, 2) is None
     assert cap(4, 0.01) is None                              # a fraction of an SM is one program
-    warps, per_sm, _ = gluon_softmax.HELD_CONFIG[torch.bfloat16, False]
+    warps, per_sm, _ = gluon_softmax.HELD_CONFIG[torch.bfloat16, 1]
     assert cap(warps, per_sm) is not None                    # the table's bf16 shape is capped
 
 

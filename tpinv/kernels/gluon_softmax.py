@@ -9,9 +9,12 @@ that order from ``+0`` (lanes past the leaf add ``exp(-inf) = +0``), folded by c
 ``(x - shift) - log(s)`` or ``div_rn(exp(x - shift), s)`` in fp32, rounded once.  Each add, exp,
 log and division is the same IEEE operation on the same operands as in the row kernel, compiled
 without FMA contraction (``tests/gpu/test_softmax_by_leaves.py`` compares the bytes); where a
-leaf's least element shows that no exp can round below 2**-126, the sum takes each exp as the one
-hardware instruction the row kernel's exp reduces to there.  A held leaf's arithmetic (max, exp,
-sum, fold, pair tree) is :mod:`tpinv.kernels.gluon_softmax_leaf`; this module schedules it.
+leaf's least element shows that no exp can round below 2**-126, each exp is the one hardware
+instruction the row kernel's exp reduces to there, and where it also shows that no quotient
+comes near underflow, softmax's correctly rounded division is taken from the row's reciprocal
+with two fused corrections (the same bits; ``tests/gpu/test_softmax_quotient.py``).  A held
+leaf's arithmetic (max, exp, sum, fold, pair tree, quotient) is
+:mod:`tpinv.kernels.gluon_softmax_leaf`; this module schedules it.
 
 Why: the Triton by-leaves kernel reads its leaf three times (max, sum, output), the last two from
 L2, so every element crosses L2 four times.  Here a program copies its leaf from memory into
@@ -48,10 +51,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from tpinv.kernels.gluon_softmax_leaf import (fold_layout_of, fold_lanes, held_step, held_step_fp32,
-                                             in_thread_levels, exp_never_flushes, leaf_max,
-                                             leaf_max_and_min, leaf_sum, nan_max, pair_tree,
-                                             shift_of)
+from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fold_layout_of,
+                                             fold_lanes, held_step, held_step_fp32,
+                                             in_thread_levels, leaf_max_and_min, leaf_sum,
+                                             nan_max, pair_tree, quotient_by_reciprocal,
+                                             reciprocal_divides_exactly, shift_of)
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
 
@@ -65,20 +69,24 @@ REGISTERS_PER_SM = 64 * 1024
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: The CTA-wide barrier (``thread_barrier`` before Triton 3.7, ``barrier`` after).
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-#: Per (input dtype, statistics alone): (num_warps, programs per SM, stagger in ns), from the
-#: sweeps in docs/benchmarks.md.  H100 (4096 / 1024 rows, % of copy): fp32 log_softmax 86 / 82,
-#: statistics 71 / 66; bf16 at five programs, registers capped by :func:`register_cap`, starts
-#: staggered (:func:`_stagger`): log_softmax 81 / 78, statistics 66 / 59, against 80 / 72.5 and
-#: 60 / 53 all at once; in fp32 a stagger was slower.  H200, with the fold's one exchange
-#: (:func:`fold_lanes`): bf16 log_softmax 75 / 70, statistics 62 / 55; fp32 log_softmax 75 / 72
-#: at 4 warps (8: 72 / 70), statistics 61 / 58 at 8 warps (4: 58 / 54); then with the
-#: flush-free exp (:func:`exp_shifted`): bf16 log_softmax 79 / 74, fp32 80 / 77, statistics 63 / 56
-#: and 71 / 66.  None would send the case to the L2 kernel.  Speed only: no choice here moves a
-#: bit.
+#: Per (input dtype, mode: 0 the statistics alone, 1 log_softmax, 2 softmax): (num_warps,
+#: programs per SM, stagger in ns), from the sweeps in docs/benchmarks.md.  H100 (4096 / 1024
+#: rows, % of copy): fp32 log_softmax 86 / 82, statistics 71 / 66; bf16 at five programs,
+#: registers capped by :func:`register_cap`, starts staggered (:func:`_stagger`): log_softmax
+#: 81 / 78, statistics 66 / 59, against 80 / 72.5 and 60 / 53 all at once; in fp32 a stagger was
+#: slower.  H200, with the fold's one exchange (:func:`fold_lanes`): bf16 log_softmax 75 / 70,
+#: statistics 62 / 55; fp32 log_softmax 75 / 72 at 4 warps (8: 72 / 70), statistics 61 / 58 at 8
+#: warps (4: 58 / 54); then with the flush-free exp (:func:`exp_shifted`): bf16 log_softmax
+#: 79 / 74, fp32 80 / 77, statistics 63 / 56 and 71 / 66; softmax, once it divides by the row's
+#: reciprocal (:func:`quotient_by_reciprocal`), bf16 59 / 56 at four programs without a cap
+#: (five: 58 / 55), fp32 73 / 70 at 8 warps (4: 72 / 69).  None would send the case to the L2
+#: kernel.  Speed only: no choice here moves a bit.
 HELD_CONFIG = {
-    (torch.float32, False): (4, 2, 0), (torch.float32, True): (8, 2, 0),
-    (torch.bfloat16, False): (4, 5, 3000), (torch.bfloat16, True): (4, 5, 2000),
-    (torch.float16, False): (4, 5, 3000), (torch.float16, True): (4, 5, 2000),
+    (torch.float32, 0): (8, 2, 0), (torch.float32, 1): (4, 2, 0), (torch.float32, 2): (8, 2, 0),
+    (torch.bfloat16, 0): (4, 5, 2000), (torch.bfloat16, 1): (4, 5, 3000),
+    (torch.bfloat16, 2): (4, 4, 2000),
+    (torch.float16, 0): (4, 5, 2000), (torch.float16, 1): (4, 5, 3000),
+    (torch.float16, 2): (4, 4, 2000),
 }
 
 
@@ -119,6 +127,30 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
 
 
 @gluon.jit
+def _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE: gl.constexpr,
+                STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
+                lanes_layout: gl.constexpr, FAST: gl.constexpr):
+    """The leaf's output from shared memory, the row kernel's per-element formula: ``(x - shift)
+    - log(total)`` (``MODE`` 1) or ``div_rn(exp(x - shift), total)``, with ``FAST`` (where
+    :func:`reciprocal_divides_exactly` holds) the hardware ex2 alone and the quotient from the
+    row's reciprocal ``recip`` (:func:`quotient_by_reciprocal`): the same bits."""
+    for k in gl.static_range(STEPS):
+        offs = k * BLOCK + lanes
+        shifted = held_step(a, b, c, k, A, B, BLOCK).load(lanes_layout).to(gl.float32) - shift
+        if MODE == 1:
+            y = shifted - gl.log(total)
+        elif FAST:
+            y = quotient_by_reciprocal(exp_shifted(shifted, True), total, recip)
+        else:
+            y = gl.div_rn(gl.exp(shifted), total)
+        if k == STEPS - 1:
+            gl.store(y_leaf + offs, y.to(y_leaf.dtype.element_ty), mask=offs < leaf_len,
+                     eviction_policy="evict_first")
+        else:
+            gl.store(y_leaf + offs, y.to(y_leaf.dtype.element_ty), eviction_policy="evict_first")
+
+
+@gluon.jit
 def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_y, lanes,
              leaf_ids, MODE: gl.constexpr, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr,
              STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
@@ -129,30 +161,27 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
     row = (item // LEAVES).to(gl.int64)
     leaf = item % LEAVES
     slots = slot_ptr + row * (2 * LEAVES)   # the leaf maxima, then the leaf sums
-    # 1. the leaf's exact max, then the row's from every leaf's; but for softmax, whose program
-    #    the general exp keeps shortest, the leaf's least element too
-    run = gl.full([BLOCK], float("-inf"), gl.float32, lanes_layout)
-    if MODE != 2:
-        low = gl.full([BLOCK], float("inf"), gl.float32, lanes_layout)
+    # 1. the leaf's exact max and its least element, then the row's max from every leaf's; both
+    #    in the input's dtype (exact, and two 16-bit lanes an instruction), then in fp32
+    run = gl.full([BLOCK], float("-inf"), a.dtype, lanes_layout)
+    low = gl.full([BLOCK], float("inf"), a.dtype, lanes_layout)
     for k in gl.static_range(STEPS):
-        x = held_step_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
-        run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
-        if MODE != 2:
-            if k == STEPS - 1:   # past the leaf's end (read as -inf) is no element
-                x = gl.where(k * BLOCK + lanes < leaf_len, x, float("inf"))
+        x = held_step(a, b, c, k, A, B, BLOCK).load(lanes_layout)
+        if k == STEPS - 1:   # past the leaf's end is no element
+            inside = k * BLOCK + lanes < leaf_len
+            run = gl.maximum(run, gl.where(inside, x, float("-inf")),
+                             propagate_nan=tl.PropagateNan.ALL)
+            low = gl.minimum(low, gl.where(inside, x, float("inf")))
+        else:
+            run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
             low = gl.minimum(low, x)
-    if MODE == 2:
-        m_leaf = leaf_max(run)
-    else:
-        m_leaf, lo = leaf_max_and_min(run, low)
+    m_leaf, lo = leaf_max_and_min(run.to(gl.float32), low.to(gl.float32))
     _publish(slots + leaf, m_leaf)
     m = nan_max(_gather(slots, leaf_ids))
     shift = shift_of(m)
     # 2. the leaf's sum, each exp the hardware ex2 alone where the least element shows it is
     #    (-inf, NaN or a value about 87.3 below the row max in the leaf take the general exp)
-    if MODE == 2:
-        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, False)
-    elif exp_never_flushes(lo, shift):
+    if exp_never_flushes(lo, shift):
         acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, True)
     else:
         acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, False)
@@ -166,21 +195,19 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
         if leaf == 0:
             gl.store(max_ptr + row, m)
             gl.store(total_ptr + row, total)
-        # 3. the leaf's output from shared memory, the row kernel's per-element formula
+        # 3. the leaf's output from shared memory
         y_leaf = y_ptr + row * stride_y + leaf.to(gl.int64) * leaf_len
-        for k in gl.static_range(STEPS):
-            offs = k * BLOCK + lanes
-            shifted = held_step(a, b, c, k, A, B, BLOCK).load(lanes_layout).to(gl.float32) - shift
-            if MODE == 1:
-                y = shifted - gl.log(total)
+        if MODE == 1:
+            _write_leaf(a, b, c, y_leaf, shift, total, total, lanes, leaf_len, MODE, STEPS, A, B,
+                        BLOCK, lanes_layout, False)
+        else:
+            recip = gl.div_rn(1.0, total)
+            if reciprocal_divides_exactly(lo, shift, total):
+                _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
+                            A, B, BLOCK, lanes_layout, True)
             else:
-                y = gl.div_rn(gl.exp(shifted), total)
-            if k == STEPS - 1:
-                gl.store(y_leaf + offs, y.to(y_ptr.dtype.element_ty), mask=offs < leaf_len,
-                         eviction_policy="evict_first")
-            else:
-                gl.store(y_leaf + offs, y.to(y_ptr.dtype.element_ty),
-                         eviction_policy="evict_first")
+                _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
+                            A, B, BLOCK, lanes_layout, False)
     # the buffers are copied into again next: every thread is past its last read of them
     _thread_barrier()
 
@@ -259,13 +286,13 @@ def _powers(steps: int) -> tuple[int, int, int]:
     return tuple(parts + [0] * (3 - len(parts)))
 
 
-def held_plan(rows: torch.Tensor, leaves: int, block: int, stats: bool,
+def held_plan(rows: torch.Tensor, leaves: int, block: int, mode: int,
               config: tuple | None = None) -> tuple | None:
-    """``(num_warps, programs per SM, stagger_ns)`` for ``rows`` cut in ``leaves`` (``stats``: the
-    statistics alone), or None where this kernel does not run them: the table says the L2 kernel
-    is faster, a leaf's steps are not three powers of two, or a leaf does not fit
-    :data:`SMEM_BUDGET`.  ``config`` overrides the table."""
-    config = config or HELD_CONFIG.get((rows.dtype, stats))
+    """``(num_warps, programs per SM, stagger_ns)`` for ``rows`` cut in ``leaves`` in ``mode`` (0:
+    the statistics alone, 1: log_softmax, 2: softmax), or None where this kernel does not run
+    them: the table says the L2 kernel is faster, a leaf's steps are not three powers of two, or
+    a leaf does not fit :data:`SMEM_BUDGET`.  ``config`` overrides the table."""
+    config = config or HELD_CONFIG.get((rows.dtype, mode))
     steps = cdiv(rows.shape[1] // leaves, block)
     if (config is None or bin(steps).count("1") > 3
             or steps * block * rows.element_size() > SMEM_BUDGET):

@@ -5,9 +5,10 @@ Invariant kept: each function here gives the bits of the same step of
 contract) on one leaf held in shared memory: the exact max (NaN if any element is NaN), the
 ``BLOCK`` fp32 lanes of the leaf's sum (lane ``i`` adding ``exp(x - shift)`` of elements
 ``i, i + BLOCK, ...`` in order from ``+0``), their fold by contiguous halving (lane ``i`` plus lane
-``i + n/2``), and the adjacent-pair tree over a row's leaf sums.  Where these differ from the row
-kernel it is in where an operation runs (which thread, after which exchange), or in which
-instruction computes it when the result is provably the same (:func:`exp_shifted`), never in an
+``i + n/2``), the adjacent-pair tree over a row's leaf sums, and softmax's correctly rounded
+quotient ``div_rn(exp(x - shift), s)``.  Where these differ from the row kernel it is in where an
+operation runs (which thread, after which exchange), or in which instructions compute it when the
+result is provably the same (:func:`exp_shifted`, :func:`quotient_by_reciprocal`), never in an
 operation's operands or order.  ``tests/gpu/test_softmax_by_leaves.py`` compares the bytes.
 """
 from __future__ import annotations
@@ -16,9 +17,10 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-__all__ = ["nan_max", "shift_of", "leaf_max", "leaf_max_and_min", "exp_shifted",
-           "exp_never_flushes", "leaf_sum", "fold_lanes", "pair_tree", "held_step",
-           "held_step_fp32", "fold_layout_of", "in_thread_levels"]
+__all__ = ["nan_max", "shift_of", "leaf_max_and_min", "exp_shifted",
+           "exp_never_flushes", "quotient_by_reciprocal", "reciprocal_divides_exactly",
+           "leaf_sum", "fold_lanes", "pair_tree", "held_step", "held_step_fp32", "fold_layout_of",
+           "in_thread_levels"]
 
 #: log2(e), as Triton's exp multiplies by it (an fp32 operand rounds it to fp32).
 _LOG2E = gl.constexpr(1.4426950408889634)
@@ -34,19 +36,6 @@ def nan_max(v):
 def shift_of(m):
     """``safe_shift``: the max where finite, else 0 (NaN stays NaN)."""
     return gl.where(gl.abs(m) == float("inf"), 0.0, m)
-
-
-@gluon.jit
-def _max_keeping_nan(a, b):
-    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@gluon.jit
-def leaf_max(run):
-    """:func:`nan_max` of the leaf's running maxima in one block reduction: the maximum that
-    keeps NaN, its NaN then written as ``float("nan")``'s bits (the value is order-free)."""
-    m = gl.reduce(run, 0, _max_keeping_nan)
-    return gl.where(m != m, float("nan"), m)
 
 
 @gluon.jit
@@ -85,6 +74,36 @@ def exp_never_flushes(lo, shift):
     in ``x``, so where the least element's product is -126 or more, every element's is (a NaN
     ``lo`` or ``shift`` gives False)."""
     return (lo - shift) * _LOG2E >= -126.0
+
+
+@gluon.jit
+def quotient_by_reciprocal(a, b, y):
+    """``div_rn(a, b)``'s bits from ``y = div_rn(1, b)``, taken once a row: ``q = a * y``, then
+    two corrections ``q + (a - b * q) * y``, each one fused multiply-add for the exact remainder
+    and one for the step (five instructions an element, against ``div_rn``'s reciprocal, its
+    refinement, its corrections and its range check).  After the first correction ``q`` is
+    within one ulp of ``a / b`` (its error is the remainder times ``y - 1/b``, under 2**-22 ulp,
+    plus one rounding); from such a ``q`` and ``y`` within half an ulp of ``1/b``, the second
+    correction rounds to the correctly rounded quotient (Markstein's theorem; P. Markstein, IBM
+    J. Res. Dev. 34(1), 1990; Muller et al., *Handbook of Floating-Point Arithmetic*, 2018,
+    section 4.7.3) -- where nothing underflows: :func:`reciprocal_divides_exactly` says where."""
+    q = a * y
+    q = gl.fma(gl.fma(-b, q, a), y, q)
+    return gl.fma(gl.fma(-b, q, a), y, q)
+
+
+@gluon.jit
+def reciprocal_divides_exactly(lo, shift, total):
+    """Whether :func:`quotient_by_reciprocal` gives ``div_rn(exp(x - shift), total)`` for every
+    ``x`` of a leaf whose least element is ``lo`` (``exp`` the hardware ex2 alone there, as
+    :func:`exp_never_flushes`): ``total`` in ``[1, 2**24)``, of exponent ``t``, and the least
+    product ``(lo - shift) * log2(e)`` at least ``t - 96``.  Then every ``exp`` is above
+    ``2**(t - 97)`` and every quotient above ``2**-98``, so each remainder ``a - b * q`` is a
+    multiple of ``ulp(b) * ulp(q) >= 2**-144`` (no underflow: the theorem's condition), and no
+    ``exp`` flushes.  NaN, infinities and an empty row give False (the general path runs)."""
+    t = ((total.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    return ((total >= 1.0) & (total < 16777216.0)
+            & ((lo - shift) * _LOG2E >= (t - 96).to(gl.float32)))
 
 
 @gluon.jit

@@ -142,7 +142,7 @@ def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
     leaf_len = width // leaves
     block = leaf_block(leaf_len)
     held = None if config is not None else held_module(rows, leaf_len)
-    plan = None if held is None else held.held_plan(rows, leaves, block, mode == _MODE_STATS,
+    plan = None if held is None else held.held_plan(rows, leaves, block, mode,
                                                     held_config)
     if plan is not None:
         warps, per_sm, stagger_ns = plan
