@@ -2,14 +2,14 @@
 
 Bandwidth = bytes read + written once (input, output, weight) / median time
 (``triton.testing.do_bench``), against a measured device-to-device copy and against the
-plain torch ops (the HF RMSNorm formula, ``F.log_softmax``, ``F.softmax``, ``torch.logsumexp``).
-The softmax rows time the public one-launch kernels (``log_softmax_forward_cuda``,
-``softmax_forward_cuda``, ``logsumexp_forward_cuda``: the row read once, plus the ``[T]`` result; long rows run one
-program per leaf, its leaf held in shared memory on an sm_90 GPU) and, beside them, the same
-by-leaves kernel reading its leaf through L2 and the one-program-per-row kernel.  Prints a
-Markdown table and writes JSON (``--json PATH``).  ``--sweep`` also times the held-leaf kernel's
-launch shapes (warps, programs per SM) for log_softmax, softmax and the statistics alone, each checked
-first to give the row kernel's bytes.
+plain torch ops (the HF RMSNorm formula, ``F.log_softmax``, ``F.softmax``,
+``torch.logsumexp``).  The softmax rows time the public one-launch kernels
+(``log_softmax_forward_cuda``, ``softmax_forward_cuda``, ``logsumexp_forward_cuda``: the row read
+once, plus the ``[T]`` result; long rows run one program per leaf, its leaf held in shared memory
+on an sm_90 GPU) and, beside them, the same by-leaves kernel reading its leaf through L2 and the
+one-program-per-row kernel.  Prints a Markdown table and writes JSON (``--json PATH``).
+``--sweep`` also times the held-leaf kernel's launch shapes (warps, programs per SM) for
+log_softmax, softmax and the statistics alone, each checked first to give the row kernel's bytes.
 
     python -m benchmarks.bench_norm_softmax [--sweep] --json out.json
 """

@@ -137,6 +137,7 @@ def test_softmax_leaves_at_the_quotient_guard(dtype, held_runs):
     want = row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_SOFTMAX)
     check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_SOFTMAX), want,
                f"softmax {dtype} at the guard")
+    assert len(held_runs) == (1 if bl.HELD[0] else 0)      # the held kernel ran where it can
 
 
 def test_launch_shapes_do_not_move_bits(held_runs):

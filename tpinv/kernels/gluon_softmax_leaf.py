@@ -73,7 +73,14 @@ def exp_never_flushes(lo, shift):
     alone (:func:`exp_shifted`'s ``FLUSH_FREE``): ``(x - shift) * log2(e)`` rounds monotonically
     in ``x``, so where the least element's product is -126 or more, every element's is (a NaN
     ``lo`` or ``shift`` gives False)."""
-    return (lo - shift) * _LOG2E >= -126.0
+    return _least_product(lo, shift) >= -126.0
+
+
+@gluon.jit
+def _least_product(lo, shift):
+    """``(lo - shift) * log2(e)``: the ex2 argument of a leaf's least element ``lo``, no greater
+    than any other element's (each rounding is monotonic)."""
+    return (lo - shift) * _LOG2E
 
 
 @gluon.jit
@@ -103,7 +110,7 @@ def reciprocal_divides_exactly(lo, shift, total):
     ``exp`` flushes.  NaN, infinities and an empty row give False (the general path runs)."""
     t = ((total.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
     return ((total >= 1.0) & (total < 16777216.0)
-            & ((lo - shift) * _LOG2E >= (t - 96).to(gl.float32)))
+            & (_least_product(lo, shift) >= (t - 96).to(gl.float32)))
 
 
 @gluon.jit
