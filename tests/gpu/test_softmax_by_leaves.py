@@ -92,9 +92,11 @@ def check_same(got, want, what):
 
 
 #: (leaves, width, rows, held on sm_90): Qwen3's and Llama 3's vocabularies (leaves of 5 and 4
-#: steps of 4096), one step of 2048 and of 4096, and leaves of 3001 (not 16-aligned: through L2)
+#: steps of 4096, the last one partly past the leaf's end), one step of 2048 and of 4096, a
+#: last step of whole tiles and none past them (6144 = 4096 + 2048), and leaves of 3001 (not
+#: 16-aligned: through L2)
 CASES = ((8, 151936, 37, True), (8, 128256, 9, True), (4, 4 * 2048, 5, True),
-         (2, 2 * 3001, 300, False), (8, 8 * 4096, 1, True))
+         (2, 2 * 3001, 300, False), (8, 8 * 4096, 1, True), (2, 2 * 6144, 7, True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

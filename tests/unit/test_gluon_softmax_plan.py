@@ -98,10 +98,16 @@ def test_the_fold_layout_gives_every_warp_all_the_lanes(lanes, num_warps):
         assert held_lanes(split, 1) != held_lanes(split, 0)
 
 
-def test_the_fold_levels_a_thread_holds():
-    """bf16 rows (8 lanes a thread, 4 warps: 1024 a tile): the first of a 2048-lane block's
-    levels pairs lanes of one thread; fp32 (4 a thread) the first two; a block no wider than a
-    tile none."""
-    levels = gluon_softmax_leaf.in_thread_levels
-    assert levels(2048, 8, 4) == 1 and levels(2048, 4, 4) == 2 and levels(2048, 4, 8) == 1
-    assert levels(1024, 8, 4) == 0 and levels(256, 8, 4) == 0
+def test_the_tiles_a_leaf_is_read_in():
+    """A tile is one row-layout tile's lanes (bf16: 8 a thread, fp32: 4; 32 threads a warp), at
+    most the block; a Qwen3 leaf (18,992 elements, blocks of 4,096) has 2,608 in its last step:
+    in 1,024-lane tiles two full and a partial one, so the fourth tile of that step is never
+    read, copied or written; a leaf of whole tiles has no partial one."""
+    tile, live = gluon_softmax_leaf.tile_lanes_of, gluon_softmax_leaf.live_tiles
+    assert tile(8, 4, 4096) == 1024 and tile(4, 8, 4096) == 1024 and tile(4, 4, 4096) == 512
+    assert tile(8, 8, 2048) == 2048 and tile(8, 16, 2048) == 2048
+    assert live(QWEN3_VOCAB // 8, 4096, 1024) == (3, True)
+    assert live(QWEN3_VOCAB // 8, 4096, 512) == (6, True)
+    assert live(4 * 4096, 4096, 1024) == (4, False)          # control: no step past the end
+    assert live(4096 + 1024, 4096, 1024) == (1, False)
+    assert live(2048, 2048, 2048) == (1, False)

@@ -20,7 +20,12 @@ Why: the Triton by-leaves kernel reads its leaf three times (max, sum, output), 
 L2, so every element crosses L2 four times.  Here a program copies its leaf from memory into
 shared memory once (``cp.async``), takes its max there, and the sum and the output read shared
 memory: each element crosses L2 once each way, and the later passes cost no memory latency.
-A leaf is held as its ``BLOCK``-wide steps in up to three power-of-two buffers (5 steps = 4 + 1).
+A leaf is held as its ``BLOCK``-wide steps in up to three power-of-two buffers (5 steps = 4 + 1),
+each step copied and read a tile of the row layout at a time; the last step's tiles that lie
+wholly past the leaf's end are neither copied nor read (their lanes would add ``+0``, which
+leaves a sum as it is: a Qwen3 leaf of 18,992 elements computes 19,456 lanes, not 20,480).
+fp32 softmax writes each exp of its sum over its element, so its output pass divides without
+a second exp.
 
 Scheduling is the Triton by-leaves kernel's: a ticket counter hands out (row, leaf) items in order,
 the programs of a row meet after the maxima and after the sums (the statistics alone publish their
@@ -52,10 +57,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fold_layout_of,
-                                             fold_lanes, held_step, held_step_fp32,
-                                             in_thread_levels, leaf_max_and_min, leaf_sum,
-                                             nan_max, pair_tree, quotient_by_reciprocal,
-                                             reciprocal_divides_exactly, shift_of)
+                                             fold_lanes, held_tile, leaf_extremes, leaf_sum,
+                                             live_tiles, nan_max, pair_tree,
+                                             quotient_by_reciprocal, reciprocal_divides_exactly,
+                                             shift_of, tile_lanes_of)
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
 
@@ -79,14 +84,17 @@ _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 #: warps (4: 58 / 54); then with the flush-free exp (:func:`exp_shifted`): bf16 log_softmax
 #: 79 / 74, fp32 80 / 77, statistics 63 / 56 and 71 / 66; softmax, once it divides by the row's
 #: reciprocal (:func:`quotient_by_reciprocal`), bf16 59 / 56 at four programs without a cap
-#: (five: 58 / 55), fp32 73 / 70 at 8 warps (4: 72 / 69).  None would send the case to the L2
+#: (five: 58 / 55), fp32 73 / 70 at 8 warps (4: 72 / 69); then, read by tiles (the last
+#: step's empty tiles skipped) and fp32 softmax keeping its exps, bf16 softmax 64.5 / 61.4 at
+#: five programs (four: 62.6 / 59.8), fp32 softmax 74.8 / 71.9 at 4 warps (8: 72.0 / 69.5), fp32
+#: statistics 75.9 / 69.6 at 4 warps (8: 72.5 / 67.1).  None would send the case to the L2
 #: kernel.  Speed only: no choice here moves a bit.
 HELD_CONFIG = {
-    (torch.float32, 0): (8, 2, 0), (torch.float32, 1): (4, 2, 0), (torch.float32, 2): (8, 2, 0),
+    (torch.float32, 0): (4, 2, 0), (torch.float32, 1): (4, 2, 0), (torch.float32, 2): (4, 2, 0),
     (torch.bfloat16, 0): (4, 5, 2000), (torch.bfloat16, 1): (4, 5, 3000),
-    (torch.bfloat16, 2): (4, 4, 2000),
+    (torch.bfloat16, 2): (4, 5, 2000),
     (torch.float16, 0): (4, 5, 2000), (torch.float16, 1): (4, 5, 3000),
-    (torch.float16, 2): (4, 4, 2000),
+    (torch.float16, 2): (4, 5, 2000),
 }
 
 
@@ -110,82 +118,91 @@ def _gather(slot_ptr, ids):
 
 @gluon.jit
 def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.constexpr,
-           STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr):
-    """Start the cp.async copies of ``item``'s leaf into ``a, b, c`` (none past the last item)
-    and close them as one group: no registers are held while they fly."""
+           STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
+           TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr):
+    """Start the cp.async copies of ``item``'s leaf into ``a, b, c`` (none past the last item,
+    none for a tile wholly past the leaf's end) and close them as one group: no registers are
+    held while they fly."""
     if item < n_items:
         row = (item // LEAVES).to(gl.int64)
         x_leaf = x_ptr + row * stride_x + (item % LEAVES).to(gl.int64) * leaf_len
         for k in gl.static_range(STEPS):
-            if k == STEPS - 1:
-                _async_load(held_step(a, b, c, k, A, B, BLOCK), x_leaf + k * BLOCK + lanes,
-                            mask=k * BLOCK + lanes < leaf_len, eviction_policy="evict_first")
-            else:
-                _async_load(held_step(a, b, c, k, A, B, BLOCK), x_leaf + k * BLOCK + lanes,
-                            eviction_policy="evict_first")
+            for t in gl.static_range(BLOCK // TILE):
+                offs = k * BLOCK + t * TILE + lanes
+                if k == STEPS - 1 and t == LIVE - 1 and PARTIAL:
+                    _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
+                                mask=offs < leaf_len, eviction_policy="evict_first")
+                elif k < STEPS - 1 or t < LIVE:
+                    _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
+                                eviction_policy="evict_first")
     async_copy.commit_group()
 
 
 @gluon.jit
 def _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE: gl.constexpr,
                 STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
-                lanes_layout: gl.constexpr, FAST: gl.constexpr):
+                TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
+                lanes_layout: gl.constexpr, FAST: gl.constexpr, KEPT_EXP: gl.constexpr):
     """The leaf's output from shared memory, the row kernel's per-element formula: ``(x - shift)
     - log(total)`` (``MODE`` 1) or ``div_rn(exp(x - shift), total)``, with ``FAST`` (where
     :func:`reciprocal_divides_exactly` holds) the hardware ex2 alone and the quotient from the
-    row's reciprocal ``recip`` (:func:`quotient_by_reciprocal`): the same bits."""
+    row's reciprocal ``recip`` (:func:`quotient_by_reciprocal`): the same bits.  With
+    ``KEPT_EXP`` the leaf holds the sum's ``exp(x - shift)`` (:func:`leaf_sum`), not ``x``."""
     for k in gl.static_range(STEPS):
-        offs = k * BLOCK + lanes
-        shifted = held_step(a, b, c, k, A, B, BLOCK).load(lanes_layout).to(gl.float32) - shift
-        if MODE == 1:
-            y = shifted - gl.log(total)
-        elif FAST:
-            y = quotient_by_reciprocal(exp_shifted(shifted, True), total, recip)
-        else:
-            y = gl.div_rn(gl.exp(shifted), total)
-        if k == STEPS - 1:
-            gl.store(y_leaf + offs, y.to(y_leaf.dtype.element_ty), mask=offs < leaf_len,
-                     eviction_policy="evict_first")
-        else:
-            gl.store(y_leaf + offs, y.to(y_leaf.dtype.element_ty), eviction_policy="evict_first")
+        for t in gl.static_range(BLOCK // TILE):
+            if k < STEPS - 1 or t < LIVE:   # a tile wholly past the leaf's end writes nothing
+                offs = k * BLOCK + t * TILE + lanes
+                held = held_tile(a, b, c, k, t, A, B, BLOCK, TILE).load(lanes_layout)
+                held = held.to(gl.float32)
+                if MODE == 1:
+                    y = (held - shift) - gl.log(total)
+                else:
+                    if KEPT_EXP:   # the sum's exps, kept in the leaf
+                        e = held
+                    elif FAST:
+                        e = exp_shifted(held - shift, True)
+                    else:
+                        e = gl.exp(held - shift)
+                    if FAST:
+                        y = quotient_by_reciprocal(e, total, recip)
+                    else:
+                        y = gl.div_rn(e, total)
+                y = y.to(y_leaf.dtype.element_ty)
+                if k == STEPS - 1 and t == LIVE - 1 and PARTIAL:
+                    gl.store(y_leaf + offs, y, mask=offs < leaf_len, eviction_policy="evict_first")
+                else:
+                    gl.store(y_leaf + offs, y, eviction_policy="evict_first")
 
 
 @gluon.jit
 def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_y, lanes,
              leaf_ids, MODE: gl.constexpr, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr,
              STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
-             LOG2_BLOCK: gl.constexpr, IN_THREAD: gl.constexpr, lanes_layout: gl.constexpr,
-             small_layout: gl.constexpr, fold_layout: gl.constexpr):
+             TILE: gl.constexpr, LOG2_TILE: gl.constexpr, LIVE: gl.constexpr,
+             PARTIAL: gl.constexpr, lanes_layout: gl.constexpr, small_layout: gl.constexpr,
+             fold_layout: gl.constexpr):
     """``item``'s leaf, already in ``a, b, c`` (what lies past its end is read as -inf): its max,
     the row's meetings, its sum and, unless statistics alone, its output."""
     row = (item // LEAVES).to(gl.int64)
     leaf = item % LEAVES
     slots = slot_ptr + row * (2 * LEAVES)   # the leaf maxima, then the leaf sums
-    # 1. the leaf's exact max and its least element, then the row's max from every leaf's; both
-    #    in the input's dtype (exact, and two 16-bit lanes an instruction), then in fp32
-    run = gl.full([BLOCK], float("-inf"), a.dtype, lanes_layout)
-    low = gl.full([BLOCK], float("inf"), a.dtype, lanes_layout)
-    for k in gl.static_range(STEPS):
-        x = held_step(a, b, c, k, A, B, BLOCK).load(lanes_layout)
-        if k == STEPS - 1:   # past the leaf's end is no element
-            inside = k * BLOCK + lanes < leaf_len
-            run = gl.maximum(run, gl.where(inside, x, float("-inf")),
-                             propagate_nan=tl.PropagateNan.ALL)
-            low = gl.minimum(low, gl.where(inside, x, float("inf")))
-        else:
-            run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
-            low = gl.minimum(low, x)
-    m_leaf, lo = leaf_max_and_min(run.to(gl.float32), low.to(gl.float32))
+    # 1. the leaf's exact max and its least element, then the row's max from every leaf's
+    m_leaf, lo = leaf_extremes(a, b, c, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
+                               lanes_layout)
     _publish(slots + leaf, m_leaf)
     m = nan_max(_gather(slots, leaf_ids))
     shift = shift_of(m)
     # 2. the leaf's sum, each exp the hardware ex2 alone where the least element shows it is
     #    (-inf, NaN or a value about 87.3 below the row max in the leaf take the general exp)
+    #    (fp32 softmax keeps each exp in the leaf in place of its element, for the quotients)
+    KEEP: gl.constexpr = MODE == 2 and a.dtype == gl.float32
     if exp_never_flushes(lo, shift):
-        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, True)
+        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
+                       lanes_layout, True, KEEP)
     else:
-        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, STEPS, lanes_layout, False)
-    _publish(slots + LEAVES + leaf, fold_lanes(acc, BLOCK, LOG2_BLOCK, IN_THREAD, fold_layout))
+        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
+                       lanes_layout, False, KEEP)
+    _publish(slots + LEAVES + leaf, fold_lanes(acc, TILE, LOG2_TILE, fold_layout))
     if MODE == 0:
         # the statistics alone: nobody waits; _combine_sums takes the row's total after the launch
         if leaf == 0:
@@ -199,15 +216,15 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
         y_leaf = y_ptr + row * stride_y + leaf.to(gl.int64) * leaf_len
         if MODE == 1:
             _write_leaf(a, b, c, y_leaf, shift, total, total, lanes, leaf_len, MODE, STEPS, A, B,
-                        BLOCK, lanes_layout, False)
+                        BLOCK, TILE, LIVE, PARTIAL, lanes_layout, False, False)
         else:
             recip = gl.div_rn(1.0, total)
             if reciprocal_divides_exactly(lo, shift, total):
                 _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
-                            A, B, BLOCK, lanes_layout, True)
+                            A, B, BLOCK, TILE, LIVE, PARTIAL, lanes_layout, True, KEEP)
             else:
                 _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
-                            A, B, BLOCK, lanes_layout, False)
+                            A, B, BLOCK, TILE, LIVE, PARTIAL, lanes_layout, False, KEEP)
     # the buffers are copied into again next: every thread is past its last read of them
     _thread_barrier()
 
@@ -236,11 +253,11 @@ def _stagger(sm_count_ptr, unit_ns, SLOTS: gl.constexpr):
 @gluon.jit
 def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n_rows, leaf_len,
                          stride_x, stride_y, stagger_ns, MODE: gl.constexpr, LEAVES: gl.constexpr,
-                         LOG2_LEAVES: gl.constexpr, BLOCK: gl.constexpr,
-                         LOG2_BLOCK: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr,
-                         B: gl.constexpr, C: gl.constexpr, VEC: gl.constexpr,
-                         STAGGER: gl.constexpr, IN_THREAD: gl.constexpr,
-                         fold_layout: gl.constexpr, num_warps: gl.constexpr):
+                         LOG2_LEAVES: gl.constexpr, BLOCK: gl.constexpr, TILE: gl.constexpr,
+                         LOG2_TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
+                         STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, C: gl.constexpr,
+                         VEC: gl.constexpr, STAGGER: gl.constexpr, fold_layout: gl.constexpr,
+                         num_warps: gl.constexpr):
     lanes_layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [num_warps], [0])
     small_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     held_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -248,7 +265,7 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
     a = gl.allocate_shared_memory(dtype, [A * BLOCK], held_layout)
     b = gl.allocate_shared_memory(dtype, [B * BLOCK if B > 0 else 16], held_layout)
     c = gl.allocate_shared_memory(dtype, [C * BLOCK if C > 0 else 16], held_layout)
-    lanes = gl.arange(0, BLOCK, layout=lanes_layout)
+    lanes = gl.arange(0, TILE, layout=lanes_layout)   # one tile of the row layout
     # every thread holds all of a row's slots: a poll reduces in-thread, with no shuffle inside
     # the polling loop (lanes leave it at different polls; a warp-wide shuffle there would
     # wait for lanes that already left)
@@ -258,16 +275,17 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
     if STAGGER > 1:
         _stagger(sync_ptr + 2, stagger_ns, STAGGER)
     item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
-    _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B, BLOCK)
+    _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B, BLOCK,
+           TILE, LIVE, PARTIAL)
     while item < n_items:
         async_copy.wait_group(0)
         _thread_barrier()
         _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_y, lanes,
-                 leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, LOG2_BLOCK, IN_THREAD,
-                 lanes_layout, small_layout, fold_layout)
+                 leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, TILE, LOG2_TILE, LIVE,
+                 PARTIAL, lanes_layout, small_layout, fold_layout)
         item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
         _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B,
-               BLOCK)
+               BLOCK, TILE, LIVE, PARTIAL)
 
 
 @triton.jit
@@ -318,13 +336,14 @@ def held_launch_options(element_size: int, leaf_len: int, leaves: int, mode: int
     steps = cdiv(leaf_len, block)
     a, b, c = _powers(steps)
     vec = 16 // element_size
-    in_thread = in_thread_levels(block, vec, num_warps)
+    tile = tile_lanes_of(vec, num_warps, block)
+    live, partial = live_tiles(leaf_len, block, tile)
     cap = register_cap(num_warps, per_sm)
     stagger = math.ceil(per_sm) if stagger_ns > 0 and per_sm > 1 else 0   # started in turn
     return types.MappingProxyType(dict(
-        MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block,
-        LOG2_BLOCK=block.bit_length() - 1, STEPS=steps, A=a, B=b, C=c, VEC=vec, STAGGER=stagger,
-        IN_THREAD=in_thread, fold_layout=fold_layout_of(block >> in_thread, num_warps),
+        MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block, TILE=tile,
+        LOG2_TILE=tile.bit_length() - 1, LIVE=live, PARTIAL=partial, STEPS=steps, A=a, B=b, C=c,
+        VEC=vec, STAGGER=stagger, fold_layout=fold_layout_of(tile, num_warps),
         num_warps=num_warps, enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap})))
 
 

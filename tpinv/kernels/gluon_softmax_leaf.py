@@ -19,8 +19,8 @@ from triton.experimental.gluon import language as gl
 
 __all__ = ["nan_max", "shift_of", "leaf_max_and_min", "exp_shifted",
            "exp_never_flushes", "quotient_by_reciprocal", "reciprocal_divides_exactly",
-           "leaf_sum", "fold_lanes", "pair_tree", "held_step", "held_step_fp32", "fold_layout_of",
-           "in_thread_levels"]
+           "leaf_extremes", "leaf_sum", "fold_lanes", "pair_tree", "held_step", "held_tile",
+           "held_tile_fp32", "fold_layout_of", "tile_lanes_of", "live_tiles"]
 
 #: log2(e), as Triton's exp multiplies by it (an fp32 operand rounds it to fp32).
 _LOG2E = gl.constexpr(1.4426950408889634)
@@ -114,32 +114,79 @@ def reciprocal_divides_exactly(lo, shift, total):
 
 
 @gluon.jit
-def leaf_sum(a, b, c, shift, lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
-             BLOCK: gl.constexpr, STEPS: gl.constexpr, lanes_layout: gl.constexpr,
-             FLUSH_FREE: gl.constexpr):
-    """The row kernel's lanes: lane ``i`` adds ``exp(x - shift)`` of the leaf's elements
-    ``i, i + BLOCK, ...`` in order from ``+0`` (each thread reads back the elements it copied, so
-    no barrier is needed after the max pass)."""
-    acc = gl.zeros([BLOCK], gl.float32, lanes_layout)
-    for k in gl.static_range(STEPS):
-        x = held_step_fp32(a, b, c, k, A, B, BLOCK, lanes, leaf_len, lanes_layout, STEPS)
-        acc += exp_shifted(x - shift, FLUSH_FREE)
+def _tile_sum(a, b, c, t: gl.constexpr, shift, tile_lanes, leaf_len, A: gl.constexpr,
+              B: gl.constexpr, BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr,
+              LIVE: gl.constexpr, PARTIAL: gl.constexpr, layout: gl.constexpr,
+              FLUSH_FREE: gl.constexpr, KEEP_EXP: gl.constexpr):
+    """The lanes of tile ``t`` (lanes ``t * TILE ...``): lane ``i`` adds ``exp(x - shift)`` of
+    the leaf's elements ``i, i + BLOCK, ...`` in order from ``+0``, skipping the last step where
+    the tile lies past the leaf's end (the row kernel adds ``exp(-inf) = +0`` there, which leaves
+    every sum as it is)."""
+    acc = gl.zeros([TILE], gl.float32, layout)
+    if KEEP_EXP:
+        acc = _steps_keeping_exp(a, b, c, t, 0, acc, shift, tile_lanes, leaf_len, A, B, BLOCK,
+                                 TILE, STEPS, LIVE, PARTIAL, layout, FLUSH_FREE)
+    else:
+        for k in gl.static_range(STEPS):
+            if k < STEPS - 1 or t < LIVE:
+                x = held_tile_fp32(a, b, c, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len,
+                                   layout, STEPS, LIVE, PARTIAL)
+                acc += exp_shifted(x - shift, FLUSH_FREE)
     return acc
 
 
 @gluon.jit
-def fold_lanes(acc, BLOCK: gl.constexpr, LOG2_BLOCK: gl.constexpr, IN_THREAD: gl.constexpr,
-               fold_layout: gl.constexpr):
-    """``[BLOCK] -> scalar`` by contiguous halving: lane ``i`` plus lane ``i + n/2``, repeated.
-    The first ``IN_THREAD`` levels pair lanes one thread holds; the rest run after one exchange
-    through shared memory into ``fold_layout`` (:func:`fold_layout_of`), where every warp holds
-    all the remaining lanes, so their levels are a thread's own adds and warp shuffles -- the same
-    adds in the same order, without a block barrier a level."""
-    for i in gl.static_range(IN_THREAD):
-        acc = gl.sum(gl.reshape(acc, [2, BLOCK >> (i + 1)]), axis=0)
+def _steps_keeping_exp(a, b, c, t: gl.constexpr, k: gl.constexpr, acc, shift, tile_lanes,
+                       leaf_len, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
+                       TILE: gl.constexpr, STEPS: gl.constexpr, LIVE: gl.constexpr,
+                       PARTIAL: gl.constexpr, layout: gl.constexpr, FLUSH_FREE: gl.constexpr):
+    """:func:`_tile_sum`'s steps ``k, k + 1, ...`` of tile ``t``, each ``exp`` then written over
+    its element: every step is read (and added, in order) before any is written, so the
+    compiler's shared-memory barrier falls once a tile, not once a step (each thread writes only
+    what it read, but the compiler orders every read of a region before a write to it)."""
+    if k < STEPS - 1 or (k == STEPS - 1 and t < LIVE):
+        x = held_tile_fp32(a, b, c, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len, layout, STEPS,
+                           LIVE, PARTIAL)
+        e = exp_shifted(x - shift, FLUSH_FREE)
+        acc = _steps_keeping_exp(a, b, c, t, k + 1, acc + e, shift, tile_lanes, leaf_len, A, B,
+                                 BLOCK, TILE, STEPS, LIVE, PARTIAL, layout, FLUSH_FREE)
+        held_tile(a, b, c, k, t, A, B, BLOCK, TILE).store(e)
+    return acc
+
+
+@gluon.jit
+def leaf_sum(a, b, c, shift, tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
+             BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr, LIVE: gl.constexpr,
+             PARTIAL: gl.constexpr, layout: gl.constexpr, FLUSH_FREE: gl.constexpr,
+             KEEP_EXP: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1):
+    """The row kernel's ``BLOCK`` lanes of the leaf's sum (:func:`_tile_sum`, a tile of them at a
+    time), folded by contiguous halving down to one tile: lane ``i`` plus lane ``i + n/2`` while
+    the pair lies in one thread (tiles ``t`` and ``t + n/2``), i.e. the fold's first
+    ``log2(BLOCK / TILE)`` levels, written as the tree they make (tiles ``FIRST, FIRST + STRIDE,
+    ...``: its even ones folded, plus its odd ones folded).  Each thread reads back the elements
+    it copied, so no barrier is needed after the max pass.  With ``KEEP_EXP`` (an fp32 leaf)
+    each ``exp`` replaces its element in the leaf, for softmax's quotients to read back."""
+    if STRIDE * TILE == BLOCK:
+        lanes = _tile_sum(a, b, c, FIRST, shift, tile_lanes, leaf_len, A, B, BLOCK, TILE, STEPS,
+                          LIVE, PARTIAL, layout, FLUSH_FREE, KEEP_EXP)
+    else:
+        lanes = (leaf_sum(a, b, c, shift, tile_lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
+                          PARTIAL, layout, FLUSH_FREE, KEEP_EXP, FIRST, 2 * STRIDE)
+                 + leaf_sum(a, b, c, shift, tile_lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
+                            PARTIAL, layout, FLUSH_FREE, KEEP_EXP, FIRST + STRIDE, 2 * STRIDE))
+    return lanes
+
+
+@gluon.jit
+def fold_lanes(acc, TILE: gl.constexpr, LOG2_TILE: gl.constexpr, fold_layout: gl.constexpr):
+    """``[TILE] -> scalar`` by contiguous halving (lane ``i`` plus lane ``i + n/2``, repeated),
+    the rest of :func:`leaf_sum`'s fold: one exchange through shared memory into ``fold_layout``
+    (:func:`fold_layout_of`), where every warp holds all the lanes, so each level is a thread's
+    own adds or warp shuffles -- the same adds in the same order, without a block barrier a
+    level."""
     acc = gl.convert_layout(acc, fold_layout)
-    for i in gl.static_range(IN_THREAD, LOG2_BLOCK):
-        acc = gl.sum(gl.reshape(acc, [2, BLOCK >> (i + 1)]), axis=0)
+    for i in gl.static_range(LOG2_TILE):
+        acc = gl.sum(gl.reshape(acc, [2, TILE >> (i + 1)]), axis=0)
     return gl.sum(acc, axis=0)
 
 
@@ -165,15 +212,48 @@ def held_step(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK:
 
 
 @gluon.jit
-def held_step_fp32(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-                   BLOCK: gl.constexpr, lanes, leaf_len, layout: gl.constexpr,
-                   STEPS: gl.constexpr):
-    """Step ``k`` of the held leaf in fp32, ``-inf`` past the leaf's end (the row kernel's
-    masked load; only the last step can reach past it)."""
-    x = held_step(a, b, c, k, A, B, BLOCK).load(layout).to(gl.float32)
-    if k == STEPS - 1:
-        x = gl.where(k * BLOCK + lanes < leaf_len, x, float("-inf"))
+def held_tile(a, b, c, k: gl.constexpr, t: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+              BLOCK: gl.constexpr, TILE: gl.constexpr):
+    """Tile ``t`` of step ``k`` of the held leaf: the ``TILE`` lanes one tile of the row layout
+    spans (each thread copies, and later reads, the same elements of it)."""
+    return held_step(a, b, c, k, A, B, BLOCK).slice(t * TILE, TILE)
+
+
+@gluon.jit
+def held_tile_fp32(a, b, c, k: gl.constexpr, t: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                   BLOCK: gl.constexpr, TILE: gl.constexpr, tile_lanes, leaf_len,
+                   layout: gl.constexpr, STEPS: gl.constexpr, LIVE: gl.constexpr,
+                   PARTIAL: gl.constexpr):
+    """Tile ``t`` of step ``k`` in fp32, ``-inf`` past the leaf's end (the row kernel's masked
+    load; only the last live tile of the last step can reach past it)."""
+    x = held_tile(a, b, c, k, t, A, B, BLOCK, TILE).load(layout).to(gl.float32)
+    if k == STEPS - 1 and t == LIVE - 1 and PARTIAL:
+        x = gl.where(k * BLOCK + t * TILE + tile_lanes < leaf_len, x, float("-inf"))
     return x
+
+
+@gluon.jit
+def leaf_extremes(a, b, c, tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
+                  BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr,
+                  LIVE: gl.constexpr, PARTIAL: gl.constexpr, layout: gl.constexpr):
+    """The leaf's exact max (:func:`leaf_max_and_min`) and least element, in fp32: each taken in
+    the input's dtype (exact, and two 16-bit lanes an instruction), past the leaf's end no
+    element (the tiles wholly past it are not read)."""
+    run = gl.full([TILE], float("-inf"), a.dtype, layout)
+    low = gl.full([TILE], float("inf"), a.dtype, layout)
+    for k in gl.static_range(STEPS):
+        for t in gl.static_range(BLOCK // TILE):
+            if k < STEPS - 1 or t < LIVE:
+                x = held_tile(a, b, c, k, t, A, B, BLOCK, TILE).load(layout)
+                if k == STEPS - 1 and t == LIVE - 1 and PARTIAL:
+                    inside = k * BLOCK + t * TILE + tile_lanes < leaf_len
+                    run = gl.maximum(run, gl.where(inside, x, float("-inf")),
+                                     propagate_nan=tl.PropagateNan.ALL)
+                    low = gl.minimum(low, gl.where(inside, x, float("inf")))
+                else:
+                    run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
+                    low = gl.minimum(low, x)
+    return leaf_max_and_min(run.to(gl.float32), low.to(gl.float32))
 
 
 def fold_layout_of(lanes: int, num_warps: int) -> gl.DistributedLinearLayout:
@@ -189,7 +269,13 @@ def fold_layout_of(lanes: int, num_warps: int) -> gl.DistributedLinearLayout:
                                       [lanes])
 
 
-def in_thread_levels(block: int, vec: int, num_warps: int) -> int:
-    """The fold's first levels whose pairs one thread holds in the row layout (``vec`` contiguous
-    lanes a thread, ``32 * num_warps`` threads)."""
-    return max(0, block.bit_length() - (vec * 32 * num_warps).bit_length())
+def tile_lanes_of(vec: int, num_warps: int, block: int) -> int:
+    """The lanes one tile of the row layout spans (``vec`` contiguous lanes a thread,
+    ``32 * num_warps`` threads), at most ``block``."""
+    return min(block, vec * 32 * num_warps)
+
+
+def live_tiles(leaf_len: int, block: int, tile: int) -> tuple[int, bool]:
+    """``(tiles of the last step that hold elements, whether the last of them is partial)``."""
+    last = leaf_len - (-(-leaf_len // block) - 1) * block
+    return -(-last // tile), last % tile != 0
