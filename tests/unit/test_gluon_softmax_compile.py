@@ -11,7 +11,9 @@ that does not compile, or that costs the table's programs their place on an SM, 
   allows it, the fused multiply-adds from the row's reciprocal), the other modes no fused
   multiply-add at all (the kernel is built without contraction);
 - a program's shared memory lets the table's programs share one SM (233,472 bytes on sm_90, 1 KiB
-  of it reserved per program); control: one step more of leaf would not.
+  of it reserved per program); control: one step more of leaf would not;
+- a leaf's last step copies and computes only its tiles that hold elements (control: a leaf of
+  whole steps computes every lane), and fp32 softmax, keeping its exps, takes one an element.
 """
 from __future__ import annotations
 
@@ -95,3 +97,26 @@ def test_control_one_step_more_of_leaf_crowds_the_sm():
     leaf_len = QWEN3_VOCAB // LEAVES + leaf_block(QWEN3_VOCAB // LEAVES)
     compiled, per_sm = compile_held(torch.bfloat16, 1, leaf_len)
     assert per_sm * (compiled.metadata.shared + RESERVED_PER_PROGRAM) > SM90_SHARED
+
+
+def test_only_the_leaf_s_live_tiles_are_computed():
+    """A Qwen3 leaf (18,992 elements in 5 steps of 4,096 lanes) is 19,456 lanes once its last
+    step's empty tile is skipped: a thread of the bf16 statistics program (128 threads) copies
+    38 16-byte pieces and takes 152 exps of each kind (the flush-free and the general one);
+    control: a leaf of 5 whole steps, 40 and 160.  fp32 softmax, which keeps its sum's exps for
+    its quotients, takes no more exps than the statistics, and its block barriers stay at about
+    one a tile of its sum (each tile read whole before its exps are written), not one a step."""
+    def counts(dtype, mode, leaf_len=QWEN3_VOCAB // LEAVES):
+        ptx = compile_held(dtype, mode, leaf_len)[0].asm["ptx"]
+        return (ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), ptx.count(FLUSH_FREE_EXP),
+                ptx.count(GENERAL_EXP), ptx.count("bar.sync"))
+    threads = 32 * gluon_softmax.HELD_CONFIG[torch.bfloat16, 0][0]       # 128 in the table
+    live, whole = 19456 // threads, 5 * 4096 // threads
+    assert counts(torch.bfloat16, 0)[:3] == (live // 4, live, live)     # 8 bf16 a copy
+    assert counts(torch.bfloat16, 0, 5 * 4096)[:3] == (whole // 4, whole, whole)
+    _, free, general, barriers = counts(torch.float32, 2)
+    _, stats_free, stats_general, stats_barriers = counts(torch.float32, 0)
+    assert (free, general) == (stats_free, stats_general)
+    warps = gluon_softmax.HELD_CONFIG[torch.float32, 2][0]
+    tiles = leaf_block(QWEN3_VOCAB // LEAVES) // (4 * 32 * warps)
+    assert barriers <= stats_barriers + 2 * tiles + 2, (barriers, stats_barriers)
