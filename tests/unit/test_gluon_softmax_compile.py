@@ -28,6 +28,7 @@ gluon_softmax = pytest.importorskip("tpinv.kernels.gluon_softmax",
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from tpinv.kernels import gluon_softmax_leaf  # noqa: E402
 from tpinv.kernels.triton_softmax import leaf_block  # noqa: E402
 
 QWEN3_VOCAB, LEAVES = 151936, 8
@@ -118,5 +119,6 @@ def test_only_the_leaf_s_live_tiles_are_computed():
     _, stats_free, stats_general, stats_barriers = counts(torch.float32, 0)
     assert (free, general) == (stats_free, stats_general)
     warps = gluon_softmax.HELD_CONFIG[torch.float32, 2][0]
-    tiles = leaf_block(QWEN3_VOCAB // LEAVES) // (4 * 32 * warps)
+    block = leaf_block(QWEN3_VOCAB // LEAVES)
+    tiles = block // gluon_softmax_leaf.tile_lanes_of(4, warps, block)     # 4 fp32 a thread
     assert barriers <= stats_barriers + 2 * tiles + 2, (barriers, stats_barriers)

@@ -111,3 +111,10 @@ def test_the_tiles_a_leaf_is_read_in():
     assert live(4 * 4096, 4096, 1024) == (4, False)          # control: no step past the end
     assert live(4096 + 1024, 4096, 1024) == (1, False)
     assert live(2048, 2048, 2048) == (1, False)
+    # the kernel's predicates over a Qwen3 leaf: 4 steps of 4 tiles and 3 of the last step hold
+    # elements, and only the last of those is partial; a leaf of whole tiles has none partial
+    holds, partial = gluon_softmax_leaf.tile_holds_elements, gluon_softmax_leaf.tile_is_partial
+    grid = [(k, t) for k in range(5) for t in range(4)]
+    assert sum(holds(k, t, 5, 3) for k, t in grid) == 19
+    assert [(k, t) for k, t in grid if partial(k, t, 5, 3, True)] == [(4, 2)]
+    assert not any(partial(k, t, 5, 2, False) for k, t in grid)

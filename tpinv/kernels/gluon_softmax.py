@@ -60,7 +60,8 @@ from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fo
                                              fold_lanes, held_tile, leaf_extremes, leaf_sum,
                                              live_tiles, nan_max, pair_tree,
                                              quotient_by_reciprocal, reciprocal_divides_exactly,
-                                             shift_of, tile_lanes_of)
+                                             shift_of, tile_holds_elements, tile_is_partial,
+                                             tile_lanes_of)
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
 
@@ -129,10 +130,10 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
         for k in gl.static_range(STEPS):
             for t in gl.static_range(BLOCK // TILE):
                 offs = k * BLOCK + t * TILE + lanes
-                if k == STEPS - 1 and t == LIVE - 1 and PARTIAL:
+                if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
                     _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
                                 mask=offs < leaf_len, eviction_policy="evict_first")
-                elif k < STEPS - 1 or t < LIVE:
+                elif tile_holds_elements(k, t, STEPS, LIVE):
                     _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
                                 eviction_policy="evict_first")
     async_copy.commit_group()
@@ -150,7 +151,7 @@ def _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE: gl.
     ``KEPT_EXP`` the leaf holds the sum's ``exp(x - shift)`` (:func:`leaf_sum`), not ``x``."""
     for k in gl.static_range(STEPS):
         for t in gl.static_range(BLOCK // TILE):
-            if k < STEPS - 1 or t < LIVE:   # a tile wholly past the leaf's end writes nothing
+            if tile_holds_elements(k, t, STEPS, LIVE):   # a tile past the leaf's end: nothing
                 offs = k * BLOCK + t * TILE + lanes
                 held = held_tile(a, b, c, k, t, A, B, BLOCK, TILE).load(lanes_layout)
                 held = held.to(gl.float32)
@@ -168,7 +169,7 @@ def _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE: gl.
                     else:
                         y = gl.div_rn(e, total)
                 y = y.to(y_leaf.dtype.element_ty)
-                if k == STEPS - 1 and t == LIVE - 1 and PARTIAL:
+                if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
                     gl.store(y_leaf + offs, y, mask=offs < leaf_len, eviction_policy="evict_first")
                 else:
                     gl.store(y_leaf + offs, y, eviction_policy="evict_first")

@@ -14,13 +14,17 @@ operation's operands or order.  ``tests/gpu/test_softmax_by_leaves.py`` compares
 from __future__ import annotations
 
 import triton.language as tl
+from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+from tpinv.kernels.launch import cdiv
 
 __all__ = ["nan_max", "shift_of", "leaf_max_and_min", "exp_shifted",
            "exp_never_flushes", "quotient_by_reciprocal", "reciprocal_divides_exactly",
            "leaf_extremes", "leaf_sum", "fold_lanes", "pair_tree", "held_step", "held_tile",
-           "held_tile_fp32", "fold_layout_of", "tile_lanes_of", "live_tiles"]
+           "held_tile_fp32", "tile_holds_elements", "tile_is_partial", "fold_layout_of",
+           "tile_lanes_of", "live_tiles"]
 
 #: log2(e), as Triton's exp multiplies by it (an fp32 operand rounds it to fp32).
 _LOG2E = gl.constexpr(1.4426950408889634)
@@ -128,7 +132,7 @@ def _tile_sum(a, b, c, t: gl.constexpr, shift, tile_lanes, leaf_len, A: gl.const
                                  TILE, STEPS, LIVE, PARTIAL, layout, FLUSH_FREE)
     else:
         for k in gl.static_range(STEPS):
-            if k < STEPS - 1 or t < LIVE:
+            if tile_holds_elements(k, t, STEPS, LIVE):
                 x = held_tile_fp32(a, b, c, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len,
                                    layout, STEPS, LIVE, PARTIAL)
                 acc += exp_shifted(x - shift, FLUSH_FREE)
@@ -144,7 +148,7 @@ def _steps_keeping_exp(a, b, c, t: gl.constexpr, k: gl.constexpr, acc, shift, ti
     its element: every step is read (and added, in order) before any is written, so the
     compiler's shared-memory barrier falls once a tile, not once a step (each thread writes only
     what it read, but the compiler orders every read of a region before a write to it)."""
-    if k < STEPS - 1 or (k == STEPS - 1 and t < LIVE):
+    if tile_holds_elements(k, t, STEPS, LIVE):
         x = held_tile_fp32(a, b, c, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len, layout, STEPS,
                            LIVE, PARTIAL)
         e = exp_shifted(x - shift, FLUSH_FREE)
@@ -199,6 +203,20 @@ def pair_tree(v, N: gl.constexpr, LOG2_N: gl.constexpr, layout: gl.constexpr):
     return gl.sum(v, axis=0)
 
 
+@constexpr_function
+def tile_holds_elements(k, t, STEPS, LIVE):
+    """Whether tile ``t`` of step ``k`` holds any of the leaf's elements: every tile of the steps
+    before the last, and the last step's first ``LIVE``."""
+    return k < STEPS - 1 or (k == STEPS - 1 and t < LIVE)
+
+
+@constexpr_function
+def tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
+    """Whether tile ``t`` of step ``k`` reaches past the leaf's end (the last step's last live
+    tile, where the leaf's end falls inside it): the one tile read or written under a mask."""
+    return k == STEPS - 1 and t == LIVE - 1 and PARTIAL
+
+
 @gluon.jit
 def held_step(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr):
     """Step ``k`` of the held leaf: steps ``[0, A)`` live in ``a``, ``[A, A + B)`` in ``b``, the
@@ -227,7 +245,7 @@ def held_tile_fp32(a, b, c, k: gl.constexpr, t: gl.constexpr, A: gl.constexpr, B
     """Tile ``t`` of step ``k`` in fp32, ``-inf`` past the leaf's end (the row kernel's masked
     load; only the last live tile of the last step can reach past it)."""
     x = held_tile(a, b, c, k, t, A, B, BLOCK, TILE).load(layout).to(gl.float32)
-    if k == STEPS - 1 and t == LIVE - 1 and PARTIAL:
+    if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
         x = gl.where(k * BLOCK + t * TILE + tile_lanes < leaf_len, x, float("-inf"))
     return x
 
@@ -243,9 +261,9 @@ def leaf_extremes(a, b, c, tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexp
     low = gl.full([TILE], float("inf"), a.dtype, layout)
     for k in gl.static_range(STEPS):
         for t in gl.static_range(BLOCK // TILE):
-            if k < STEPS - 1 or t < LIVE:
+            if tile_holds_elements(k, t, STEPS, LIVE):
                 x = held_tile(a, b, c, k, t, A, B, BLOCK, TILE).load(layout)
-                if k == STEPS - 1 and t == LIVE - 1 and PARTIAL:
+                if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
                     inside = k * BLOCK + t * TILE + tile_lanes < leaf_len
                     run = gl.maximum(run, gl.where(inside, x, float("-inf")),
                                      propagate_nan=tl.PropagateNan.ALL)
@@ -277,5 +295,5 @@ def tile_lanes_of(vec: int, num_warps: int, block: int) -> int:
 
 def live_tiles(leaf_len: int, block: int, tile: int) -> tuple[int, bool]:
     """``(tiles of the last step that hold elements, whether the last of them is partial)``."""
-    last = leaf_len - (-(-leaf_len // block) - 1) * block
-    return -(-last // tile), last % tile != 0
+    last = leaf_len - (cdiv(leaf_len, block) - 1) * block
+    return cdiv(last, tile), last % tile != 0
