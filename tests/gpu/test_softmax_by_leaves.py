@@ -166,6 +166,46 @@ def test_launch_shapes_do_not_move_bits(held_runs):
                    f"statistics {config}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs, monkeypatch):
+    """Every mode with a row's leaves in one thread-block cluster (the table's choice widened to
+    every dtype and mode), leaves 8/4/2, one cluster looping over every row and as many as fit:
+    the row kernel's bytes; the clustered launch is asserted to run, and the table's choice is
+    asserted to be what runs (bf16 softmax clustered, bf16 log_softmax not)."""
+    ts, bl = mods()
+    if not bl.HELD[0]:
+        pytest.skip("the cluster kernel holds its leaves in shared memory")
+    from tpinv.kernels import gluon_softmax, gluon_softmax_cluster
+    clustered = []
+    real = gluon_softmax_cluster.softmax_rows_clustered
+
+    def counted(rows, *args):
+        clustered.append(rows.shape)
+        return real(rows, *args)
+
+    monkeypatch.setattr(gluon_softmax_cluster, "softmax_rows_clustered", counted)
+    x = special_rows(rand(37, 151936, dtype=torch.bfloat16, seed=31))
+    for mode, want_cluster in ((ts._MODE_SOFTMAX, True), (ts._MODE_LOG, False)):
+        before = len(clustered)
+        check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode), row_kernel(ts, x, DEFAULT_LEAVES, mode),
+                   f"table's choice, bf16 mode={mode}")
+        assert (len(clustered) > before) == want_cluster, mode
+    monkeypatch.setattr(gluon_softmax, "CLUSTERED",
+                        frozenset((d, m) for d in (torch.float32, torch.bfloat16, torch.float16)
+                                  for m in (0, 1, 2)))
+    for leaves, width, rows, _ in CASES[:3] + CASES[4:]:
+        x = special_rows(rand(max(rows, 5), width, dtype=dtype, seed=leaves + rows + 1))[:rows]
+        for mode in (ts._MODE_LOG, ts._MODE_SOFTMAX, ts._MODE_STATS):
+            want = row_kernel(ts, x, leaves, mode)
+            warps, _, stagger = gluon_softmax.HELD_CONFIG[dtype, mode]
+            for per_sm in (0.01, None):               # one cluster for every row; as many as fit
+                before = len(clustered)
+                config = None if per_sm is None else (warps, per_sm, stagger)
+                got = bl.softmax_rows_by_leaves(x, leaves, mode, held_config=config)
+                check_same(got, want, f"cluster {dtype} leaves={leaves} width={width} mode={mode} {config}")
+                assert len(clustered) == before + 1, (leaves, width, mode, config)
+
+
 def test_a_misaligned_row_stride_reads_through_l2(held_runs):
     """A row stride that is not a multiple of 16 elements cannot be copied in 16-byte pieces:
     the L2 kernel runs it, with the same bytes."""

@@ -122,3 +122,53 @@ def test_only_the_leaf_s_live_tiles_are_computed():
     block = leaf_block(QWEN3_VOCAB // LEAVES)
     tiles = block // gluon_softmax_leaf.tile_lanes_of(4, warps, block)     # 4 fp32 a thread
     assert barriers <= stats_barriers + 2 * tiles + 2, (barriers, stats_barriers)
+
+
+def compile_clustered(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // LEAVES):
+    """The cluster kernel (:mod:`tpinv.kernels.gluon_softmax_cluster`) compiled for sm_90 with
+    the table's launch shape for ``dtype``."""
+    if not _ptxas_present():
+        pytest.skip("no ptxas in this Triton")
+    from tpinv.kernels import gluon_softmax_cluster
+    source = _source()
+    warps, per_sm, stagger = gluon_softmax.HELD_CONFIG[dtype, mode]
+    options = dict(gluon_softmax.held_launch_options(
+        torch.empty(0, dtype=dtype).element_size(), leaf_len, LEAVES, mode, leaf_block(leaf_len),
+        warps, per_sm, stagger))
+    kernel = gluon_softmax_cluster._softmax_cluster_kernel
+    launch_options = {k: options.pop(k) for k in ("enable_fp_fusion", "maxnreg") if k in options}
+    launch_options["num_warps"] = options["num_warps"]
+    element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    signature = {"x_ptr": f"*{element}", "y_ptr": f"*{element}", "max_ptr": "*fp32",
+                 "total_ptr": "*fp32", "sync_ptr": "*i32", "n_rows": "i32", "leaf_len": "i32",
+                 "stride_x": "i32", "stride_y": "i32", "stagger_ns": "i32"}
+    signature.update({name: "constexpr" for name in options})
+    src = source(kernel, signature, options)
+    aligned = ("x_ptr", "y_ptr", "max_ptr", "total_ptr", "sync_ptr", "leaf_len", "stride_x",
+               "stride_y")
+    src.attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options), per_sm
+
+
+#: The cluster kernel's two meetings' slots: two parities of eight fp32 words each, in static
+#: shared memory beside the dynamic shared memory Triton sizes.
+MEETING_SLOTS_BYTES = 2 * 2 * 8 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_the_cluster_kernel_meets_in_shared_memory(dtype, mode):
+    """A row's leaves meet by writing into each other's shared memory (``mapa`` and
+    ``st.shared::cluster``) and one cluster barrier a meeting (two a row), never by polling global
+    memory; a program with its meeting slots still lets the table's programs share an SM.
+    Control: the ticket kernel polls its row's slots in global memory."""
+    compiled, per_sm = compile_clustered(dtype, mode)
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("barrier.cluster.arrive.release") == 2
+    assert ptx.count("barrier.cluster.wait.acquire") == 2
+    assert ptx.count("mapa.shared::cluster") == 2 and ptx.count("st.shared::cluster") == 2
+    assert "ld.volatile.global" not in ptx
+    assert ".shared .align 16 .b32 tpinv_row_maxima[16]" in ptx
+    shared = compiled.metadata.shared + MEETING_SLOTS_BYTES
+    assert per_sm * (shared + RESERVED_PER_PROGRAM) <= SM90_SHARED, shared
+    assert "ld.volatile.global" in compile_held(dtype, mode)[0].asm["ptx"]

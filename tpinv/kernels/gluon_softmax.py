@@ -65,7 +65,8 @@ from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fo
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
 
-__all__ = ["softmax_rows_held", "held_plan", "register_cap", "HELD_CONFIG", "SMEM_BUDGET"]
+__all__ = ["softmax_rows_held", "held_plan", "register_cap", "HELD_CONFIG", "CLUSTERED",
+           "SMEM_BUDGET"]
 
 #: Shared memory a program may hold its leaf in (bytes): two such programs fit an SM.
 SMEM_BUDGET = 100 * 1024
@@ -97,6 +98,15 @@ HELD_CONFIG = {
     (torch.float16, 0): (4, 5, 2000), (torch.float16, 1): (4, 5, 3000),
     (torch.float16, 2): (4, 5, 2000),
 }
+#: The (input dtype, mode) whose rows meet in a thread-block cluster
+#: (:mod:`tpinv.kernels.gluon_softmax_cluster`; rows of up to eight leaves) rather than through
+#: global memory; H200, % of copy at 4096 / 1024 rows, same call: bf16 softmax 72.4 / 69.6
+#: against 64.7 / 61.6, fp32 log_softmax 81.4 / 77.6 against 78.8 / 76.3, fp32 softmax
+#: 78.2 / 74.3 against 74.6 / 72.0; slower in a cluster: bf16 log_softmax (79.4 against 81.7 at
+#: 4096 rows), the statistics (bf16 63.4 / 58.7 against 68.7 / 59.9, fp32 77.7 / 68.5 against
+#: 76.2 / 69.6), which meet once here and twice there.  Speed only: the same bits either way.
+CLUSTERED = frozenset({(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 2),
+                       (torch.float16, 2)})
 
 
 @gluon.jit
@@ -354,7 +364,15 @@ def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: i
     :func:`tpinv.kernels.triton_softmax_leaves.softmax_rows_by_leaves`, checks, plans and
     allocates the outputs), ``per_sm`` programs an SM, each program an SM holds starting
     ``stagger_ns`` after the one before it there (0: all at once); the statistics alone
-    (``mode`` 0) then take each row's total by :func:`_combine_sums`."""
+    (``mode`` 0) then take each row's total by :func:`_combine_sums`.  Where :data:`CLUSTERED`
+    names the dtype and mode, a row's leaves meet in one thread-block cluster instead
+    (:func:`tpinv.kernels.gluon_softmax_cluster.softmax_rows_clustered`; the same bits)."""
+    if (rows.dtype, mode) in CLUSTERED:
+        from tpinv.kernels.gluon_softmax_cluster import CLUSTER_LEAVES, softmax_rows_clustered
+        if leaves in CLUSTER_LEAVES:
+            softmax_rows_clustered(rows, out, max_, total, leaves, mode, block, n_programs,
+                                   num_warps, per_sm, stagger_ns)
+            return
     n_rows, width = rows.shape
     leaf_len = width // leaves
     target = rows if out is None else out
