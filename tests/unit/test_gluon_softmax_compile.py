@@ -54,8 +54,10 @@ def _ptxas_present() -> bool:
     return bool(path) and os.path.exists(path)
 
 
-def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // LEAVES):
-    """The held kernel compiled for sm_90 with the table's launch shape for ``dtype``."""
+def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, slots: bool):
+    """``kernel`` (launched as :func:`~tpinv.kernels.gluon_softmax.softmax_rows_held` launches it;
+    ``slots``: it meets through global memory slots) compiled for sm_90 with the table's launch
+    shape for ``dtype``; returns it and the table's programs an SM."""
     if not _ptxas_present():
         pytest.skip("no ptxas in this Triton")
     source = _source()
@@ -63,19 +65,23 @@ def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // L
     options = dict(gluon_softmax.held_launch_options(
         torch.empty(0, dtype=dtype).element_size(), leaf_len, LEAVES, mode, leaf_block(leaf_len),
         warps, per_sm, stagger))
-    kernel = gluon_softmax._softmax_held_kernel
     launch_options = {k: options.pop(k) for k in ("enable_fp_fusion", "maxnreg") if k in options}
     launch_options["num_warps"] = options["num_warps"]      # also the kernel's own constexpr
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     signature = {"x_ptr": f"*{element}", "y_ptr": f"*{element}", "max_ptr": "*fp32",
-                 "total_ptr": "*fp32", "slot_ptr": "*i64", "sync_ptr": "*i32", "n_rows": "i32",
-                 "leaf_len": "i32", "stride_x": "i32", "stride_y": "i32", "stagger_ns": "i32"}
+                 "total_ptr": "*fp32", **({"slot_ptr": "*i64"} if slots else {}),
+                 "sync_ptr": "*i32", "n_rows": "i32", "leaf_len": "i32", "stride_x": "i32",
+                 "stride_y": "i32", "stagger_ns": "i32"}
     signature.update({name: "constexpr" for name in options})
     src = source(kernel, signature, options)
-    aligned = ("x_ptr", "y_ptr", "max_ptr", "total_ptr", "slot_ptr", "sync_ptr", "leaf_len",
-               "stride_x", "stride_y")       # as the launcher specializes a Qwen3 row
+    aligned = [n for n in signature if n.endswith("_ptr")] + ["leaf_len", "stride_x", "stride_y"]
     src.attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options), per_sm
+
+
+def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // LEAVES):
+    """The held kernel compiled for sm_90 with the table's launch shape for ``dtype``."""
+    return _compile(gluon_softmax._softmax_held_kernel, dtype, mode, leaf_len, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16,
@@ -127,27 +133,8 @@ def test_only_the_leaf_s_live_tiles_are_computed():
 def compile_clustered(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // LEAVES):
     """The cluster kernel (:mod:`tpinv.kernels.gluon_softmax_cluster`) compiled for sm_90 with
     the table's launch shape for ``dtype``."""
-    if not _ptxas_present():
-        pytest.skip("no ptxas in this Triton")
     from tpinv.kernels import gluon_softmax_cluster
-    source = _source()
-    warps, per_sm, stagger = gluon_softmax.HELD_CONFIG[dtype, mode]
-    options = dict(gluon_softmax.held_launch_options(
-        torch.empty(0, dtype=dtype).element_size(), leaf_len, LEAVES, mode, leaf_block(leaf_len),
-        warps, per_sm, stagger))
-    kernel = gluon_softmax_cluster._softmax_cluster_kernel
-    launch_options = {k: options.pop(k) for k in ("enable_fp_fusion", "maxnreg") if k in options}
-    launch_options["num_warps"] = options["num_warps"]
-    element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-    signature = {"x_ptr": f"*{element}", "y_ptr": f"*{element}", "max_ptr": "*fp32",
-                 "total_ptr": "*fp32", "sync_ptr": "*i32", "n_rows": "i32", "leaf_len": "i32",
-                 "stride_x": "i32", "stride_y": "i32", "stagger_ns": "i32"}
-    signature.update({name: "constexpr" for name in options})
-    src = source(kernel, signature, options)
-    aligned = ("x_ptr", "y_ptr", "max_ptr", "total_ptr", "sync_ptr", "leaf_len", "stride_x",
-               "stride_y")
-    src.attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options), per_sm
+    return _compile(gluon_softmax_cluster._softmax_cluster_kernel, dtype, mode, leaf_len, False)
 
 
 #: The cluster kernel's two meetings' slots: two parities of eight fp32 words each, in static

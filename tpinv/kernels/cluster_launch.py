@@ -22,7 +22,7 @@ from tpinv.kernels.launch import _current_device, _specialization, remember
 
 __all__ = ["clustered", "ClusteredKernel"]
 
-_CLUSTERED: dict = {}   # (device, id(kernel), specialization, options) -> ClusteredKernel
+_CLUSTERED: dict = {}   # (device, id(kernel), specialization, options, cluster size) -> ClusteredKernel
 
 
 class ClusteredKernel:

@@ -186,6 +186,46 @@ def _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE: gl.
 
 
 @gluon.jit
+def _sum_lanes(a, b, c, shift, lo, lanes, leaf_len, MODE: gl.constexpr, STEPS: gl.constexpr,
+               A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr, TILE: gl.constexpr,
+               LIVE: gl.constexpr, PARTIAL: gl.constexpr, lanes_layout: gl.constexpr):
+    """The leaf's sum lanes (:func:`leaf_sum`) for a leaf whose least element is ``lo``, each exp
+    the hardware ex2 alone where ``lo`` shows it is (-inf, NaN or a value about 87.3 below the
+    row max in the leaf take the general exp); fp32 softmax keeps each exp in the leaf in place
+    of its element, for its quotients."""
+    KEEP: gl.constexpr = MODE == 2 and a.dtype == gl.float32
+    if exp_never_flushes(lo, shift):
+        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
+                       lanes_layout, True, KEEP)
+    else:
+        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
+                       lanes_layout, False, KEEP)
+    return acc
+
+
+@gluon.jit
+def _write_output(a, b, c, y_leaf, shift, total, lo, lanes, leaf_len, MODE: gl.constexpr,
+                  STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
+                  TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
+                  lanes_layout: gl.constexpr):
+    """The leaf's output (``MODE`` 1: log_softmax, 2: softmax) by :func:`_write_leaf`, softmax's
+    quotients from the row's reciprocal where :func:`reciprocal_divides_exactly` holds for the
+    leaf's least element ``lo``, by ``div_rn`` elsewhere (the same bits)."""
+    if MODE == 1:
+        _write_leaf(a, b, c, y_leaf, shift, total, total, lanes, leaf_len, MODE, STEPS, A, B,
+                    BLOCK, TILE, LIVE, PARTIAL, lanes_layout, False, False)
+    else:
+        KEEP: gl.constexpr = a.dtype == gl.float32     # the sum kept its exps (_sum_lanes)
+        recip = gl.div_rn(1.0, total)
+        if reciprocal_divides_exactly(lo, shift, total):
+            _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
+                        A, B, BLOCK, TILE, LIVE, PARTIAL, lanes_layout, True, KEEP)
+        else:
+            _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
+                        A, B, BLOCK, TILE, LIVE, PARTIAL, lanes_layout, False, KEEP)
+
+
+@gluon.jit
 def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_y, lanes,
              leaf_ids, MODE: gl.constexpr, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr,
              STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
@@ -203,16 +243,9 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
     _publish(slots + leaf, m_leaf)
     m = nan_max(_gather(slots, leaf_ids))
     shift = shift_of(m)
-    # 2. the leaf's sum, each exp the hardware ex2 alone where the least element shows it is
-    #    (-inf, NaN or a value about 87.3 below the row max in the leaf take the general exp)
-    #    (fp32 softmax keeps each exp in the leaf in place of its element, for the quotients)
-    KEEP: gl.constexpr = MODE == 2 and a.dtype == gl.float32
-    if exp_never_flushes(lo, shift):
-        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
-                       lanes_layout, True, KEEP)
-    else:
-        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
-                       lanes_layout, False, KEEP)
+    # 2. the leaf's sum
+    acc = _sum_lanes(a, b, c, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE,
+                     PARTIAL, lanes_layout)
     _publish(slots + LEAVES + leaf, fold_lanes(acc, TILE, LOG2_TILE, fold_layout))
     if MODE == 0:
         # the statistics alone: nobody waits; _combine_sums takes the row's total after the launch
@@ -225,17 +258,8 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
             gl.store(total_ptr + row, total)
         # 3. the leaf's output from shared memory
         y_leaf = y_ptr + row * stride_y + leaf.to(gl.int64) * leaf_len
-        if MODE == 1:
-            _write_leaf(a, b, c, y_leaf, shift, total, total, lanes, leaf_len, MODE, STEPS, A, B,
-                        BLOCK, TILE, LIVE, PARTIAL, lanes_layout, False, False)
-        else:
-            recip = gl.div_rn(1.0, total)
-            if reciprocal_divides_exactly(lo, shift, total):
-                _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
-                            A, B, BLOCK, TILE, LIVE, PARTIAL, lanes_layout, True, KEEP)
-            else:
-                _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
-                            A, B, BLOCK, TILE, LIVE, PARTIAL, lanes_layout, False, KEEP)
+        _write_output(a, b, c, y_leaf, shift, total, lo, lanes, leaf_len, MODE, STEPS, A, B,
+                      BLOCK, TILE, LIVE, PARTIAL, lanes_layout)
     # the buffers are copied into again next: every thread is past its last read of them
     _thread_barrier()
 

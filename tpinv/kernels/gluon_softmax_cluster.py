@@ -1,9 +1,9 @@
 """The held softmax with a row's leaves in one thread-block cluster: they meet in shared memory.
 
 Invariant kept: the bits of :mod:`tpinv.kernels.gluon_softmax` (the row kernel's): the same leaf
-arithmetic (:mod:`tpinv.kernels.gluon_softmax_leaf`) on the same held leaf, copied by the same
-:func:`~tpinv.kernels.gluon_softmax._issue` and written by the same
-:func:`~tpinv.kernels.gluon_softmax._write_leaf`; only where the row's leaves meet differs.
+arithmetic (:mod:`tpinv.kernels.gluon_softmax_leaf`) on the same held leaf, copied, summed and written by the same
+:func:`~tpinv.kernels.gluon_softmax._issue`, :func:`~tpinv.kernels.gluon_softmax._sum_lanes` and
+:func:`~tpinv.kernels.gluon_softmax._write_output`; only where the row's leaves meet differs.
 The row max is the exact max of the leaf maxima (NaN if any is NaN, written as ``float("nan")``),
 the total the adjacent-pair tree ``((s0+s1)+(s2+s3))+...`` of the leaf sums, as there.
 
@@ -28,10 +28,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.cluster_launch import clustered
-from tpinv.kernels.gluon_softmax import (_issue, _stagger, _thread_barrier, _write_leaf,
-                                         held_launch_options)
-from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, fold_lanes, leaf_extremes,
-                                              leaf_sum, reciprocal_divides_exactly, shift_of)
+from tpinv.kernels.gluon_softmax import (_issue, _stagger, _sum_lanes, _thread_barrier,
+                                         _write_output, held_launch_options)
+from tpinv.kernels.gluon_softmax_leaf import fold_lanes, leaf_extremes, shift_of
 
 __all__ = ["softmax_rows_clustered", "CLUSTER_LEAVES"]
 
@@ -114,13 +113,8 @@ def _row_of_leaves(a, b, c, row, leaf, parity, y_ptr, max_ptr, total_ptr, leaf_l
                                lanes_layout)
     m = _nan_max_of(_meet(_MAX_MEETING, m_leaf, parity, LEAVES), LEAVES)
     shift = shift_of(m)
-    KEEP: gl.constexpr = MODE == 2 and a.dtype == gl.float32
-    if exp_never_flushes(lo, shift):
-        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
-                       lanes_layout, True, KEEP)
-    else:
-        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
-                       lanes_layout, False, KEEP)
+    acc = _sum_lanes(a, b, c, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE,
+                     PARTIAL, lanes_layout)
     total = _pair_tree_of(_meet(_SUM_MEETING, fold_lanes(acc, TILE, LOG2_TILE, fold_layout),
                                 parity, LEAVES), LEAVES)
     row64 = row.to(gl.int64)
@@ -128,18 +122,9 @@ def _row_of_leaves(a, b, c, row, leaf, parity, y_ptr, max_ptr, total_ptr, leaf_l
         gl.store(max_ptr + row64, m)
         gl.store(total_ptr + row64, total)
     if MODE != 0:
-        y_leaf = y_ptr + row64 * stride_y + leaf.to(gl.int64) * leaf_len
-        if MODE == 1:
-            _write_leaf(a, b, c, y_leaf, shift, total, total, lanes, leaf_len, MODE, STEPS, A, B,
-                        BLOCK, TILE, LIVE, PARTIAL, lanes_layout, False, False)
-        else:
-            recip = gl.div_rn(1.0, total)
-            if reciprocal_divides_exactly(lo, shift, total):
-                _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
-                            A, B, BLOCK, TILE, LIVE, PARTIAL, lanes_layout, True, KEEP)
-            else:
-                _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
-                            A, B, BLOCK, TILE, LIVE, PARTIAL, lanes_layout, False, KEEP)
+        _write_output(a, b, c, y_ptr + row64 * stride_y + leaf.to(gl.int64) * leaf_len, shift,
+                      total, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL,
+                      lanes_layout)
     # the buffers are copied into again next: every thread is past its last read of them
     _thread_barrier()
 
@@ -195,8 +180,9 @@ def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mo
     options = held_launch_options(rows.element_size(), leaf_len, leaves, mode, block, num_warps,
                                   per_sm, stagger_ns)
     staggered = options["STAGGER"] > 0
-    # staggered starts: an arrival count per SM (int32, zero before the launch)
-    sync = torch.zeros(1024 if staggered else 1, dtype=torch.int32, device=rows.device)
+    # staggered starts: an arrival count per SM (int32, zero before the launch); else unread
+    sync = (torch.zeros(1024, dtype=torch.int32, device=rows.device) if staggered
+            else torch.empty(1, dtype=torch.int32, device=rows.device))
     args = (rows, target, max_, total, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
             stagger_ns if staggered else 0)
     kernel = clustered(_softmax_cluster_kernel, args, options, leaves)
