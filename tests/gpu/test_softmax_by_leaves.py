@@ -171,7 +171,8 @@ def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs,
     """Every mode with a row's leaves in one thread-block cluster (the table's choice widened to
     every dtype and mode), leaves 8/4/2, one cluster looping over every row and as many as fit:
     the row kernel's bytes; the clustered launch is asserted to run, and the table's choice is
-    asserted to be what runs (bf16 softmax clustered, bf16 log_softmax not)."""
+    asserted to be what runs (bf16 softmax and fp32 statistics clustered, bf16 log_softmax and
+    statistics not)."""
     ts, bl = mods()
     if not bl.HELD[0]:
         pytest.skip("the cluster kernel holds its leaves in shared memory")
@@ -184,12 +185,15 @@ def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs,
         return real(rows, *args)
 
     monkeypatch.setattr(gluon_softmax_cluster, "softmax_rows_clustered", counted)
-    x = special_rows(rand(37, 151936, dtype=torch.bfloat16, seed=31))
-    for mode, want_cluster in ((ts._MODE_SOFTMAX, True), (ts._MODE_LOG, False)):
+    for table_dtype, mode, want_cluster in ((torch.bfloat16, ts._MODE_SOFTMAX, True),
+                                            (torch.bfloat16, ts._MODE_LOG, False),
+                                            (torch.bfloat16, ts._MODE_STATS, False),
+                                            (torch.float32, ts._MODE_STATS, True)):
+        x = special_rows(rand(37, 151936, dtype=table_dtype, seed=31))
         before = len(clustered)
         check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode), row_kernel(ts, x, DEFAULT_LEAVES, mode),
-                   f"table's choice, bf16 mode={mode}")
-        assert (len(clustered) > before) == want_cluster, mode
+                   f"table's choice, {table_dtype} mode={mode}")
+        assert (len(clustered) > before) == want_cluster, (table_dtype, mode)
     monkeypatch.setattr(gluon_softmax, "CLUSTERED",
                         frozenset((d, m) for d in (torch.float32, torch.bfloat16, torch.float16)
                                   for m in (0, 1, 2)))

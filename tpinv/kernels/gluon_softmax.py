@@ -102,11 +102,13 @@ HELD_CONFIG = {
 #: (:mod:`tpinv.kernels.gluon_softmax_cluster`; rows of up to eight leaves) rather than through
 #: global memory; H200, % of copy at 4096 / 1024 rows, same call: bf16 softmax 72.4 / 69.6
 #: against 64.7 / 61.6, fp32 log_softmax 81.4 / 77.6 against 78.8 / 76.3, fp32 softmax
-#: 78.2 / 74.3 against 74.6 / 72.0; slower in a cluster: bf16 log_softmax (79.4 against 81.7 at
-#: 4096 rows), the statistics (bf16 63.4 / 58.7 against 68.7 / 59.9, fp32 77.7 / 68.5 against
-#: 76.2 / 69.6), which meet once here and twice there.  Speed only: the same bits either way.
-CLUSTERED = frozenset({(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 2),
-                       (torch.float16, 2)})
+#: 78.2 / 74.3 against 74.6 / 72.0; the statistics, meeting once in a cluster as here (their
+#: sums to global slots, :func:`_combine_sums` after): fp32 85.9 / 78.4 against 76.0 / 70.0
+#: (77.7 / 68.5 meeting twice); slower in a cluster: bf16 log_softmax (79.4 against 81.7 at
+#: 4096 rows), bf16 statistics (63.7 / 58.3 against 68.6 / 59.7).  Speed only: the same bits
+#: either way.
+CLUSTERED = frozenset({(torch.float32, 0), (torch.float32, 1), (torch.float32, 2),
+                       (torch.bfloat16, 2), (torch.float16, 2)})
 
 
 @gluon.jit

@@ -17,8 +17,11 @@ meeting is one write of the leaf's fp32 bits into every program's shared memory 
 the row's parity choosing one of two sets of slots) and one cluster barrier (release, acquire),
 after which each program reads the row's values from its own shared memory.  The hardware keeps
 a cluster's programs resident together, so no launch order, residency or other kernel can make
-a meeting wait forever, and no global counter, slot or memset is needed; the statistics alone
-take the total in the kernel (a second meeting), so no second launch either.
+a meeting wait forever, and no global counter or memset is needed.  The statistics alone meet
+once, for the max: each leaf then writes its sum to the row's slot in global memory and goes on,
+and :func:`~tpinv.kernels.gluon_softmax._combine_sums` takes each row's total after the launch,
+as it does for the ticket kernel (a second meeting there cost fp32 statistics 9 points of copy
+bandwidth: docs/benchmarks.md, "The statistics in a cluster meet once").
 """
 from __future__ import annotations
 
@@ -28,8 +31,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.cluster_launch import clustered
-from tpinv.kernels.gluon_softmax import (_issue, _stagger, _sum_lanes, _thread_barrier,
-                                         _write_output, held_launch_options)
+from tpinv.kernels.gluon_softmax import (_combine_sums, _issue, _publish, _stagger, _sum_lanes,
+                                         _thread_barrier, _write_output, held_launch_options)
+from tpinv.kernels.launch import launch
 from tpinv.kernels.gluon_softmax_leaf import fold_lanes, leaf_extremes, shift_of
 
 __all__ = ["softmax_rows_clustered", "CLUSTER_LEAVES"]
@@ -102,26 +106,33 @@ def _nan_max_of(v, LEAVES: gl.constexpr):
 
 
 @gluon.jit
-def _row_of_leaves(a, b, c, row, leaf, parity, y_ptr, max_ptr, total_ptr, leaf_len, stride_y,
-                   lanes, MODE: gl.constexpr, LEAVES: gl.constexpr, STEPS: gl.constexpr,
+def _row_of_leaves(a, b, c, row, leaf, parity, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len,
+                   stride_y, lanes, MODE: gl.constexpr, LEAVES: gl.constexpr, STEPS: gl.constexpr,
                    A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr, TILE: gl.constexpr,
                    LOG2_TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
                    lanes_layout: gl.constexpr, fold_layout: gl.constexpr):
     """Leaf ``leaf`` of ``row``, already in ``a, b, c``: its max, the row's max from the
-    cluster's, its sum, the row's total, and (unless statistics alone) its output."""
+    cluster's, its sum, then (statistics alone) the sum into ``slot_ptr``'s row slot, or the row's
+    total from the cluster's sums and the leaf's output."""
     m_leaf, lo = leaf_extremes(a, b, c, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
                                lanes_layout)
     m = _nan_max_of(_meet(_MAX_MEETING, m_leaf, parity, LEAVES), LEAVES)
     shift = shift_of(m)
     acc = _sum_lanes(a, b, c, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE,
                      PARTIAL, lanes_layout)
-    total = _pair_tree_of(_meet(_SUM_MEETING, fold_lanes(acc, TILE, LOG2_TILE, fold_layout),
-                                parity, LEAVES), LEAVES)
+    s_leaf = fold_lanes(acc, TILE, LOG2_TILE, fold_layout)
     row64 = row.to(gl.int64)
-    if leaf == 0:
-        gl.store(max_ptr + row64, m)
-        gl.store(total_ptr + row64, total)
-    if MODE != 0:
+    if MODE == 0:
+        # the statistics alone: the leaf sum goes to the row's slot, nobody waits for it, and
+        # _combine_sums takes the row's total after the launch (as the ticket kernel's does)
+        _publish(slot_ptr + row64 * (2 * LEAVES) + LEAVES + leaf, s_leaf)
+        if leaf == 0:
+            gl.store(max_ptr + row64, m)
+    else:
+        total = _pair_tree_of(_meet(_SUM_MEETING, s_leaf, parity, LEAVES), LEAVES)
+        if leaf == 0:
+            gl.store(max_ptr + row64, m)
+            gl.store(total_ptr + row64, total)
         _write_output(a, b, c, y_ptr + row64 * stride_y + leaf.to(gl.int64) * leaf_len, shift,
                       total, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL,
                       lanes_layout)
@@ -130,8 +141,8 @@ def _row_of_leaves(a, b, c, row, leaf, parity, y_ptr, max_ptr, total_ptr, leaf_l
 
 
 @gluon.jit
-def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, sync_ptr, n_rows, leaf_len,
-                            stride_x, stride_y, stagger_ns, MODE: gl.constexpr,
+def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n_rows,
+                            leaf_len, stride_x, stride_y, stagger_ns, MODE: gl.constexpr,
                             LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr, BLOCK: gl.constexpr,
                             TILE: gl.constexpr, LOG2_TILE: gl.constexpr, LIVE: gl.constexpr,
                             PARTIAL: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr,
@@ -157,9 +168,9 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, sync_ptr, n_rows, 
     while row < n_rows:
         async_copy.wait_group(0)
         _thread_barrier()
-        _row_of_leaves(a, b, c, row, leaf, parity, y_ptr, max_ptr, total_ptr, leaf_len, stride_y,
-                       lanes, MODE, LEAVES, STEPS, A, B, BLOCK, TILE, LOG2_TILE, LIVE, PARTIAL,
-                       lanes_layout, fold_layout)
+        _row_of_leaves(a, b, c, row, leaf, parity, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len,
+                       stride_y, lanes, MODE, LEAVES, STEPS, A, B, BLOCK, TILE, LOG2_TILE, LIVE,
+                       PARTIAL, lanes_layout, fold_layout)
         row += n_clusters
         parity = 1 - parity
         _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes, LEAVES,
@@ -183,7 +194,14 @@ def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mo
     # staggered starts: an arrival count per SM (int32, zero before the launch); else unread
     sync = (torch.zeros(1024, dtype=torch.int32, device=rows.device) if staggered
             else torch.empty(1, dtype=torch.int32, device=rows.device))
-    args = (rows, target, max_, total, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
-            stagger_ns if staggered else 0)
+    # the statistics alone: each leaf's sum, in the ticket kernel's slot layout (every slot read
+    # by _combine_sums is written first, so nothing is zeroed); else unread
+    slots = torch.empty(n_rows * 2 * leaves if mode == 0 else 1, dtype=torch.int64,
+                        device=rows.device)
+    args = (rows, target, max_, total, slots, sync, n_rows, leaf_len, rows.stride(0),
+            target.stride(0), stagger_ns if staggered else 0)
     kernel = clustered(_softmax_cluster_kernel, args, options, leaves)
     kernel.launch(max(1, min(n_rows, n_programs // leaves, kernel.max_clusters)), args, options)
+    if mode == 0:
+        launch(_combine_sums, (n_rows,), slots, total, LEAVES=leaves,
+               LOG2_LEAVES=leaves.bit_length() - 1, num_warps=1)
