@@ -11,6 +11,8 @@ leaf).  Skips without CUDA.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -208,6 +210,35 @@ def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs,
                 got = bl.softmax_rows_by_leaves(x, leaves, mode, held_config=config)
                 check_same(got, want, f"cluster {dtype} leaves={leaves} width={width} mode={mode} {config}")
                 assert len(clustered) == before + 1, (leaves, width, mode, config)
+
+
+@pytest.mark.parametrize("clustered", [True, False])
+def test_a_leaf_read_partly_from_memory_gives_the_row_kernel_s_bytes(clustered, held_runs,
+                                                                    monkeypatch):
+    """fp32 Qwen3 leaves at three programs an SM hold 4 of their 5 steps and 4 of the last
+    step's 6 tiles in shared memory and read the other 560 elements from memory in every pass
+    (the table's shape for fp32 log_softmax and softmax): the row kernel's bytes in every mode,
+    in a cluster and with tickets, NaN, infinities and -inf rows included.  Control: at two
+    programs an SM the whole leaf is held."""
+    ts, bl = mods()
+    if not bl.HELD[0]:
+        pytest.skip("only the held kernel holds a leaf")
+    from tpinv.kernels import gluon_softmax
+    from tpinv.kernels.triton_softmax import leaf_block
+    if not clustered:
+        monkeypatch.setattr(gluon_softmax, "CLUSTERED", frozenset())
+    leaf_len = 151936 // DEFAULT_LEAVES
+    options = functools.partial(gluon_softmax.held_launch_options, 4, leaf_len, DEFAULT_LEAVES, 1,
+                                leaf_block(leaf_len), 4)
+    assert (options(3, 0)["HELD"], options(3, 0)["LIVE"]) == (4, 6)
+    assert options(2, 0)["HELD"] == options(2, 0)["LIVE"] == 6        # control: all held
+    x = special_rows(rand(41, 151936, seed=43))
+    for mode in (ts._MODE_STATS, ts._MODE_LOG, ts._MODE_SOFTMAX):
+        before = len(held_runs)
+        got = bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode, held_config=(4, 3, 0))
+        check_same(got, row_kernel(ts, x, DEFAULT_LEAVES, mode),
+                   f"fp32 mode={mode} clustered={clustered}, leaf partly in memory")
+        assert len(held_runs) == before + 1, mode
 
 
 def test_a_misaligned_row_stride_reads_through_l2(held_runs):

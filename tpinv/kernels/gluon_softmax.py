@@ -24,6 +24,9 @@ A leaf is held as its ``BLOCK``-wide steps in up to three power-of-two buffers (
 each step copied and read a tile of the row layout at a time; the last step's tiles that lie
 wholly past the leaf's end are neither copied nor read (their lanes would add ``+0``, which
 leaves a sum as it is: a Qwen3 leaf of 18,992 elements computes 19,456 lanes, not 20,480).
+Where the whole leaf does not fit the table's programs an SM, the last step's last tiles are
+read from global memory in every pass instead (:func:`held_buffers`; fp32 at three programs an
+SM: 560 of 18,992 elements), the same operations on the same values.
 fp32 softmax writes each exp of its sum over its element, so its output pass divides without
 a second exp.
 
@@ -58,10 +61,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fold_layout_of,
                                              fold_lanes, held_tile, leaf_extremes, leaf_sum,
-                                             live_tiles, nan_max, pair_tree,
+                                             leaf_tile, live_tiles, nan_max, pair_tree,
                                              quotient_by_reciprocal, reciprocal_divides_exactly,
-                                             shift_of, tile_holds_elements, tile_is_partial,
-                                             tile_lanes_of)
+                                             shift_of, tile_holds_elements, tile_in_memory,
+                                             tile_is_partial, tile_lanes_of)
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
 
@@ -72,6 +75,9 @@ __all__ = ["softmax_rows_held", "held_plan", "register_cap", "HELD_CONFIG", "CLU
 SMEM_BUDGET = 100 * 1024
 #: 32-bit registers of one SM (sm_90).
 REGISTERS_PER_SM = 64 * 1024
+#: Shared memory of one SM (sm_90, bytes), and what the driver keeps of it for each program.
+SM_SHARED = 228 * 1024
+RESERVED_PER_PROGRAM = 1024
 #: The cp.async copy from global to shared memory (renamed ``async_load`` after Triton 3.6).
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: The CTA-wide barrier (``thread_barrier`` before Triton 3.7, ``barrier`` after).
@@ -89,10 +95,13 @@ _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 #: (five: 58 / 55), fp32 73 / 70 at 8 warps (4: 72 / 69); then, read by tiles (the last
 #: step's empty tiles skipped) and fp32 softmax keeping its exps, bf16 softmax 64.5 / 61.4 at
 #: five programs (four: 62.6 / 59.8), fp32 softmax 74.8 / 71.9 at 4 warps (8: 72.0 / 69.5), fp32
-#: statistics 75.9 / 69.6 at 4 warps (8: 72.5 / 67.1).  None would send the case to the L2
-#: kernel.  Speed only: no choice here moves a bit.
+#: statistics 75.9 / 69.6 at 4 warps (8: 72.5 / 67.1); then fp32 log_softmax and softmax at
+#: three programs an SM, two of a leaf's tiles read from memory (:func:`held_buffers`), in a
+#: cluster: 84.8 / 82.6 and 83.7 / 79.8 against 81.0 / 78.5 and 79.2 / 75.7 at two (the
+#: statistics 83.9 / 76.6 against 85.1 / 78.0: kept at two).  None would send the case to the
+#: L2 kernel.  Speed only: no choice here moves a bit.
 HELD_CONFIG = {
-    (torch.float32, 0): (4, 2, 0), (torch.float32, 1): (4, 2, 0), (torch.float32, 2): (4, 2, 0),
+    (torch.float32, 0): (4, 2, 0), (torch.float32, 1): (4, 3, 0), (torch.float32, 2): (4, 3, 0),
     (torch.bfloat16, 0): (4, 5, 2000), (torch.bfloat16, 1): (4, 5, 3000),
     (torch.bfloat16, 2): (4, 5, 2000),
     (torch.float16, 0): (4, 5, 2000), (torch.float16, 1): (4, 5, 3000),
@@ -132,17 +141,19 @@ def _gather(slot_ptr, ids):
 @gluon.jit
 def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.constexpr,
            STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
-           TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr):
+           TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr):
     """Start the cp.async copies of ``item``'s leaf into ``a, b, c`` (none past the last item,
-    none for a tile wholly past the leaf's end) and close them as one group: no registers are
-    held while they fly."""
+    none for a tile wholly past the leaf's end or read from memory, :func:`tile_in_memory`) and
+    close them as one group: no registers are held while they fly."""
     if item < n_items:
         row = (item // LEAVES).to(gl.int64)
         x_leaf = x_ptr + row * stride_x + (item % LEAVES).to(gl.int64) * leaf_len
         for k in gl.static_range(STEPS):
             for t in gl.static_range(BLOCK // TILE):
                 offs = k * BLOCK + t * TILE + lanes
-                if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
+                if tile_in_memory(k, t, STEPS, HELD):
+                    pass
+                elif tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
                     _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
                                 mask=offs < leaf_len, eviction_policy="evict_first")
                 elif tile_holds_elements(k, t, STEPS, LIVE):
@@ -152,25 +163,28 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
 
 
 @gluon.jit
-def _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE: gl.constexpr,
-                STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
-                TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
-                lanes_layout: gl.constexpr, FAST: gl.constexpr, KEPT_EXP: gl.constexpr):
+def _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len,
+                MODE: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                BLOCK: gl.constexpr, TILE: gl.constexpr, LIVE: gl.constexpr,
+                PARTIAL: gl.constexpr, HELD: gl.constexpr, lanes_layout: gl.constexpr,
+                FAST: gl.constexpr, KEPT_EXP: gl.constexpr):
     """The leaf's output from shared memory, the row kernel's per-element formula: ``(x - shift)
     - log(total)`` (``MODE`` 1) or ``div_rn(exp(x - shift), total)``, with ``FAST`` (where
     :func:`reciprocal_divides_exactly` holds) the hardware ex2 alone and the quotient from the
     row's reciprocal ``recip`` (:func:`quotient_by_reciprocal`): the same bits.  With
-    ``KEPT_EXP`` the leaf holds the sum's ``exp(x - shift)`` (:func:`leaf_sum`), not ``x``."""
+    ``KEPT_EXP`` the leaf holds the sum's ``exp(x - shift)`` (:func:`leaf_sum`), not ``x``, in
+    its held tiles; a tile read from memory takes its exps again (the same bits)."""
     for k in gl.static_range(STEPS):
         for t in gl.static_range(BLOCK // TILE):
             if tile_holds_elements(k, t, STEPS, LIVE):   # a tile past the leaf's end: nothing
                 offs = k * BLOCK + t * TILE + lanes
-                held = held_tile(a, b, c, k, t, A, B, BLOCK, TILE).load(lanes_layout)
+                held = leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, lanes, leaf_len,
+                                 lanes_layout, STEPS, LIVE, PARTIAL, HELD)
                 held = held.to(gl.float32)
                 if MODE == 1:
                     y = (held - shift) - gl.log(total)
                 else:
-                    if KEPT_EXP:   # the sum's exps, kept in the leaf
+                    if KEPT_EXP and not tile_in_memory(k, t, STEPS, HELD):   # the sum's exps
                         e = held
                     elif FAST:
                         e = exp_shifted(held - shift, True)
@@ -188,66 +202,68 @@ def _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE: gl.
 
 
 @gluon.jit
-def _sum_lanes(a, b, c, shift, lo, lanes, leaf_len, MODE: gl.constexpr, STEPS: gl.constexpr,
-               A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr, TILE: gl.constexpr,
-               LIVE: gl.constexpr, PARTIAL: gl.constexpr, lanes_layout: gl.constexpr):
+def _sum_lanes(a, b, c, x_leaf, shift, lo, lanes, leaf_len, MODE: gl.constexpr,
+               STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
+               TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
+               HELD: gl.constexpr, lanes_layout: gl.constexpr):
     """The leaf's sum lanes (:func:`leaf_sum`) for a leaf whose least element is ``lo``, each exp
     the hardware ex2 alone where ``lo`` shows it is (-inf, NaN or a value about 87.3 below the
     row max in the leaf take the general exp); fp32 softmax keeps each exp in the leaf in place
     of its element, for its quotients."""
     KEEP: gl.constexpr = MODE == 2 and a.dtype == gl.float32
     if exp_never_flushes(lo, shift):
-        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
-                       lanes_layout, True, KEEP)
+        acc = leaf_sum(a, b, c, x_leaf, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
+                       PARTIAL, HELD, lanes_layout, True, KEEP)
     else:
-        acc = leaf_sum(a, b, c, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
-                       lanes_layout, False, KEEP)
+        acc = leaf_sum(a, b, c, x_leaf, shift, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
+                       PARTIAL, HELD, lanes_layout, False, KEEP)
     return acc
 
 
 @gluon.jit
-def _write_output(a, b, c, y_leaf, shift, total, lo, lanes, leaf_len, MODE: gl.constexpr,
-                  STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
-                  TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
-                  lanes_layout: gl.constexpr):
+def _write_output(a, b, c, x_leaf, y_leaf, shift, total, lo, lanes, leaf_len,
+                  MODE: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                  BLOCK: gl.constexpr, TILE: gl.constexpr, LIVE: gl.constexpr,
+                  PARTIAL: gl.constexpr, HELD: gl.constexpr, lanes_layout: gl.constexpr):
     """The leaf's output (``MODE`` 1: log_softmax, 2: softmax) by :func:`_write_leaf`, softmax's
     quotients from the row's reciprocal where :func:`reciprocal_divides_exactly` holds for the
     leaf's least element ``lo``, by ``div_rn`` elsewhere (the same bits)."""
     if MODE == 1:
-        _write_leaf(a, b, c, y_leaf, shift, total, total, lanes, leaf_len, MODE, STEPS, A, B,
-                    BLOCK, TILE, LIVE, PARTIAL, lanes_layout, False, False)
+        _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, total, lanes, leaf_len, MODE, STEPS,
+                    A, B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout, False, False)
     else:
         KEEP: gl.constexpr = a.dtype == gl.float32     # the sum kept its exps (_sum_lanes)
         recip = gl.div_rn(1.0, total)
         if reciprocal_divides_exactly(lo, shift, total):
-            _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
-                        A, B, BLOCK, TILE, LIVE, PARTIAL, lanes_layout, True, KEEP)
+            _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len, MODE,
+                        STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout, True, KEEP)
         else:
-            _write_leaf(a, b, c, y_leaf, shift, total, recip, lanes, leaf_len, MODE, STEPS,
-                        A, B, BLOCK, TILE, LIVE, PARTIAL, lanes_layout, False, KEEP)
+            _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len, MODE,
+                        STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout, False, KEEP)
 
 
 @gluon.jit
-def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_y, lanes,
-             leaf_ids, MODE: gl.constexpr, LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr,
-             STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
-             TILE: gl.constexpr, LOG2_TILE: gl.constexpr, LIVE: gl.constexpr,
-             PARTIAL: gl.constexpr, lanes_layout: gl.constexpr, small_layout: gl.constexpr,
-             fold_layout: gl.constexpr):
+def _process(a, b, c, item, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_x,
+             stride_y, lanes, leaf_ids, MODE: gl.constexpr, LEAVES: gl.constexpr,
+             LOG2_LEAVES: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+             BLOCK: gl.constexpr, TILE: gl.constexpr, LOG2_TILE: gl.constexpr,
+             LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr,
+             lanes_layout: gl.constexpr, small_layout: gl.constexpr, fold_layout: gl.constexpr):
     """``item``'s leaf, already in ``a, b, c`` (what lies past its end is read as -inf): its max,
     the row's meetings, its sum and, unless statistics alone, its output."""
     row = (item // LEAVES).to(gl.int64)
     leaf = item % LEAVES
     slots = slot_ptr + row * (2 * LEAVES)   # the leaf maxima, then the leaf sums
+    x_leaf = x_ptr + row * stride_x + leaf.to(gl.int64) * leaf_len   # for tiles not held
     # 1. the leaf's exact max and its least element, then the row's max from every leaf's
-    m_leaf, lo = leaf_extremes(a, b, c, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
-                               lanes_layout)
+    m_leaf, lo = leaf_extremes(a, b, c, x_leaf, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
+                               PARTIAL, HELD, lanes_layout)
     _publish(slots + leaf, m_leaf)
     m = nan_max(_gather(slots, leaf_ids))
     shift = shift_of(m)
     # 2. the leaf's sum
-    acc = _sum_lanes(a, b, c, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE,
-                     PARTIAL, lanes_layout)
+    acc = _sum_lanes(a, b, c, x_leaf, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE,
+                     LIVE, PARTIAL, HELD, lanes_layout)
     _publish(slots + LEAVES + leaf, fold_lanes(acc, TILE, LOG2_TILE, fold_layout))
     if MODE == 0:
         # the statistics alone: nobody waits; _combine_sums takes the row's total after the launch
@@ -260,8 +276,8 @@ def _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, strid
             gl.store(total_ptr + row, total)
         # 3. the leaf's output from shared memory
         y_leaf = y_ptr + row * stride_y + leaf.to(gl.int64) * leaf_len
-        _write_output(a, b, c, y_leaf, shift, total, lo, lanes, leaf_len, MODE, STEPS, A, B,
-                      BLOCK, TILE, LIVE, PARTIAL, lanes_layout)
+        _write_output(a, b, c, x_leaf, y_leaf, shift, total, lo, lanes, leaf_len, MODE, STEPS, A,
+                      B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout)
     # the buffers are copied into again next: every thread is past its last read of them
     _thread_barrier()
 
@@ -292,7 +308,8 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
                          stride_x, stride_y, stagger_ns, MODE: gl.constexpr, LEAVES: gl.constexpr,
                          LOG2_LEAVES: gl.constexpr, BLOCK: gl.constexpr, TILE: gl.constexpr,
                          LOG2_TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
-                         STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, C: gl.constexpr,
+                         HELD: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr,
+                         B: gl.constexpr, C_LANES: gl.constexpr,
                          VEC: gl.constexpr, STAGGER: gl.constexpr, fold_layout: gl.constexpr,
                          num_warps: gl.constexpr):
     lanes_layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [num_warps], [0])
@@ -301,7 +318,7 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     a = gl.allocate_shared_memory(dtype, [A * BLOCK], held_layout)
     b = gl.allocate_shared_memory(dtype, [B * BLOCK if B > 0 else 16], held_layout)
-    c = gl.allocate_shared_memory(dtype, [C * BLOCK if C > 0 else 16], held_layout)
+    c = gl.allocate_shared_memory(dtype, [C_LANES], held_layout)
     lanes = gl.arange(0, TILE, layout=lanes_layout)   # one tile of the row layout
     # every thread holds all of a row's slots: a poll reduces in-thread, with no shuffle inside
     # the polling loop (lanes leave it at different polls; a warp-wide shuffle there would
@@ -313,16 +330,16 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
         _stagger(sync_ptr + 2, stagger_ns, STAGGER)
     item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B, BLOCK,
-           TILE, LIVE, PARTIAL)
+           TILE, LIVE, PARTIAL, HELD)
     while item < n_items:
         async_copy.wait_group(0)
         _thread_barrier()
-        _process(a, b, c, item, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_y, lanes,
-                 leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, TILE, LOG2_TILE, LIVE,
-                 PARTIAL, lanes_layout, small_layout, fold_layout)
+        _process(a, b, c, item, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_x,
+                 stride_y, lanes, leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, TILE,
+                 LOG2_TILE, LIVE, PARTIAL, HELD, lanes_layout, small_layout, fold_layout)
         item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
         _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B,
-               BLOCK, TILE, LIVE, PARTIAL)
+               BLOCK, TILE, LIVE, PARTIAL, HELD)
 
 
 @triton.jit
@@ -339,6 +356,32 @@ def _powers(steps: int) -> tuple[int, int, int]:
     """``steps`` as ``A + B + C``, powers of two from the largest (0 where unused)."""
     parts = [1 << i for i in reversed(range(steps.bit_length())) if steps >> i & 1]
     return tuple(parts + [0] * (3 - len(parts)))
+
+
+def held_buffers(steps: int, block: int, tile: int, live: int, element_size: int,
+                 per_sm: float) -> tuple[int, int, int, int]:
+    """``(A, B, C_LANES, HELD)``: the leaf's ``steps`` held in three power-of-two shared buffers,
+    ``A`` and ``B`` steps and ``C_LANES`` lanes, so that ``per_sm`` programs share one SM's
+    :data:`SM_SHARED`.  Where the whole leaf fits a program's share, ``HELD`` is every ``live``
+    tile of the last step; else the steps before the last are held (where they are at most two
+    powers of two) with the last step's first ``HELD`` tiles (a power of two) in the third
+    buffer, and its other tiles are read from global memory in every pass
+    (:func:`~tpinv.kernels.gluon_softmax_leaf.tile_in_memory`; an fp32 Qwen3 leaf at three
+    programs an SM: 4 steps and 4 of the last step's 6 tiles held, 560 of 18,992 elements
+    read from memory).  Where neither fits, the whole leaf (the driver then places fewer
+    programs).  Speed only: where an element is read from moves no bit."""
+    a, b, c = _powers(steps)
+    whole = (a, b, c * block if c else 16, live)
+    share = (SM_SHARED // math.ceil(per_sm) - RESERVED_PER_PROGRAM
+             - 4 * tile - 256)   # beside the leaf: the fold's exchange, a cluster's slots
+    if steps * block * element_size <= share:
+        return whole
+    a, b, c = _powers(steps - 1)
+    room = share - (steps - 1) * block * element_size
+    if c or room < tile * element_size:
+        return whole
+    held = 1 << (min(live, room // (tile * element_size)).bit_length() - 1)
+    return a, b, held * tile, held
 
 
 def held_plan(rows: torch.Tensor, leaves: int, block: int, mode: int,
@@ -371,15 +414,16 @@ def held_launch_options(element_size: int, leaf_len: int, leaves: int, mode: int
     ``element_size`` bytes (what :func:`softmax_rows_held` launches with), kept per shape and
     read-only."""
     steps = cdiv(leaf_len, block)
-    a, b, c = _powers(steps)
     vec = 16 // element_size
     tile = tile_lanes_of(vec, num_warps, block)
     live, partial = live_tiles(leaf_len, block, tile)
+    a, b, c_lanes, held = held_buffers(steps, block, tile, live, element_size, per_sm)
     cap = register_cap(num_warps, per_sm)
     stagger = math.ceil(per_sm) if stagger_ns > 0 and per_sm > 1 else 0   # started in turn
     return types.MappingProxyType(dict(
         MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block, TILE=tile,
-        LOG2_TILE=tile.bit_length() - 1, LIVE=live, PARTIAL=partial, STEPS=steps, A=a, B=b, C=c,
+        LOG2_TILE=tile.bit_length() - 1, LIVE=live, PARTIAL=partial, HELD=held, STEPS=steps,
+        A=a, B=b, C_LANES=c_lanes,
         VEC=vec, STAGGER=stagger, fold_layout=fold_layout_of(tile, num_warps),
         num_warps=num_warps, enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap})))
 

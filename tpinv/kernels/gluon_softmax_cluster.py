@@ -106,22 +106,24 @@ def _nan_max_of(v, LEAVES: gl.constexpr):
 
 
 @gluon.jit
-def _row_of_leaves(a, b, c, row, leaf, parity, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len,
-                   stride_y, lanes, MODE: gl.constexpr, LEAVES: gl.constexpr, STEPS: gl.constexpr,
-                   A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr, TILE: gl.constexpr,
-                   LOG2_TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
-                   lanes_layout: gl.constexpr, fold_layout: gl.constexpr):
+def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr,
+                   leaf_len, stride_x, stride_y, lanes, MODE: gl.constexpr, LEAVES: gl.constexpr,
+                   STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
+                   TILE: gl.constexpr, LOG2_TILE: gl.constexpr, LIVE: gl.constexpr,
+                   PARTIAL: gl.constexpr, HELD: gl.constexpr, lanes_layout: gl.constexpr,
+                   fold_layout: gl.constexpr):
     """Leaf ``leaf`` of ``row``, already in ``a, b, c``: its max, the row's max from the
     cluster's, its sum, then (statistics alone) the sum into ``slot_ptr``'s row slot, or the row's
     total from the cluster's sums and the leaf's output."""
-    m_leaf, lo = leaf_extremes(a, b, c, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL,
-                               lanes_layout)
+    row64 = row.to(gl.int64)
+    x_leaf = x_ptr + row64 * stride_x + leaf.to(gl.int64) * leaf_len   # for tiles not held
+    m_leaf, lo = leaf_extremes(a, b, c, x_leaf, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
+                               PARTIAL, HELD, lanes_layout)
     m = _nan_max_of(_meet(_MAX_MEETING, m_leaf, parity, LEAVES), LEAVES)
     shift = shift_of(m)
-    acc = _sum_lanes(a, b, c, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE,
-                     PARTIAL, lanes_layout)
+    acc = _sum_lanes(a, b, c, x_leaf, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE,
+                     LIVE, PARTIAL, HELD, lanes_layout)
     s_leaf = fold_lanes(acc, TILE, LOG2_TILE, fold_layout)
-    row64 = row.to(gl.int64)
     if MODE == 0:
         # the statistics alone: the leaf sum goes to the row's slot, nobody waits for it, and
         # _combine_sums takes the row's total after the launch (as the ticket kernel's does)
@@ -133,9 +135,9 @@ def _row_of_leaves(a, b, c, row, leaf, parity, y_ptr, max_ptr, total_ptr, slot_p
         if leaf == 0:
             gl.store(max_ptr + row64, m)
             gl.store(total_ptr + row64, total)
-        _write_output(a, b, c, y_ptr + row64 * stride_y + leaf.to(gl.int64) * leaf_len, shift,
-                      total, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL,
-                      lanes_layout)
+        _write_output(a, b, c, x_leaf, y_ptr + row64 * stride_y + leaf.to(gl.int64) * leaf_len,
+                      shift, total, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE,
+                      PARTIAL, HELD, lanes_layout)
     # the buffers are copied into again next: every thread is past its last read of them
     _thread_barrier()
 
@@ -145,8 +147,9 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr
                             leaf_len, stride_x, stride_y, stagger_ns, MODE: gl.constexpr,
                             LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr, BLOCK: gl.constexpr,
                             TILE: gl.constexpr, LOG2_TILE: gl.constexpr, LIVE: gl.constexpr,
-                            PARTIAL: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr,
-                            B: gl.constexpr, C: gl.constexpr, VEC: gl.constexpr,
+                            PARTIAL: gl.constexpr, HELD: gl.constexpr,
+                            STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                            C_LANES: gl.constexpr, VEC: gl.constexpr,
                             STAGGER: gl.constexpr, fold_layout: gl.constexpr,
                             num_warps: gl.constexpr):
     lanes_layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [num_warps], [0])
@@ -154,7 +157,7 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     a = gl.allocate_shared_memory(dtype, [A * BLOCK], held_layout)
     b = gl.allocate_shared_memory(dtype, [B * BLOCK if B > 0 else 16], held_layout)
-    c = gl.allocate_shared_memory(dtype, [C * BLOCK if C > 0 else 16], held_layout)
+    c = gl.allocate_shared_memory(dtype, [C_LANES], held_layout)
     lanes = gl.arange(0, TILE, layout=lanes_layout)   # one tile of the row layout
     leaf = gl.program_id(0) % LEAVES                  # this program's rank in its cluster
     row = gl.program_id(0) // LEAVES                  # its cluster's first row
@@ -163,18 +166,18 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr
     if STAGGER > 1:
         _stagger(sync_ptr, stagger_ns, STAGGER)
     _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes, LEAVES, STEPS,
-           A, B, BLOCK, TILE, LIVE, PARTIAL)
+           A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
     parity = 0
     while row < n_rows:
         async_copy.wait_group(0)
         _thread_barrier()
-        _row_of_leaves(a, b, c, row, leaf, parity, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len,
-                       stride_y, lanes, MODE, LEAVES, STEPS, A, B, BLOCK, TILE, LOG2_TILE, LIVE,
-                       PARTIAL, lanes_layout, fold_layout)
+        _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr,
+                       leaf_len, stride_x, stride_y, lanes, MODE, LEAVES, STEPS, A, B, BLOCK, TILE,
+                       LOG2_TILE, LIVE, PARTIAL, HELD, lanes_layout, fold_layout)
         row += n_clusters
         parity = 1 - parity
         _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes, LEAVES,
-               STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL)
+               STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
 
 
 def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mode: int,

@@ -22,8 +22,9 @@ from tpinv.kernels.launch import cdiv
 
 __all__ = ["nan_max", "shift_of", "leaf_max_and_min", "exp_shifted",
            "exp_never_flushes", "quotient_by_reciprocal", "reciprocal_divides_exactly",
-           "leaf_extremes", "leaf_sum", "fold_lanes", "pair_tree", "held_step", "held_tile",
-           "held_tile_fp32", "tile_holds_elements", "tile_is_partial", "fold_layout_of",
+           "leaf_extremes", "leaf_sum", "fold_lanes", "pair_tree", "held_tile",
+           "held_tile_fp32", "leaf_tile", "tile_holds_elements", "tile_is_partial",
+           "tile_in_memory", "fold_layout_of",
            "tile_lanes_of", "live_tiles"]
 
 #: log2(e), as Triton's exp multiplies by it (an fp32 operand rounds it to fp32).
@@ -118,51 +119,55 @@ def reciprocal_divides_exactly(lo, shift, total):
 
 
 @gluon.jit
-def _tile_sum(a, b, c, t: gl.constexpr, shift, tile_lanes, leaf_len, A: gl.constexpr,
+def _tile_sum(a, b, c, x_leaf, t: gl.constexpr, shift, tile_lanes, leaf_len, A: gl.constexpr,
               B: gl.constexpr, BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr,
-              LIVE: gl.constexpr, PARTIAL: gl.constexpr, layout: gl.constexpr,
-              FLUSH_FREE: gl.constexpr, KEEP_EXP: gl.constexpr):
+              LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr,
+              layout: gl.constexpr, FLUSH_FREE: gl.constexpr, KEEP_EXP: gl.constexpr):
     """The lanes of tile ``t`` (lanes ``t * TILE ...``): lane ``i`` adds ``exp(x - shift)`` of
     the leaf's elements ``i, i + BLOCK, ...`` in order from ``+0``, skipping the last step where
     the tile lies past the leaf's end (the row kernel adds ``exp(-inf) = +0`` there, which leaves
     every sum as it is)."""
     acc = gl.zeros([TILE], gl.float32, layout)
     if KEEP_EXP:
-        acc = _steps_keeping_exp(a, b, c, t, 0, acc, shift, tile_lanes, leaf_len, A, B, BLOCK,
-                                 TILE, STEPS, LIVE, PARTIAL, layout, FLUSH_FREE)
+        acc = _steps_keeping_exp(a, b, c, x_leaf, t, 0, acc, shift, tile_lanes, leaf_len, A, B,
+                                 BLOCK, TILE, STEPS, LIVE, PARTIAL, HELD, layout, FLUSH_FREE)
     else:
         for k in gl.static_range(STEPS):
             if tile_holds_elements(k, t, STEPS, LIVE):
-                x = held_tile_fp32(a, b, c, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len,
-                                   layout, STEPS, LIVE, PARTIAL)
+                x = held_tile_fp32(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes,
+                                   leaf_len, layout, STEPS, LIVE, PARTIAL, HELD)
                 acc += exp_shifted(x - shift, FLUSH_FREE)
     return acc
 
 
 @gluon.jit
-def _steps_keeping_exp(a, b, c, t: gl.constexpr, k: gl.constexpr, acc, shift, tile_lanes,
-                       leaf_len, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
-                       TILE: gl.constexpr, STEPS: gl.constexpr, LIVE: gl.constexpr,
-                       PARTIAL: gl.constexpr, layout: gl.constexpr, FLUSH_FREE: gl.constexpr):
+def _steps_keeping_exp(a, b, c, x_leaf, t: gl.constexpr, k: gl.constexpr, acc, shift,
+                       tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
+                       BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr,
+                       LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr,
+                       layout: gl.constexpr, FLUSH_FREE: gl.constexpr):
     """:func:`_tile_sum`'s steps ``k, k + 1, ...`` of tile ``t``, each ``exp`` then written over
     its element: every step is read (and added, in order) before any is written, so the
     compiler's shared-memory barrier falls once a tile, not once a step (each thread writes only
     what it read, but the compiler orders every read of a region before a write to it)."""
     if tile_holds_elements(k, t, STEPS, LIVE):
-        x = held_tile_fp32(a, b, c, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len, layout, STEPS,
-                           LIVE, PARTIAL)
+        x = held_tile_fp32(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len,
+                           layout, STEPS, LIVE, PARTIAL, HELD)
         e = exp_shifted(x - shift, FLUSH_FREE)
-        acc = _steps_keeping_exp(a, b, c, t, k + 1, acc + e, shift, tile_lanes, leaf_len, A, B,
-                                 BLOCK, TILE, STEPS, LIVE, PARTIAL, layout, FLUSH_FREE)
-        held_tile(a, b, c, k, t, A, B, BLOCK, TILE).store(e)
+        acc = _steps_keeping_exp(a, b, c, x_leaf, t, k + 1, acc + e, shift, tile_lanes, leaf_len,
+                                 A, B, BLOCK, TILE, STEPS, LIVE, PARTIAL, HELD, layout,
+                                 FLUSH_FREE)
+        if not tile_in_memory(k, t, STEPS, HELD):   # a tile read from memory keeps no exps
+            held_tile(a, b, c, k, t, A, B, BLOCK, TILE).store(e)
     return acc
 
 
 @gluon.jit
-def leaf_sum(a, b, c, shift, tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
+def leaf_sum(a, b, c, x_leaf, shift, tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
              BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr, LIVE: gl.constexpr,
-             PARTIAL: gl.constexpr, layout: gl.constexpr, FLUSH_FREE: gl.constexpr,
-             KEEP_EXP: gl.constexpr, FIRST: gl.constexpr = 0, STRIDE: gl.constexpr = 1):
+             PARTIAL: gl.constexpr, HELD: gl.constexpr, layout: gl.constexpr,
+             FLUSH_FREE: gl.constexpr, KEEP_EXP: gl.constexpr, FIRST: gl.constexpr = 0,
+             STRIDE: gl.constexpr = 1):
     """The row kernel's ``BLOCK`` lanes of the leaf's sum (:func:`_tile_sum`, a tile of them at a
     time), folded by contiguous halving down to one tile: lane ``i`` plus lane ``i + n/2`` while
     the pair lies in one thread (tiles ``t`` and ``t + n/2``), i.e. the fold's first
@@ -171,13 +176,14 @@ def leaf_sum(a, b, c, shift, tile_lanes, leaf_len, A: gl.constexpr, B: gl.conste
     it copied, so no barrier is needed after the max pass.  With ``KEEP_EXP`` (an fp32 leaf)
     each ``exp`` replaces its element in the leaf, for softmax's quotients to read back."""
     if STRIDE * TILE == BLOCK:
-        lanes = _tile_sum(a, b, c, FIRST, shift, tile_lanes, leaf_len, A, B, BLOCK, TILE, STEPS,
-                          LIVE, PARTIAL, layout, FLUSH_FREE, KEEP_EXP)
+        lanes = _tile_sum(a, b, c, x_leaf, FIRST, shift, tile_lanes, leaf_len, A, B, BLOCK, TILE,
+                          STEPS, LIVE, PARTIAL, HELD, layout, FLUSH_FREE, KEEP_EXP)
     else:
-        lanes = (leaf_sum(a, b, c, shift, tile_lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
-                          PARTIAL, layout, FLUSH_FREE, KEEP_EXP, FIRST, 2 * STRIDE)
-                 + leaf_sum(a, b, c, shift, tile_lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
-                            PARTIAL, layout, FLUSH_FREE, KEEP_EXP, FIRST + STRIDE, 2 * STRIDE))
+        lanes = (leaf_sum(a, b, c, x_leaf, shift, tile_lanes, leaf_len, A, B, BLOCK, TILE, STEPS,
+                          LIVE, PARTIAL, HELD, layout, FLUSH_FREE, KEEP_EXP, FIRST, 2 * STRIDE)
+                 + leaf_sum(a, b, c, x_leaf, shift, tile_lanes, leaf_len, A, B, BLOCK, TILE,
+                            STEPS, LIVE, PARTIAL, HELD, layout, FLUSH_FREE, KEEP_EXP,
+                            FIRST + STRIDE, 2 * STRIDE))
     return lanes
 
 
@@ -217,43 +223,68 @@ def tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
     return k == STEPS - 1 and t == LIVE - 1 and PARTIAL
 
 
-@gluon.jit
-def held_step(a, b, c, k: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr):
-    """Step ``k`` of the held leaf: steps ``[0, A)`` live in ``a``, ``[A, A + B)`` in ``b``, the
-    rest in ``c`` (shared-memory shapes are powers of two, so a leaf of, say, 5 steps is 4 + 1)."""
-    if k < A:
-        return a.slice(k * BLOCK, BLOCK)
-    elif k < A + B:
-        return b.slice((k - A) * BLOCK, BLOCK)
-    else:
-        return c.slice((k - A - B) * BLOCK, BLOCK)
+@constexpr_function
+def tile_in_memory(k, t, STEPS, HELD):
+    """Whether tile ``t`` of step ``k`` is read from global memory in every pass rather than held:
+    the last step's tiles from ``HELD`` on (``HELD`` = every live tile where the whole leaf fits
+    its program's share of shared memory; :func:`held_buffers`)."""
+    return k == STEPS - 1 and t >= HELD
 
 
 @gluon.jit
 def held_tile(a, b, c, k: gl.constexpr, t: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
               BLOCK: gl.constexpr, TILE: gl.constexpr):
     """Tile ``t`` of step ``k`` of the held leaf: the ``TILE`` lanes one tile of the row layout
-    spans (each thread copies, and later reads, the same elements of it)."""
-    return held_step(a, b, c, k, A, B, BLOCK).slice(t * TILE, TILE)
+    spans (each thread copies, and later reads, the same elements of it).  Steps ``[0, A)`` live
+    in ``a``, ``[A, A + B)`` in ``b``, the rest in ``c`` (shared-memory shapes are powers of two,
+    so a leaf of, say, 5 steps is 4 + 1; ``c`` may hold only the last step's first tiles:
+    :func:`tile_in_memory`)."""
+    if k < A:
+        return a.slice(k * BLOCK + t * TILE, TILE)
+    elif k < A + B:
+        return b.slice((k - A) * BLOCK + t * TILE, TILE)
+    else:
+        return c.slice((k - A - B) * BLOCK + t * TILE, TILE)
 
 
 @gluon.jit
-def held_tile_fp32(a, b, c, k: gl.constexpr, t: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-                   BLOCK: gl.constexpr, TILE: gl.constexpr, tile_lanes, leaf_len,
-                   layout: gl.constexpr, STEPS: gl.constexpr, LIVE: gl.constexpr,
-                   PARTIAL: gl.constexpr):
-    """Tile ``t`` of step ``k`` in fp32, ``-inf`` past the leaf's end (the row kernel's masked
-    load; only the last live tile of the last step can reach past it)."""
-    x = held_tile(a, b, c, k, t, A, B, BLOCK, TILE).load(layout).to(gl.float32)
+def leaf_tile(a, b, c, x_leaf, k: gl.constexpr, t: gl.constexpr, A: gl.constexpr,
+              B: gl.constexpr, BLOCK: gl.constexpr, TILE: gl.constexpr, tile_lanes, leaf_len,
+              layout: gl.constexpr, STEPS: gl.constexpr, LIVE: gl.constexpr,
+              PARTIAL: gl.constexpr, HELD: gl.constexpr):
+    """Tile ``t`` of step ``k`` in the input's dtype: from shared memory where it is held, else
+    (:func:`tile_in_memory`) from the leaf ``x_leaf`` in global memory (past the leaf's end:
+    0, which callers mask as the held tile's copy there)."""
+    if tile_in_memory(k, t, STEPS, HELD):
+        offs = k * BLOCK + t * TILE + tile_lanes
+        if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
+            x = gl.load(x_leaf + offs, mask=offs < leaf_len, other=0.0)
+        else:
+            x = gl.load(x_leaf + offs)
+    else:
+        x = held_tile(a, b, c, k, t, A, B, BLOCK, TILE).load(layout)
+    return x
+
+
+@gluon.jit
+def held_tile_fp32(a, b, c, x_leaf, k: gl.constexpr, t: gl.constexpr, A: gl.constexpr,
+                   B: gl.constexpr, BLOCK: gl.constexpr, TILE: gl.constexpr, tile_lanes,
+                   leaf_len, layout: gl.constexpr, STEPS: gl.constexpr, LIVE: gl.constexpr,
+                   PARTIAL: gl.constexpr, HELD: gl.constexpr):
+    """Tile ``t`` of step ``k`` (:func:`leaf_tile`) in fp32, ``-inf`` past the leaf's end (the
+    row kernel's masked load; only the last live tile of the last step can reach past it)."""
+    x = leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len, layout, STEPS,
+                  LIVE, PARTIAL, HELD).to(gl.float32)
     if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
         x = gl.where(k * BLOCK + t * TILE + tile_lanes < leaf_len, x, float("-inf"))
     return x
 
 
 @gluon.jit
-def leaf_extremes(a, b, c, tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
+def leaf_extremes(a, b, c, x_leaf, tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
                   BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr,
-                  LIVE: gl.constexpr, PARTIAL: gl.constexpr, layout: gl.constexpr):
+                  LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr,
+                  layout: gl.constexpr):
     """The leaf's exact max (:func:`leaf_max_and_min`) and least element, in fp32: each taken in
     the input's dtype (exact, and two 16-bit lanes an instruction), past the leaf's end no
     element (the tiles wholly past it are not read)."""
@@ -262,7 +293,8 @@ def leaf_extremes(a, b, c, tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexp
     for k in gl.static_range(STEPS):
         for t in gl.static_range(BLOCK // TILE):
             if tile_holds_elements(k, t, STEPS, LIVE):
-                x = held_tile(a, b, c, k, t, A, B, BLOCK, TILE).load(layout)
+                x = leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len,
+                              layout, STEPS, LIVE, PARTIAL, HELD)
                 if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
                     inside = k * BLOCK + t * TILE + tile_lanes < leaf_len
                     run = gl.maximum(run, gl.where(inside, x, float("-inf")),
