@@ -218,8 +218,9 @@ def test_a_leaf_read_partly_from_memory_gives_the_row_kernel_s_bytes(clustered, 
     """fp32 Qwen3 leaves at three programs an SM hold 4 of their 5 steps and 4 of the last
     step's 6 tiles in shared memory and read the other 560 elements from memory in every pass
     (the table's shape for fp32 log_softmax and softmax): the row kernel's bytes in every mode,
-    in a cluster and with tickets, NaN, infinities and -inf rows included.  Control: at two
-    programs an SM the whole leaf is held."""
+    in a cluster and with tickets, NaN, infinities and -inf rows included.  Controls: at two
+    programs an SM the whole leaf is held; raising the last element of a leaf (one read from
+    memory, not held) to a new row max moves that row's bytes and no other row's."""
     ts, bl = mods()
     if not bl.HELD[0]:
         pytest.skip("only the held kernel holds a leaf")
@@ -239,6 +240,14 @@ def test_a_leaf_read_partly_from_memory_gives_the_row_kernel_s_bytes(clustered, 
         check_same(got, row_kernel(ts, x, DEFAULT_LEAVES, mode),
                    f"fp32 mode={mode} clustered={clustered}, leaf partly in memory")
         assert len(held_runs) == before + 1, mode
+    before = bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_LOG, held_config=(4, 3, 0))
+    y = x.clone()
+    y[30, 7 * leaf_len - 1] = x[30].max() + 1.0       # leaf 6's last element, read from memory
+    after = bl.softmax_rows_by_leaves(y, DEFAULT_LEAVES, ts._MODE_LOG, held_config=(4, 3, 0))
+    others = [r for r in range(x.shape[0]) if r != 30]
+    for a, b in zip(after, before):
+        assert_same_bits(a[others], b[others], "other rows")
+        assert_bits_differ(a[30], b[30], "the row whose memory-read element changed")
 
 
 def test_a_misaligned_row_stride_reads_through_l2(held_runs):

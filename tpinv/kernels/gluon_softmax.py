@@ -151,14 +151,13 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
         for k in gl.static_range(STEPS):
             for t in gl.static_range(BLOCK // TILE):
                 offs = k * BLOCK + t * TILE + lanes
-                if tile_in_memory(k, t, STEPS, HELD):
-                    pass
-                elif tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
-                    _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
-                                mask=offs < leaf_len, eviction_policy="evict_first")
-                elif tile_holds_elements(k, t, STEPS, LIVE):
-                    _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
-                                eviction_policy="evict_first")
+                if not tile_in_memory(k, t, STEPS, HELD):   # else read in each pass instead
+                    if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
+                        _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
+                                    mask=offs < leaf_len, eviction_policy="evict_first")
+                    elif tile_holds_elements(k, t, STEPS, LIVE):
+                        _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
+                                    eviction_policy="evict_first")
     async_copy.commit_group()
 
 
