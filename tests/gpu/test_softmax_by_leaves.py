@@ -43,10 +43,10 @@ def held_runs(request, monkeypatch):
         real = gluon_softmax.softmax_rows_held
 
         def counted(rows, out, max_, total, leaves, mode, block, n_programs, num_warps, per_sm,
-                    stagger_ns):
+                    stagger_ns, lse=None):
             runs.append((rows.shape, stagger_ns))
             return real(rows, out, max_, total, leaves, mode, block, n_programs, num_warps, per_sm,
-                        stagger_ns)
+                        stagger_ns, lse)
 
         monkeypatch.setattr(gluon_softmax, "softmax_rows_held", counted)
     return runs
@@ -302,6 +302,93 @@ def test_control_a_change_in_one_leaf_moves_its_row(held_runs):
     for a, b in zip(after, before):
         assert_same_bits(a[[0, 1, 3]], b[[0, 1, 3]], "other rows")
         assert_bits_differ(a[2], b[2], "the changed row")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_logsumexp_takes_its_tail_in_the_combine_launch(dtype, held_runs, monkeypatch):
+    """The public logsumexp: where the held kernel runs, its combine launch writes each row's
+    ``safe_shift(max) + log(total)`` rounded once to the input's dtype (asserted to run there),
+    with the bytes of :func:`logsumexp_from_parts` on the row kernel's max and total (and on
+    ``max_and_sum_exp``'s), NaN, infinities and -inf rows included, leaves of 8 and 4, in a
+    cluster (fp32) and with tickets (16-bit).  Control: a new max in one row moves that row's
+    logsumexp and no other row's."""
+    ts, bl = mods()
+    tails = []
+    if bl.HELD[0]:
+        from tpinv.kernels import gluon_softmax, gluon_softmax_cluster
+        real = gluon_softmax.combine_sums
+
+        def counted(slots, max_, total, leaves, lse):
+            tails.append(lse is not None)
+            return real(slots, max_, total, leaves, lse)
+
+        monkeypatch.setattr(gluon_softmax, "combine_sums", counted)
+        monkeypatch.setattr(gluon_softmax_cluster, "combine_sums", counted)
+    expected = []
+    for leaves in (8, 4):      # an fp32 leaf of 37,984 elements is not held: the L2 kernel
+        flat = special_rows(rand(26, 151936, dtype=dtype, seed=50 + leaves))
+        x = flat.reshape(2, 13, 151936)
+        before = len(held_runs)
+        got = ts.logsumexp_forward_cuda(x, leaves)
+        if len(held_runs) > before:
+            expected.append(True)
+        assert got.shape == (2, 13) and got.dtype == dtype
+        _, m, s = row_kernel(ts, flat, leaves, ts._MODE_STATS)
+        assert_same_bits(got.reshape(-1), logsumexp_from_parts(m, s).to(dtype),
+                         f"{dtype} leaves={leaves}: logsumexp")
+        before = len(held_runs)
+        m, s = ts.max_and_sum_exp_cuda(x, leaves)
+        if len(held_runs) > before:
+            expected.append(False)
+        assert_same_bits(got, logsumexp_from_parts(m, s).to(dtype), f"{dtype} leaves={leaves}")
+    # each held logsumexp launch took its tail in the combine; max_and_sum_exp did not
+    assert tails == expected, (tails, expected)
+    assert (True in tails) == bool(bl.HELD[0]), "the held kernel runs Qwen3's leaves of 8"
+    y = flat.clone()
+    y[9, 3 * (151936 // 4) + 5] = flat[9].float().max() + 2.0
+    after = ts.logsumexp_forward_cuda(y, 4)
+    before = ts.logsumexp_forward_cuda(flat, 4)
+    others = [r for r in range(flat.shape[0]) if r != 9]
+    assert_same_bits(after[others], before[others], "other rows")
+    assert_bits_differ(after[9], before[9], "the row with a new max")
+
+
+def test_the_combine_s_logsumexp_gives_torch_s_bits_on_every_row_total():
+    """The statistics' combine launch (:func:`tpinv.kernels.gluon_softmax.combine_sums`, two
+    leaves of sums ``(t, +0)``, so each row's total is ``t``) writes
+    :func:`logsumexp_from_parts`'s bytes in fp32, bf16 and fp16 for every fp32 ``t`` a row's
+    total can be (0, each fp32 in ``[1, 2**32)``, +inf, NaN), beside maxima of 0, +-inf, NaN and
+    spread normals.  Control: the tail taken without ``safe_shift`` (an infinite max added as it
+    is) gives other bytes on the rows whose max is +inf."""
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 casts on the GPU need sm_80 or later")
+    from tpinv.kernels import gluon_softmax
+    rows = 1 << 24
+    gen = torch.Generator().manual_seed(61)
+    maxima = (30 * torch.randn(rows, generator=gen)).to(DEV)
+    maxima[::7] = 0.0
+    maxima[1::97] = float("inf")
+    maxima[2::97] = float("-inf")
+    maxima[3::97] = float("nan")
+    slots = torch.zeros(rows, 4, dtype=torch.int64, device=DEV)   # two maxima words, two sums
+    slots[:, 3] = 1 << 32                                         # the second leaf's sum: +0
+    total = torch.empty(rows, device=DEV)
+    one, two_to_32 = 0x3F800000, 0x4F800000                       # the bits of 1.0 and 2**32
+    for start in list(range(one, two_to_32, rows)) + [None]:
+        if start is None:                  # 0, +inf and NaN beside totals of 1
+            t = torch.full((rows,), 1.0, device=DEV)
+            t[:3] = torch.tensor([0.0, float("inf"), float("nan")])
+        else:
+            t = torch.arange(start, start + rows, dtype=torch.int32, device=DEV).view(torch.float32)
+        slots[:, 2] = (t.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) | (1 << 32)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            lse = torch.empty(rows, dtype=dtype, device=DEV)
+            gluon_softmax.combine_sums(slots, maxima, total, 2, lse)
+            assert_same_bits(total, t + 0.0, f"totals from bits {start}")   # NaN as an add's
+            assert_same_bits(lse, logsumexp_from_parts(maxima, total).to(dtype),
+                             f"totals from bits {start}, {dtype}")
+    assert_bits_differ((maxima + torch.log(t))[1::97], logsumexp_from_parts(maxima, t)[1::97],
+                       "control: an infinite max added without safe_shift")
 
 
 def test_replayed_from_a_cuda_graph(held_runs):

@@ -40,12 +40,13 @@ def _check_combine_is_the_pair_tree():
         sums = torch.exp(6 * torch.randn(9, leaves, generator=gen))
         sums[1, 0] = float("inf")
         total = torch.full((9,), float("nan"))
-        gluon_softmax._combine_sums[(9,)](published(sums), total, LEAVES=leaves,
-                                          LOG2_LEAVES=leaves.bit_length() - 1)
+        gluon_softmax._combine_sums[(9,)](published(sums), total, total, total, LEAVES=leaves,
+                                          LOG2_LEAVES=leaves.bit_length() - 1, LSE=False)
         assert_same_bits(total, tree_combine(sums), f"{leaves} leaves")
     control = torch.tensor([[2.0 ** 24, 1.0, 1.0, -2.0 ** 24]])
     total = torch.empty(1)
-    gluon_softmax._combine_sums[(1,)](published(control), total, LEAVES=4, LOG2_LEAVES=2)
+    gluon_softmax._combine_sums[(1,)](published(control), total, total, total, LEAVES=4,
+                                      LOG2_LEAVES=2, LSE=False)
     assert total.item() == 1.0 and control.sum().item() == 0.0
     assert_bits_differ(total, control.sum(-1), "control: the pair tree against left to right")
 

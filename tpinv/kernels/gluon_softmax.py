@@ -33,7 +33,8 @@ a second exp.
 Scheduling is the Triton by-leaves kernel's: a ticket counter hands out (row, leaf) items in order,
 the programs of a row meet after the maxima and after the sums (the statistics alone publish their
 leaf sums and wait for nobody; a second small kernel, :func:`_combine_sums`, takes each row's total
-after the launch), and a program takes a ticket only while it runs, so this cannot deadlock once
+after the launch, and for ``logsumexp`` the row's logsumexp with it: :func:`logsumexp_of`), and a
+program takes a ticket only while it runs, so this cannot deadlock once
 ``leaves`` programs can be resident.  Where the table says so, the programs an SM holds start one
 after another (:func:`_stagger`, a fixed delay each), so that they copy while others compute
 instead of all copying, then all computing.  A meeting is one 64-bit slot per leaf, zero before the
@@ -68,7 +69,7 @@ from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fo
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
 
-__all__ = ["softmax_rows_held", "held_plan", "register_cap", "HELD_CONFIG", "CLUSTERED",
+__all__ = ["softmax_rows_held", "combine_sums", "held_plan", "register_cap", "HELD_CONFIG", "CLUSTERED",
            "SMEM_BUDGET"]
 
 #: Shared memory a program may hold its leaf in (bytes): two such programs fit an SM.
@@ -98,13 +99,15 @@ _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 #: statistics 75.9 / 69.6 at 4 warps (8: 72.5 / 67.1); then fp32 log_softmax and softmax at
 #: three programs an SM, two of a leaf's tiles read from memory (:func:`held_buffers`), in a
 #: cluster: 84.8 / 82.6 and 83.7 / 79.8 against 81.0 / 78.5 and 79.2 / 75.7 at two (the
-#: statistics 83.9 / 76.6 against 85.1 / 78.0: kept at two).  None would send the case to the
-#: L2 kernel.  Speed only: no choice here moves a bit.
+#: statistics 83.9 / 76.6 against 85.1 / 78.0: kept at two); then bf16 log_softmax's starts
+#: 1000 ns apart, 82.5 / 78.0 against 82.3 / 77.1 at 3000 (0: 81.9 / 75.7; four programs an SM
+#: 78.2 / 74.5).  None would send the case to the L2 kernel.  Speed only: no choice here moves
+#: a bit.
 HELD_CONFIG = {
     (torch.float32, 0): (4, 2, 0), (torch.float32, 1): (4, 3, 0), (torch.float32, 2): (4, 3, 0),
-    (torch.bfloat16, 0): (4, 5, 2000), (torch.bfloat16, 1): (4, 5, 3000),
+    (torch.bfloat16, 0): (4, 5, 2000), (torch.bfloat16, 1): (4, 5, 1000),
     (torch.bfloat16, 2): (4, 5, 2000),
-    (torch.float16, 0): (4, 5, 2000), (torch.float16, 1): (4, 5, 3000),
+    (torch.float16, 0): (4, 5, 2000), (torch.float16, 1): (4, 5, 1000),
     (torch.float16, 2): (4, 5, 2000),
 }
 #: The (input dtype, mode) whose rows meet in a thread-block cluster
@@ -342,13 +345,39 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
 
 
 @triton.jit
-def _combine_sums(slot_ptr, total_ptr, LEAVES: tl.constexpr, LOG2_LEAVES: tl.constexpr):
+def _combine_sums(slot_ptr, total_ptr, max_ptr, lse_ptr, LEAVES: tl.constexpr,
+                  LOG2_LEAVES: tl.constexpr, LSE: tl.constexpr):
     """Row ``program_id(0)``'s total from the leaf sums the statistics' launch published: their
-    fp32 bits (the words' low halves) combined by the row kernel's adjacent-pair tree."""
+    fp32 bits (the words' low halves) combined by the row kernel's adjacent-pair tree; with
+    ``LSE``, also the row's logsumexp, ``safe_shift(max) + log(total)`` in fp32 rounded once to
+    ``lse_ptr``'s dtype (:func:`logsumexp_of`)."""
     row = tl.program_id(0).to(tl.int64)
     words = tl.load(slot_ptr + row * (2 * LEAVES) + LEAVES + tl.arange(0, LEAVES))
     sums = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    tl.store(total_ptr + row, _triton_pair_tree(sums, LEAVES, LOG2_LEAVES))
+    total = _triton_pair_tree(sums, LEAVES, LOG2_LEAVES)
+    tl.store(total_ptr + row, total)
+    if LSE:
+        tl.store(lse_ptr + row, logsumexp_of(tl.load(max_ptr + row), total,
+                                             lse_ptr.dtype.element_ty))
+
+
+@triton.jit
+def logsumexp_of(m, total, dtype: tl.constexpr):
+    """``(safe_shift(m) + log(total)).to(dtype)``: the fp32 operations of
+    :func:`tpinv.kernels.reference_softmax.logsumexp_from_parts`, rounded once (Triton's fp32
+    ``log`` and casts give CUDA torch's bits for every fp32 input: checked over every fp32 bit
+    pattern on an H200, and over every total a row can have in ``tests/gpu/test_softmax_by_leaves.py``)."""
+    shift = tl.where(tl.abs(m) == float("inf"), 0.0, m)
+    return (shift + tl.log(total)).to(dtype)
+
+
+def combine_sums(slots: torch.Tensor, max_: torch.Tensor, total: torch.Tensor, leaves: int,
+                 lse: torch.Tensor | None) -> None:
+    """Launch :func:`_combine_sums` over the statistics' published ``slots``: each row's
+    ``total`` and, where ``lse`` is given, its logsumexp (``max_`` written by the launch before)."""
+    launch(_combine_sums, (total.shape[0],), slots, total, max_, total if lse is None else lse,
+           LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, LSE=lse is not None,
+           num_warps=1, enable_fp_fusion=False)
 
 
 def _powers(steps: int) -> tuple[int, int, int]:
@@ -428,19 +457,21 @@ def held_launch_options(element_size: int, leaf_len: int, leaves: int, mode: int
 
 
 def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: int, block: int,
-                      n_programs: int, num_warps: int, per_sm: float, stagger_ns: int) -> None:
+                      n_programs: int, num_warps: int, per_sm: float, stagger_ns: int,
+                      lse: torch.Tensor | None = None) -> None:
     """Launch the held-leaf kernel over the 2-D row-contiguous CUDA ``rows`` (the caller,
     :func:`tpinv.kernels.triton_softmax_leaves.softmax_rows_by_leaves`, checks, plans and
     allocates the outputs), ``per_sm`` programs an SM, each program an SM holds starting
     ``stagger_ns`` after the one before it there (0: all at once); the statistics alone
-    (``mode`` 0) then take each row's total by :func:`_combine_sums`.  Where :data:`CLUSTERED`
-    names the dtype and mode, a row's leaves meet in one thread-block cluster instead
+    (``mode`` 0) then take each row's total, and its logsumexp into ``lse`` where given, by
+    :func:`combine_sums`.  Where :data:`CLUSTERED` names the dtype and mode, a row's leaves meet
+    in one thread-block cluster instead
     (:func:`tpinv.kernels.gluon_softmax_cluster.softmax_rows_clustered`; the same bits)."""
     if (rows.dtype, mode) in CLUSTERED:
         from tpinv.kernels.gluon_softmax_cluster import CLUSTER_LEAVES, softmax_rows_clustered
         if leaves in CLUSTER_LEAVES:
             softmax_rows_clustered(rows, out, max_, total, leaves, mode, block, n_programs,
-                                   num_warps, per_sm, stagger_ns)
+                                   num_warps, per_sm, stagger_ns, lse)
             return
     n_rows, width = rows.shape
     leaf_len = width // leaves
@@ -458,5 +489,4 @@ def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: i
            rows, target, max_, total, slots, sync, n_rows, leaf_len, rows.stride(0), target.stride(0),
            stagger_ns if slots_per_sm else 0, **options)
     if mode == 0:
-        launch(_combine_sums, (n_rows,), slots, total, LEAVES=leaves,
-               LOG2_LEAVES=leaves.bit_length() - 1, num_warps=1)
+        combine_sums(slots, max_, total, leaves, lse)

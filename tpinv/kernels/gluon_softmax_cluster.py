@@ -19,7 +19,7 @@ after which each program reads the row's values from its own shared memory.  The
 a cluster's programs resident together, so no launch order, residency or other kernel can make
 a meeting wait forever, and no global counter or memset is needed.  The statistics alone meet
 once, for the max: each leaf then writes its sum to the row's slot in global memory and goes on,
-and :func:`~tpinv.kernels.gluon_softmax._combine_sums` takes each row's total after the launch,
+and :func:`~tpinv.kernels.gluon_softmax.combine_sums` takes each row's total after the launch,
 as it does for the ticket kernel (a second meeting there cost fp32 statistics 9 points of copy
 bandwidth: docs/benchmarks.md, "The statistics in a cluster meet once").
 """
@@ -31,9 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.cluster_launch import clustered
-from tpinv.kernels.gluon_softmax import (_combine_sums, _issue, _publish, _stagger, _sum_lanes,
+from tpinv.kernels.gluon_softmax import (combine_sums, _issue, _publish, _stagger, _sum_lanes,
                                          _thread_barrier, _write_output, held_launch_options)
-from tpinv.kernels.launch import launch
 from tpinv.kernels.gluon_softmax_leaf import fold_lanes, leaf_extremes, shift_of
 
 __all__ = ["softmax_rows_clustered", "CLUSTER_LEAVES"]
@@ -126,7 +125,7 @@ def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr,
     s_leaf = fold_lanes(acc, TILE, LOG2_TILE, fold_layout)
     if MODE == 0:
         # the statistics alone: the leaf sum goes to the row's slot, nobody waits for it, and
-        # _combine_sums takes the row's total after the launch (as the ticket kernel's does)
+        # combine_sums takes the row's total after the launch (as the ticket kernel's does)
         _publish(slot_ptr + row64 * (2 * LEAVES) + LEAVES + leaf, s_leaf)
         if leaf == 0:
             gl.store(max_ptr + row64, m)
@@ -182,7 +181,7 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr
 
 def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mode: int,
                            block: int, n_programs: int, num_warps: int, per_sm: float,
-                           stagger_ns: int) -> None:
+                           stagger_ns: int, lse: torch.Tensor | None = None) -> None:
     """:func:`tpinv.kernels.gluon_softmax.softmax_rows_held`'s launch with the row's leaves in one
     cluster (``leaves`` in :data:`CLUSTER_LEAVES`): ``n_programs // leaves`` clusters at most, no
     more than fit the GPU at once and no more than there are rows."""
@@ -198,7 +197,7 @@ def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mo
     sync = (torch.zeros(1024, dtype=torch.int32, device=rows.device) if staggered
             else torch.empty(1, dtype=torch.int32, device=rows.device))
     # the statistics alone: each leaf's sum, in the ticket kernel's slot layout (every slot read
-    # by _combine_sums is written first, so nothing is zeroed); else unread
+    # by combine_sums is written first, so nothing is zeroed); else unread
     slots = torch.empty(n_rows * 2 * leaves if mode == 0 else 1, dtype=torch.int64,
                         device=rows.device)
     args = (rows, target, max_, total, slots, sync, n_rows, leaf_len, rows.stride(0),
@@ -206,5 +205,4 @@ def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mo
     kernel = clustered(_softmax_cluster_kernel, args, options, leaves)
     kernel.launch(max(1, min(n_rows, n_programs // leaves, kernel.max_clusters)), args, options)
     if mode == 0:
-        launch(_combine_sums, (n_rows,), slots, total, LEAVES=leaves,
-               LOG2_LEAVES=leaves.bit_length() - 1, num_warps=1)
+        combine_sums(slots, max_, total, leaves, lse)

@@ -25,7 +25,9 @@ kernel and the from-parts kernel)::
 
     log_softmax = (x - shift) - log(s)      softmax = exp(x - shift) / s   (division rounded)
 
-``logsumexp = logsumexp_from_parts(m, s)`` in torch, as on the split path.  The kernels are
+``logsumexp = logsumexp_from_parts(m, s)`` in torch, as on the split path (where the held
+kernel runs, its combine launch takes the same operations:
+:func:`tpinv.kernels.gluon_softmax.logsumexp_of`).  The kernels are
 compiled without FMA contraction, so each formula is the same instruction sequence in both
 kernels.  Semantics are those of :mod:`tpinv.kernels.reference_softmax`; bits may differ from it.
 
@@ -217,12 +219,14 @@ def _outputs(rows: torch.Tensor, mode: int) -> tuple:
     return out, max_, torch.empty_like(max_)
 
 
-def _fused(rows: torch.Tensor, leaves: int, mode: int, config: tuple | None = None):
+def _fused(rows: torch.Tensor, leaves: int, mode: int, config: tuple | None = None,
+           lse: torch.Tensor | None = None):
     """``(out or None, max, total)`` for a 2-D row-contiguous ``rows``: one launch (with no
     ``config``, long CUDA rows of several leaves run one program per leaf, same bits:
-    :mod:`tpinv.kernels.triton_softmax_leaves`)."""
+    :mod:`tpinv.kernels.triton_softmax_leaves`, which may also write the statistics' logsumexp
+    into ``lse`` and return it as ``out``)."""
     if config is None and _by_leaves.runs_by_leaves(rows, leaves, mode):
-        return _by_leaves.softmax_rows_by_leaves(rows, leaves, mode)
+        return _by_leaves.softmax_rows_by_leaves(rows, leaves, mode, lse=lse)
     n_rows, width = rows.shape
     out, max_, total = _outputs(rows, mode)
     if n_rows == 0:
@@ -312,10 +316,16 @@ def log_softmax_forward_cuda(x: torch.Tensor, leaves: int) -> torch.Tensor:
 
 
 def logsumexp_forward_cuda(x: torch.Tensor, leaves: int) -> torch.Tensor:
-    """``m + log(s)`` over the last dim (``x.shape[:-1]``), rounded once to ``x.dtype``."""
+    """``m + log(s)`` over the last dim (``x.shape[:-1]``), rounded once to ``x.dtype``: taken in
+    the held kernel's combine launch where it runs, else by :func:`logsumexp_from_parts` (the
+    same operations, the same bits)."""
     check_softmax_inputs(x, leaves, "logsumexp")
-    max_, total = max_and_sum_exp_cuda(x, leaves)
-    return logsumexp_from_parts(max_, total).to(x.dtype)
+    rows = rows_2d(x)
+    lse = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
+    written, max_, total = _fused(rows, leaves, _MODE_STATS, lse=lse)
+    if written is None:
+        written = logsumexp_from_parts(max_, total).to(x.dtype)
+    return written.reshape(x.shape[:-1])
 
 
 import tpinv.kernels.triton_softmax_leaves as _by_leaves  # noqa: E402  (it imports this module's jit helpers)

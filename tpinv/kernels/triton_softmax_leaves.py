@@ -130,11 +130,14 @@ def held_module(rows: torch.Tensor, leaf_len: int):
 
 
 def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
-                           config: tuple | None = None, held_config: tuple | None = None) -> tuple:
+                           config: tuple | None = None, held_config: tuple | None = None,
+                           lse: torch.Tensor | None = None) -> tuple:
     """``(out or None, max, total)`` of a 2-D row-contiguous CUDA ``rows`` (checked by the caller),
     the bits of the row kernel.  The leaf is held in shared memory where it can be
     (:func:`held_module`; ``held_config``: its (num_warps, programs per SM, stagger_ns)),
-    else read three times through L2 (``config``: (chunk, num_warps, programs per SM, stages))."""
+    else read three times through L2 (``config``: (chunk, num_warps, programs per SM, stages)).
+    The statistics alone (``mode`` 0) with ``lse`` (one element a row) write each row's
+    logsumexp there where the held kernel runs, and return it as ``out`` (else None)."""
     n_rows, width = rows.shape
     out, max_, total = _outputs(rows, mode)
     if n_rows == 0:
@@ -147,9 +150,10 @@ def softmax_rows_by_leaves(rows: torch.Tensor, leaves: int, mode: int,
     if plan is not None:
         warps, per_sm, stagger_ns = plan
         n_programs = max(leaves, _programs(n_rows * leaves, rows.device, per_sm))
+        lse = lse if mode == _MODE_STATS else None
         held.softmax_rows_held(rows, out, max_, total, leaves, mode, block, n_programs, warps,
-                               per_sm, stagger_ns)
-        return out, max_, total
+                               per_sm, stagger_ns, lse)
+        return (lse if lse is not None else out), max_, total
     parts = torch.empty((n_rows, 2 * leaves), dtype=torch.float32, device=rows.device)
     sync = torch.zeros(n_rows + 1, dtype=torch.int32, device=rows.device)  # ticket, then a count per row
     chunk, warps, per_sm, stages = config or _CONFIG[rows.dtype, mode == _MODE_STATS]
