@@ -98,6 +98,20 @@ def test_the_held_kernel_compiles_for_sm90(dtype, mode, name):
     assert per_sm * (shared + RESERVED_PER_PROGRAM) <= SM90_SHARED, (name, shared)
 
 
+def test_bf16_elements_widen_by_bit_operations():
+    """A bf16 program widens its held elements to fp32 as bit operations on pairs (the low half
+    shifted up, the high half masked: :func:`~tpinv.kernels.gluon_softmax_leaf.widened`), two
+    instructions a pair; only the leaf's max and least element are converted by ``cvt`` (one
+    each).  Control: the fp16 program, whose widening is a real conversion, converts every
+    element it reads (152 a thread in each of the statistics' two passes over shared memory
+    that need fp32: fewer than that would mean an element was not read)."""
+    ptx = compile_held(torch.bfloat16, 0)[0].asm["ptx"]
+    assert ptx.count("cvt.f32.bf16") == 2
+    assert ptx.count("0xFFFF0000") >= 152 // 2          # the high halves' mask, one a pair
+    half = compile_held(torch.float16, 0)[0].asm["ptx"]
+    assert half.count("cvt.f32.f16") >= 152
+
+
 def test_control_one_step_more_of_leaf_crowds_the_sm():
     """Control for the shared-memory check: a bf16 leaf one step (2048 elements) longer than
     Qwen3's 18,992 no longer lets five programs share an SM."""

@@ -65,7 +65,7 @@ from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fo
                                              leaf_tile, live_tiles, nan_max, pair_tree,
                                              quotient_by_reciprocal, reciprocal_divides_exactly,
                                              shift_of, tile_holds_elements, tile_in_memory,
-                                             tile_is_partial, tile_lanes_of)
+                                             tile_is_partial, tile_lanes_of, widened)
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
 
@@ -182,7 +182,7 @@ def _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len,
                 offs = k * BLOCK + t * TILE + lanes
                 held = leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, lanes, leaf_len,
                                  lanes_layout, STEPS, LIVE, PARTIAL, HELD)
-                held = held.to(gl.float32)
+                held = widened(held)
                 if MODE == 1:
                     y = (held - shift) - gl.log(total)
                 else:

@@ -20,7 +20,7 @@ from triton.experimental.gluon import language as gl
 
 from tpinv.kernels.launch import cdiv
 
-__all__ = ["nan_max", "shift_of", "leaf_max_and_min", "exp_shifted",
+__all__ = ["widened", "nan_max", "shift_of", "leaf_max_and_min", "exp_shifted",
            "exp_never_flushes", "quotient_by_reciprocal", "reciprocal_divides_exactly",
            "leaf_extremes", "leaf_sum", "fold_lanes", "pair_tree", "held_tile",
            "held_tile_fp32", "leaf_tile", "tile_holds_elements", "tile_is_partial",
@@ -29,6 +29,19 @@ __all__ = ["nan_max", "shift_of", "leaf_max_and_min", "exp_shifted",
 
 #: log2(e), as Triton's exp multiplies by it (an fp32 operand rounds it to fp32).
 _LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def widened(x):
+    """``x.to(float32)``'s bits.  A bf16 is the high 16 bits of the fp32 of the same value (NaN
+    payloads and subnormals included), so a pair of them held in one 32-bit register widens by
+    two bit operations, the low one shifted up and the high one masked, where the compiler's
+    conversion takes three (it moves the high half down, then shifts it back up)."""
+    if x.dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }",
+                                         "=r,=r,r", [x], dtype=gl.float32, is_pure=True, pack=2)
+    else:
+        return x.to(gl.float32)
 
 
 @gluon.jit
@@ -273,8 +286,8 @@ def held_tile_fp32(a, b, c, x_leaf, k: gl.constexpr, t: gl.constexpr, A: gl.cons
                    PARTIAL: gl.constexpr, HELD: gl.constexpr):
     """Tile ``t`` of step ``k`` (:func:`leaf_tile`) in fp32, ``-inf`` past the leaf's end (the
     row kernel's masked load; only the last live tile of the last step can reach past it)."""
-    x = leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len, layout, STEPS,
-                  LIVE, PARTIAL, HELD).to(gl.float32)
+    x = widened(leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len, layout,
+                          STEPS, LIVE, PARTIAL, HELD))
     if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
         x = gl.where(k * BLOCK + t * TILE + tile_lanes < leaf_len, x, float("-inf"))
     return x
