@@ -69,8 +69,8 @@ from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fo
 from tpinv.kernels.launch import cdiv, launch
 from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
 
-__all__ = ["softmax_rows_held", "combine_sums", "held_plan", "register_cap", "HELD_CONFIG", "CLUSTERED",
-           "SMEM_BUDGET"]
+__all__ = ["softmax_rows_held", "combine_sums", "logsumexp_of", "held_plan", "register_cap",
+           "HELD_CONFIG", "CLUSTERED", "SMEM_BUDGET"]
 
 #: Shared memory a program may hold its leaf in (bytes): two such programs fit an SM.
 SMEM_BUDGET = 100 * 1024
@@ -366,7 +366,8 @@ def logsumexp_of(m, total, dtype: tl.constexpr):
     """``(safe_shift(m) + log(total)).to(dtype)``: the fp32 operations of
     :func:`tpinv.kernels.reference_softmax.logsumexp_from_parts`, rounded once (Triton's fp32
     ``log`` and casts give CUDA torch's bits for every fp32 input: checked over every fp32 bit
-    pattern on an H200, and over every total a row can have in ``tests/gpu/test_softmax_by_leaves.py``)."""
+    pattern on an H200, and over every total a row can have in
+    ``tests/gpu/test_softmax_by_leaves.py``)."""
     shift = tl.where(tl.abs(m) == float("inf"), 0.0, m)
     return (shift + tl.log(total)).to(dtype)
 
