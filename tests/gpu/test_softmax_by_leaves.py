@@ -54,8 +54,8 @@ def held_runs(request, monkeypatch):
 
 def table_holds(dtype, mode) -> bool:
     """Whether the held kernel's table runs ``dtype`` in ``mode`` (else the L2 kernel is faster)."""
-    from tpinv.kernels import gluon_softmax, triton_softmax
-    return gluon_softmax.HELD_CONFIG[dtype, mode] is not None
+    from tpinv.kernels import gluon_softmax_plan
+    return gluon_softmax_plan.HELD_CONFIG[dtype, mode] is not None
 
 
 def mods():
@@ -178,7 +178,7 @@ def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs,
     ts, bl = mods()
     if not bl.HELD[0]:
         pytest.skip("the cluster kernel holds its leaves in shared memory")
-    from tpinv.kernels import gluon_softmax, gluon_softmax_cluster
+    from tpinv.kernels import gluon_softmax_cluster, gluon_softmax_plan
     clustered = []
     real = gluon_softmax_cluster.softmax_rows_clustered
 
@@ -196,14 +196,14 @@ def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs,
         check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode), row_kernel(ts, x, DEFAULT_LEAVES, mode),
                    f"table's choice, {table_dtype} mode={mode}")
         assert (len(clustered) > before) == want_cluster, (table_dtype, mode)
-    monkeypatch.setattr(gluon_softmax, "CLUSTERED",
+    monkeypatch.setattr(gluon_softmax_plan, "CLUSTERED",
                         frozenset((d, m) for d in (torch.float32, torch.bfloat16, torch.float16)
                                   for m in (0, 1, 2)))
     for leaves, width, rows, _ in CASES[:3] + CASES[4:]:
         x = special_rows(rand(max(rows, 5), width, dtype=dtype, seed=leaves + rows + 1))[:rows]
         for mode in (ts._MODE_LOG, ts._MODE_SOFTMAX, ts._MODE_STATS):
             want = row_kernel(ts, x, leaves, mode)
-            warps, _, stagger = gluon_softmax.HELD_CONFIG[dtype, mode]
+            warps, _, stagger = gluon_softmax_plan.HELD_CONFIG[dtype, mode]
             for per_sm in (0.01, None):               # one cluster for every row; as many as fit
                 before = len(clustered)
                 config = None if per_sm is None else (warps, per_sm, stagger)
@@ -224,13 +224,13 @@ def test_a_leaf_read_partly_from_memory_gives_the_row_kernel_s_bytes(clustered, 
     ts, bl = mods()
     if not bl.HELD[0]:
         pytest.skip("only the held kernel holds a leaf")
-    from tpinv.kernels import gluon_softmax
+    from tpinv.kernels import gluon_softmax_plan
     from tpinv.kernels.triton_softmax import leaf_block
     if not clustered:
-        monkeypatch.setattr(gluon_softmax, "CLUSTERED", frozenset())
+        monkeypatch.setattr(gluon_softmax_plan, "CLUSTERED", frozenset())
     leaf_len = 151936 // DEFAULT_LEAVES
-    options = functools.partial(gluon_softmax.held_launch_options, 4, leaf_len, DEFAULT_LEAVES, 1,
-                                leaf_block(leaf_len), 4)
+    options = functools.partial(gluon_softmax_plan.held_launch_options, 4, leaf_len,
+                                DEFAULT_LEAVES, 1, leaf_block(leaf_len), 4)
     assert (options(3, 0)["HELD"], options(3, 0)["LIVE"]) == (4, 6)
     assert options(2, 0)["HELD"] == options(2, 0)["LIVE"] == 6        # control: all held
     x = special_rows(rand(41, 151936, seed=43))

@@ -2,8 +2,9 @@
 
 The kernel's bytes are compared on a GPU (``tests/gpu/test_softmax_by_leaves.py``); here Triton's
 compiler (with the ``ptxas`` its wheel ships) builds the kernel for an H100/H200 target from the
-constexprs :func:`~tpinv.kernels.gluon_softmax.held_launch_options` gives a Qwen3 row, so a change
-that does not compile, or that costs the table's programs their place on an SM, fails here first:
+constexprs :func:`~tpinv.kernels.gluon_softmax_plan.held_launch_options` gives a Qwen3 row, so a
+change that does not compile, or that costs the table's programs their place on an SM, fails here
+first:
 
 - every mode compiles, in bf16, fp16 and fp32, at the table's launch shapes;
 - every mode holds both exps (the hardware ex2 alone where the leaf's least element allows it,
@@ -28,7 +29,7 @@ gluon_softmax = pytest.importorskip("tpinv.kernels.gluon_softmax",
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from tpinv.kernels import gluon_softmax_leaf  # noqa: E402
+from tpinv.kernels import gluon_softmax_leaf, gluon_softmax_plan  # noqa: E402
 from tpinv.kernels.triton_softmax import leaf_block  # noqa: E402
 
 QWEN3_VOCAB, LEAVES = 151936, 8
@@ -61,8 +62,8 @@ def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, slots: bool):
     if not _ptxas_present():
         pytest.skip("no ptxas in this Triton")
     source = _source()
-    warps, per_sm, stagger = gluon_softmax.HELD_CONFIG[dtype, mode]
-    options = dict(gluon_softmax.held_launch_options(
+    warps, per_sm, stagger = gluon_softmax_plan.HELD_CONFIG[dtype, mode]
+    options = dict(gluon_softmax_plan.held_launch_options(
         torch.empty(0, dtype=dtype).element_size(), leaf_len, LEAVES, mode, leaf_block(leaf_len),
         warps, per_sm, stagger))
     launch_options = {k: options.pop(k) for k in ("enable_fp_fusion", "maxnreg") if k in options}
@@ -126,27 +127,27 @@ def test_only_the_leaf_s_live_tiles_are_computed():
     38 16-byte pieces and takes 152 exps of each kind (the flush-free and the general one);
     control: a leaf of 5 whole steps, 40 and 160.  fp32 softmax, which keeps its sum's exps for
     its quotients, takes no more exps than the statistics but for the two tiles the table's fp32
-    leaves read from memory (:func:`~tpinv.kernels.gluon_softmax.held_buffers`; their exps are
+    leaves read from memory (:func:`~tpinv.kernels.gluon_softmax_plan.held_buffers`; their exps are
     taken again), and its block barriers stay at about one a tile of its sum (each tile read
     whole before its exps are written), not one a step."""
     def counts(dtype, mode, leaf_len=QWEN3_VOCAB // LEAVES):
         ptx = compile_held(dtype, mode, leaf_len)[0].asm["ptx"]
         return (ptx.count("cp.async.cg") + ptx.count("cp.async.ca"), ptx.count(FLUSH_FREE_EXP),
                 ptx.count(GENERAL_EXP), ptx.count("bar.sync"))
-    threads = 32 * gluon_softmax.HELD_CONFIG[torch.bfloat16, 0][0]       # 128 in the table
+    threads = 32 * gluon_softmax_plan.HELD_CONFIG[torch.bfloat16, 0][0]       # 128 in the table
     live, whole = 19456 // threads, 5 * 4096 // threads
     assert counts(torch.bfloat16, 0)[:3] == (live // 4, live, live)     # 8 bf16 a copy
     assert counts(torch.bfloat16, 0, 5 * 4096)[:3] == (whole // 4, whole, whole)
     _, free, general, barriers = counts(torch.float32, 2)
     _, stats_free, stats_general, stats_barriers = counts(torch.float32, 0)
     # the tiles the table's fp32 shape reads from memory (not held) take their exps again
-    warps, per_sm, stagger = gluon_softmax.HELD_CONFIG[torch.float32, 2]
-    options = gluon_softmax.held_launch_options(4, QWEN3_VOCAB // LEAVES, LEAVES, 2,
+    warps, per_sm, stagger = gluon_softmax_plan.HELD_CONFIG[torch.float32, 2]
+    options = gluon_softmax_plan.held_launch_options(4, QWEN3_VOCAB // LEAVES, LEAVES, 2,
                                                 leaf_block(QWEN3_VOCAB // LEAVES), warps, per_sm,
                                                 stagger)
     again = (options["LIVE"] - options["HELD"]) * options["VEC"]
     assert (free, general) == (stats_free + again, stats_general + again)
-    warps = gluon_softmax.HELD_CONFIG[torch.float32, 2][0]
+    warps = gluon_softmax_plan.HELD_CONFIG[torch.float32, 2][0]
     block = leaf_block(QWEN3_VOCAB // LEAVES)
     tiles = block // gluon_softmax_leaf.tile_lanes_of(4, warps, block)     # 4 fp32 a thread
     assert barriers <= stats_barriers + 2 * tiles + 2, (barriers, stats_barriers)

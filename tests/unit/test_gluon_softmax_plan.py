@@ -1,5 +1,5 @@
-"""Where and how the held-leaf softmax kernel runs (:mod:`tpinv.kernels.gluon_softmax`), and the
-layout its leaf sums fold in (:mod:`tpinv.kernels.gluon_softmax_leaf`).
+"""Where and how the held-leaf softmax kernel runs (:mod:`tpinv.kernels.gluon_softmax_plan`), and
+the layout its leaf sums fold in (:mod:`tpinv.kernels.gluon_softmax_leaf`).
 
 Host logic only (the kernel's bytes are compared on a GPU in ``tests/gpu/test_softmax_by_leaves.py``):
 the table's launch shapes for a Qwen3 row, the L2 kernel where the table has no entry, no plan
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-gluon_softmax = pytest.importorskip("tpinv.kernels.gluon_softmax",
-                                    reason="needs a Triton with Gluon", exc_type=ImportError)
+gluon_softmax_plan = pytest.importorskip("tpinv.kernels.gluon_softmax_plan",
+                                         reason="needs a Triton with Gluon", exc_type=ImportError)
 from tpinv.kernels import gluon_softmax_leaf  # noqa: E402
 
 from tpinv.kernels.triton_softmax import leaf_block  # noqa: E402
@@ -21,21 +21,21 @@ QWEN3_VOCAB = 151936
 
 def plan(width, dtype, mode=1, leaves=8, config=None):
     rows = torch.empty(2, width, dtype=dtype)
-    return gluon_softmax.held_plan(rows, leaves, leaf_block(width // leaves), mode, config)
+    return gluon_softmax_plan.held_plan(rows, leaves, leaf_block(width // leaves), mode, config)
 
 
 def test_the_table_holds_a_qwen3_leaf():
     for mode in (0, 1, 2):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            assert plan(QWEN3_VOCAB, dtype, mode) == gluon_softmax.HELD_CONFIG[dtype, mode]
+            assert plan(QWEN3_VOCAB, dtype, mode) == gluon_softmax_plan.HELD_CONFIG[dtype, mode]
             assert plan(QWEN3_VOCAB, dtype, mode) is not None
     assert plan(QWEN3_VOCAB, torch.bfloat16, config=(8, 1)) == (8, 1)      # an explicit shape
 
 
 def test_a_case_the_table_leaves_out_goes_through_l2(monkeypatch):
     for dtype in (torch.bfloat16, torch.float16):
-        assert plan(QWEN3_VOCAB, dtype, 0) == gluon_softmax.HELD_CONFIG[dtype, 0]
-        monkeypatch.setitem(gluon_softmax.HELD_CONFIG, (dtype, 0), None)
+        assert plan(QWEN3_VOCAB, dtype, 0) == gluon_softmax_plan.HELD_CONFIG[dtype, 0]
+        monkeypatch.setitem(gluon_softmax_plan.HELD_CONFIG, (dtype, 0), None)
         assert plan(QWEN3_VOCAB, dtype, 0) is None
         assert plan(QWEN3_VOCAB, dtype, 0, config=(4, 4)) == (4, 4)
 
@@ -43,7 +43,7 @@ def test_a_case_the_table_leaves_out_goes_through_l2(monkeypatch):
 def test_no_plan_where_a_leaf_cannot_be_held():
     """Control for the above: the largest leaf that fits has a plan, one step more has none
     (Qwen3's vocabulary in two leaves: 75,968 fp32 elements, 19 steps)."""
-    fits = gluon_softmax.SMEM_BUDGET // (4096 * 4)           # fp32 steps of 4096 lanes
+    fits = gluon_softmax_plan.SMEM_BUDGET // (4096 * 4)           # fp32 steps of 4096 lanes
     assert plan(fits * 4096 * 8, torch.float32) is not None
     assert plan((fits + 1) * 4096 * 8, torch.float32) is None
     assert plan(QWEN3_VOCAB, torch.float32, leaves=2) is None
@@ -52,14 +52,14 @@ def test_no_plan_where_a_leaf_cannot_be_held():
 def test_registers_are_capped_so_the_programs_an_sm_fit():
     """Five 4-warp programs an SM get 96 registers a thread (5 x 128 x 96 fits the 65,536; the
     next allocation step, 104, does not); four or fewer, and fp32's two, need no cap."""
-    cap = gluon_softmax.register_cap
-    registers = gluon_softmax.REGISTERS_PER_SM
+    cap = gluon_softmax_plan.register_cap
+    registers = gluon_softmax_plan.REGISTERS_PER_SM
     assert cap(4, 5) == 96
     assert 5 * 4 * 32 * 96 <= registers < 5 * 4 * 32 * 104
     assert cap(4, 6) == 80 and cap(8, 4) == 64
     assert cap(4, 4) is None and cap(4, 2) is None and cap(8, 2) is None
     assert cap(4, 0.01) is None                              # a fraction of an SM is one program
-    warps, per_sm, _ = gluon_softmax.HELD_CONFIG[torch.bfloat16, 1]
+    warps, per_sm, _ = gluon_softmax_plan.HELD_CONFIG[torch.bfloat16, 1]
     assert cap(warps, per_sm) is not None                    # the table's bf16 shape is capped
 
 

@@ -25,8 +25,9 @@ each step copied and read a tile of the row layout at a time; the last step's ti
 wholly past the leaf's end are neither copied nor read (their lanes would add ``+0``, which
 leaves a sum as it is: a Qwen3 leaf of 18,992 elements computes 19,456 lanes, not 20,480).
 Where the whole leaf does not fit the table's programs an SM, the last step's last tiles are
-read from global memory in every pass instead (:func:`held_buffers`; fp32 at three programs an
-SM: 560 of 18,992 elements), the same operations on the same values.
+read from global memory in every pass instead
+(:func:`~tpinv.kernels.gluon_softmax_plan.held_buffers`; fp32 at three programs an SM: 560 of
+18,992 elements), the same operations on the same values.
 fp32 softmax writes each exp of its sum over its element, so its output pass divides without
 a second exp.
 
@@ -41,17 +42,12 @@ instead of all copying, then all computing.  A meeting is one 64-bit slot per le
 launch: a program publishes its value's bits with a written flag in one atomic exchange, and each
 thread holds all of the row's slots and polls them on its own until every flag is set, taking the
 values from that same load (no block barrier, no counter, no second round trip; no shuffle inside
-the polling loop, so threads may leave it at different polls).  :func:`held_plan` says where it
-runs (a leaf that fits :data:`SMEM_BUDGET`, and the table's choice; :func:`register_cap` lets the
-table's programs an SM fit its registers); elsewhere the Triton by-leaves kernel runs, with the
-same bits.
+the polling loop, so threads may leave it at different polls).  Where it runs and in what shape
+(a leaf that fits, the table's choice, the programs an SM and the tiles held) is
+:mod:`tpinv.kernels.gluon_softmax_plan` (:func:`held_plan`); elsewhere the Triton by-leaves
+kernel runs, with the same bits.
 """
 from __future__ import annotations
-
-import functools
-import math
-import types
-from typing import Mapping
 
 import torch
 import triton
@@ -60,67 +56,24 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fold_layout_of,
-                                             fold_lanes, held_tile, leaf_extremes, leaf_sum,
-                                             leaf_tile, live_tiles, nan_max, pair_tree,
-                                             quotient_by_reciprocal, reciprocal_divides_exactly,
-                                             shift_of, tile_holds_elements, tile_in_memory,
-                                             tile_is_partial, tile_lanes_of, widened)
-from tpinv.kernels.launch import cdiv, launch
+from tpinv.kernels import gluon_softmax_plan as plan
+from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fold_lanes,
+                                             held_tile, leaf_extremes, leaf_sum, leaf_tile,
+                                             nan_max, pair_tree, quotient_by_reciprocal,
+                                             reciprocal_divides_exactly, shift_of,
+                                             tile_holds_elements, tile_in_memory,
+                                             tile_is_partial, widened)
+from tpinv.kernels.gluon_softmax_plan import held_plan
+from tpinv.kernels.launch import launch
 from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
+from tpinv.kernels.triton_softmax import _shift_of as _triton_shift_of
 
-__all__ = ["softmax_rows_held", "combine_sums", "logsumexp_of", "held_plan", "register_cap",
-           "HELD_CONFIG", "CLUSTERED", "SMEM_BUDGET"]
+__all__ = ["held_plan", "softmax_rows_held", "combine_sums", "logsumexp_of"]
 
-#: Shared memory a program may hold its leaf in (bytes): two such programs fit an SM.
-SMEM_BUDGET = 100 * 1024
-#: 32-bit registers of one SM (sm_90).
-REGISTERS_PER_SM = 64 * 1024
-#: Shared memory of one SM (sm_90, bytes), and what the driver keeps of it for each program.
-SM_SHARED = 228 * 1024
-RESERVED_PER_PROGRAM = 1024
 #: The cp.async copy from global to shared memory (renamed ``async_load`` after Triton 3.6).
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: The CTA-wide barrier (``thread_barrier`` before Triton 3.7, ``barrier`` after).
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-#: Per (input dtype, mode: 0 the statistics alone, 1 log_softmax, 2 softmax): (num_warps,
-#: programs per SM, stagger in ns), from the sweeps in docs/benchmarks.md.  H100 (4096 / 1024
-#: rows, % of copy): fp32 log_softmax 86 / 82, statistics 71 / 66; bf16 at five programs,
-#: registers capped by :func:`register_cap`, starts staggered (:func:`_stagger`): log_softmax
-#: 81 / 78, statistics 66 / 59, against 80 / 72.5 and 60 / 53 all at once; in fp32 a stagger was
-#: slower.  H200, with the fold's one exchange (:func:`fold_lanes`): bf16 log_softmax 75 / 70,
-#: statistics 62 / 55; fp32 log_softmax 75 / 72 at 4 warps (8: 72 / 70), statistics 61 / 58 at 8
-#: warps (4: 58 / 54); then with the flush-free exp (:func:`exp_shifted`): bf16 log_softmax
-#: 79 / 74, fp32 80 / 77, statistics 63 / 56 and 71 / 66; softmax, once it divides by the row's
-#: reciprocal (:func:`quotient_by_reciprocal`), bf16 59 / 56 at four programs without a cap
-#: (five: 58 / 55), fp32 73 / 70 at 8 warps (4: 72 / 69); then, read by tiles (the last
-#: step's empty tiles skipped) and fp32 softmax keeping its exps, bf16 softmax 64.5 / 61.4 at
-#: five programs (four: 62.6 / 59.8), fp32 softmax 74.8 / 71.9 at 4 warps (8: 72.0 / 69.5), fp32
-#: statistics 75.9 / 69.6 at 4 warps (8: 72.5 / 67.1); then fp32 log_softmax and softmax at
-#: three programs an SM, two of a leaf's tiles read from memory (:func:`held_buffers`), in a
-#: cluster: 84.8 / 82.6 and 83.7 / 79.8 against 81.0 / 78.5 and 79.2 / 75.7 at two (the
-#: statistics 83.9 / 76.6 against 85.1 / 78.0: kept at two); then bf16 log_softmax's starts
-#: 1000 ns apart, 82.5 / 78.0 against 82.3 / 77.1 at 3000 (0: 81.9 / 75.7; four programs an SM
-#: 78.2 / 74.5).  None would send the case to the L2 kernel.  Speed only: no choice here moves
-#: a bit.
-HELD_CONFIG = {
-    (torch.float32, 0): (4, 2, 0), (torch.float32, 1): (4, 3, 0), (torch.float32, 2): (4, 3, 0),
-    (torch.bfloat16, 0): (4, 5, 2000), (torch.bfloat16, 1): (4, 5, 1000),
-    (torch.bfloat16, 2): (4, 5, 2000),
-    (torch.float16, 0): (4, 5, 2000), (torch.float16, 1): (4, 5, 1000),
-    (torch.float16, 2): (4, 5, 2000),
-}
-#: The (input dtype, mode) whose rows meet in a thread-block cluster
-#: (:mod:`tpinv.kernels.gluon_softmax_cluster`; rows of up to eight leaves) rather than through
-#: global memory; H200, % of copy at 4096 / 1024 rows, same call: bf16 softmax 72.4 / 69.6
-#: against 64.7 / 61.6, fp32 log_softmax 81.4 / 77.6 against 78.8 / 76.3, fp32 softmax
-#: 78.2 / 74.3 against 74.6 / 72.0; the statistics, meeting once in a cluster as here (their
-#: sums to global slots, :func:`_combine_sums` after): fp32 85.9 / 78.4 against 76.0 / 70.0
-#: (77.7 / 68.5 meeting twice); slower in a cluster: bf16 log_softmax (79.4 against 81.7 at
-#: 4096 rows), bf16 statistics (63.7 / 58.3 against 68.6 / 59.7).  Speed only: the same bits
-#: either way.
-CLUSTERED = frozenset({(torch.float32, 0), (torch.float32, 1), (torch.float32, 2),
-                       (torch.bfloat16, 2), (torch.float16, 2)})
 
 
 @gluon.jit
@@ -368,8 +321,7 @@ def logsumexp_of(m, total, dtype: tl.constexpr):
     ``log`` and casts give CUDA torch's bits for every fp32 input: checked over every fp32 bit
     pattern on an H200, and over every total a row can have in
     ``tests/gpu/test_softmax_by_leaves.py``)."""
-    shift = tl.where(tl.abs(m) == float("inf"), 0.0, m)
-    return (shift + tl.log(total)).to(dtype)
+    return (_triton_shift_of(m) + tl.log(total)).to(dtype)
 
 
 def combine_sums(slots: torch.Tensor, max_: torch.Tensor, total: torch.Tensor, leaves: int,
@@ -381,82 +333,6 @@ def combine_sums(slots: torch.Tensor, max_: torch.Tensor, total: torch.Tensor, l
            num_warps=1, enable_fp_fusion=False)
 
 
-def _powers(steps: int) -> tuple[int, int, int]:
-    """``steps`` as ``A + B + C``, powers of two from the largest (0 where unused)."""
-    parts = [1 << i for i in reversed(range(steps.bit_length())) if steps >> i & 1]
-    return tuple(parts + [0] * (3 - len(parts)))
-
-
-def held_buffers(steps: int, block: int, tile: int, live: int, element_size: int,
-                 per_sm: float) -> tuple[int, int, int, int]:
-    """``(A, B, C_LANES, HELD)``: the leaf's ``steps`` held in three power-of-two shared buffers,
-    ``A`` and ``B`` steps and ``C_LANES`` lanes, so that ``per_sm`` programs share one SM's
-    :data:`SM_SHARED`.  Where the whole leaf fits a program's share, ``HELD`` is every ``live``
-    tile of the last step; else the steps before the last are held (where they are at most two
-    powers of two) with the last step's first ``HELD`` tiles (a power of two) in the third
-    buffer, and its other tiles are read from global memory in every pass
-    (:func:`~tpinv.kernels.gluon_softmax_leaf.tile_in_memory`; an fp32 Qwen3 leaf at three
-    programs an SM: 4 steps and 4 of the last step's 6 tiles held, 560 of 18,992 elements
-    read from memory).  Where neither fits, the whole leaf (the driver then places fewer
-    programs).  Speed only: where an element is read from moves no bit."""
-    a, b, c = _powers(steps)
-    whole = (a, b, c * block if c else 16, live)
-    share = (SM_SHARED // math.ceil(per_sm) - RESERVED_PER_PROGRAM
-             - 4 * tile - 256)   # beside the leaf: the fold's exchange, a cluster's slots
-    if steps * block * element_size <= share:
-        return whole
-    a, b, c = _powers(steps - 1)
-    room = share - (steps - 1) * block * element_size
-    if c or room < tile * element_size:
-        return whole
-    held = 1 << (min(live, room // (tile * element_size)).bit_length() - 1)
-    return a, b, held * tile, held
-
-
-def held_plan(rows: torch.Tensor, leaves: int, block: int, mode: int,
-              config: tuple | None = None) -> tuple | None:
-    """``(num_warps, programs per SM, stagger_ns)`` for ``rows`` cut in ``leaves`` in ``mode`` (0:
-    the statistics alone, 1: log_softmax, 2: softmax), or None where this kernel does not run
-    them: the table says the L2 kernel is faster, a leaf's steps are not three powers of two, or
-    a leaf does not fit :data:`SMEM_BUDGET`.  ``config`` overrides the table."""
-    config = config or HELD_CONFIG.get((rows.dtype, mode))
-    steps = cdiv(rows.shape[1] // leaves, block)
-    if (config is None or bin(steps).count("1") > 3
-            or steps * block * rows.element_size() > SMEM_BUDGET):
-        return None
-    return config
-
-
-def register_cap(num_warps: int, per_sm: float) -> int | None:
-    """The registers a thread may use so that ``per_sm`` programs of ``num_warps`` fit one SM's
-    :data:`REGISTERS_PER_SM` (allocated in eights), or None where 128 or more fit: the kernel's
-    own allocation (113-127 at 4 warps, 59-64 at 8; sm_90, Triton 3.6) needs no cap there.
-    Speed only: a cap moves registers to local memory, never an operation."""
-    budget = REGISTERS_PER_SM // (math.ceil(per_sm) * num_warps * 32) // 8 * 8
-    return None if budget >= 128 else budget
-
-
-@functools.lru_cache(maxsize=256)
-def held_launch_options(element_size: int, leaf_len: int, leaves: int, mode: int, block: int,
-                        num_warps: int, per_sm: float, stagger_ns: int) -> Mapping:
-    """The held kernel's constexprs and launch options for leaves of ``leaf_len`` elements of
-    ``element_size`` bytes (what :func:`softmax_rows_held` launches with), kept per shape and
-    read-only."""
-    steps = cdiv(leaf_len, block)
-    vec = 16 // element_size
-    tile = tile_lanes_of(vec, num_warps, block)
-    live, partial = live_tiles(leaf_len, block, tile)
-    a, b, c_lanes, held = held_buffers(steps, block, tile, live, element_size, per_sm)
-    cap = register_cap(num_warps, per_sm)
-    stagger = math.ceil(per_sm) if stagger_ns > 0 and per_sm > 1 else 0   # started in turn
-    return types.MappingProxyType(dict(
-        MODE=mode, LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, BLOCK=block, TILE=tile,
-        LOG2_TILE=tile.bit_length() - 1, LIVE=live, PARTIAL=partial, HELD=held, STEPS=steps,
-        A=a, B=b, C_LANES=c_lanes,
-        VEC=vec, STAGGER=stagger, fold_layout=fold_layout_of(tile, num_warps),
-        num_warps=num_warps, enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap})))
-
-
 def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: int, block: int,
                       n_programs: int, num_warps: int, per_sm: float, stagger_ns: int,
                       lse: torch.Tensor | None = None) -> None:
@@ -465,10 +341,10 @@ def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: i
     allocates the outputs), ``per_sm`` programs an SM, each program an SM holds starting
     ``stagger_ns`` after the one before it there (0: all at once); the statistics alone
     (``mode`` 0) then take each row's total, and its logsumexp into ``lse`` where given, by
-    :func:`combine_sums`.  Where :data:`CLUSTERED` names the dtype and mode, a row's leaves meet
-    in one thread-block cluster instead
+    :func:`combine_sums`.  Where the plan's :data:`~tpinv.kernels.gluon_softmax_plan.CLUSTERED`
+    names the dtype and mode, a row's leaves meet in one thread-block cluster instead
     (:func:`tpinv.kernels.gluon_softmax_cluster.softmax_rows_clustered`; the same bits)."""
-    if (rows.dtype, mode) in CLUSTERED:
+    if (rows.dtype, mode) in plan.CLUSTERED:
         from tpinv.kernels.gluon_softmax_cluster import CLUSTER_LEAVES, softmax_rows_clustered
         if leaves in CLUSTER_LEAVES:
             softmax_rows_clustered(rows, out, max_, total, leaves, mode, block, n_programs,
@@ -477,8 +353,8 @@ def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: i
     n_rows, width = rows.shape
     leaf_len = width // leaves
     target = rows if out is None else out
-    options = held_launch_options(rows.element_size(), leaf_len, leaves, mode, block, num_warps,
-                                  per_sm, stagger_ns)
+    options = plan.held_launch_options(rows.element_size(), leaf_len, leaves, mode, block,
+                                       num_warps, per_sm, stagger_ns)
     slots_per_sm = options["STAGGER"]
     # one zeroed buffer: the rows' meeting slots, the ticket counter (int32, padded to 64
     # bits), then (staggered starts) an arrival count per SM (int32)

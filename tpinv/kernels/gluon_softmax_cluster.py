@@ -32,7 +32,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.cluster_launch import clustered
 from tpinv.kernels.gluon_softmax import (combine_sums, _issue, _publish, _stagger, _sum_lanes,
-                                         _thread_barrier, _write_output, held_launch_options)
+                                         _thread_barrier, _write_output)
+from tpinv.kernels.gluon_softmax_plan import held_launch_options
 from tpinv.kernels.gluon_softmax_leaf import fold_lanes, leaf_extremes, shift_of
 
 __all__ = ["softmax_rows_clustered", "CLUSTER_LEAVES"]

@@ -240,7 +240,8 @@ def tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
 def tile_in_memory(k, t, STEPS, HELD):
     """Whether tile ``t`` of step ``k`` is read from global memory in every pass rather than held:
     the last step's tiles from ``HELD`` on (``HELD`` = every live tile where the whole leaf fits
-    its program's share of shared memory; :func:`held_buffers`)."""
+    its program's share of shared memory:
+    :func:`~tpinv.kernels.gluon_softmax_plan.held_buffers`)."""
     return k == STEPS - 1 and t >= HELD
 
 
