@@ -13,12 +13,14 @@ first:
   multiply-add at all (the kernel is built without contraction);
 - a program's shared memory lets the table's programs share one SM (233,472 bytes on sm_90, 1 KiB
   of it reserved per program); control: one step more of leaf would not;
+- 16-bit log_softmax needs no local memory at its register cap (control: a lower cap spills);
 - a leaf's last step copies and computes only its tiles that hold elements (control: a leaf of
   whole steps computes every lane), and fp32 softmax, keeping its exps, takes one an element.
 """
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -55,10 +57,12 @@ def _ptxas_present() -> bool:
     return bool(path) and os.path.exists(path)
 
 
-def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, slots: bool):
+def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, slots: bool,
+             maxnreg: int | None = None):
     """``kernel`` (launched as :func:`~tpinv.kernels.gluon_softmax.softmax_rows_held` launches it;
     ``slots``: it meets through global memory slots) compiled for sm_90 with the table's launch
-    shape for ``dtype``; returns it and the table's programs an SM."""
+    shape for ``dtype`` (``maxnreg``: another register cap); returns it and the table's programs
+    an SM."""
     if not _ptxas_present():
         pytest.skip("no ptxas in this Triton")
     source = _source()
@@ -68,6 +72,8 @@ def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, slots: bool):
         warps, per_sm, stagger))
     launch_options = {k: options.pop(k) for k in ("enable_fp_fusion", "maxnreg") if k in options}
     launch_options["num_warps"] = options["num_warps"]      # also the kernel's own constexpr
+    if maxnreg is not None:
+        launch_options["maxnreg"] = maxnreg
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     signature = {"x_ptr": f"*{element}", "y_ptr": f"*{element}", "max_ptr": "*fp32",
                  "total_ptr": "*fp32", **({"slot_ptr": "*i64"} if slots else {}),
@@ -80,9 +86,20 @@ def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, slots: bool):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options), per_sm
 
 
-def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // LEAVES):
+def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // LEAVES,
+                 maxnreg: int | None = None):
     """The held kernel compiled for sm_90 with the table's launch shape for ``dtype``."""
-    return _compile(gluon_softmax._softmax_held_kernel, dtype, mode, leaf_len, True)
+    return _compile(gluon_softmax._softmax_held_kernel, dtype, mode, leaf_len, True, maxnreg)
+
+
+def _local_memory_accesses(compiled) -> int:
+    """The sm_90 SASS's local loads and stores (register spills), from the ``nvdisasm`` Triton's
+    wheel ships (skipped where it has none)."""
+    try:
+        sass = compiled.asm["sass"]
+    except Exception as error:     # no nvdisasm: nothing to count
+        pytest.skip(f"no SASS from this Triton: {error}")
+    return len(re.findall(r"\b(?:LDL|STL)\b", sass))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16,
@@ -111,6 +128,21 @@ def test_bf16_elements_widen_by_bit_operations():
     assert ptx.count("0xFFFF0000") >= 152 // 2          # the high halves' mask, one a pair
     half = compile_held(torch.float16, 0)[0].asm["ptx"]
     assert half.count("cvt.f32.f16") >= 152
+
+
+def test_16bit_log_softmax_does_not_spill_at_its_register_cap():
+    """bf16 log_softmax runs five programs an SM, its registers capped at 96
+    (:func:`~tpinv.kernels.gluon_softmax_plan.register_cap`); the block barrier after the row-max
+    meeting keeps the compiler from holding the max pass's shared-memory loads live into the sum
+    pass, so the program needs no local memory.  Control: the same program capped at 64
+    registers spills (the count can see a spill)."""
+    compiled, _ = compile_held(torch.bfloat16, 1)
+    assert gluon_softmax_plan.held_launch_options(2, QWEN3_VOCAB // LEAVES, LEAVES, 1,
+                                                  leaf_block(QWEN3_VOCAB // LEAVES),
+                                                  *gluon_softmax_plan.HELD_CONFIG[torch.bfloat16, 1]
+                                                  )["maxnreg"] == 96
+    assert _local_memory_accesses(compiled) == 0
+    assert _local_memory_accesses(compile_held(torch.bfloat16, 1, maxnreg=64)[0]) > 0
 
 
 def test_control_one_step_more_of_leaf_crowds_the_sm():

@@ -216,6 +216,10 @@ def _process(a, b, c, item, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len
     _publish(slots + leaf, m_leaf)
     m = nan_max(_gather(slots, leaf_ids))
     shift = shift_of(m)
+    # every thread past its meeting: the sum pass reads the leaf from shared memory again
+    # rather than the compiler keeping the max pass's loads live across the meeting (which
+    # spilled 16-bit log_softmax: 104 local loads, 90 stores a thread; none with this)
+    _thread_barrier()
     # 2. the leaf's sum
     acc = _sum_lanes(a, b, c, x_leaf, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE,
                      LIVE, PARTIAL, HELD, lanes_layout)

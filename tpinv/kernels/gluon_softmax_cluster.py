@@ -121,6 +121,7 @@ def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr,
                                PARTIAL, HELD, lanes_layout)
     m = _nan_max_of(_meet(_MAX_MEETING, m_leaf, parity, LEAVES), LEAVES)
     shift = shift_of(m)
+    _thread_barrier()   # the sum pass reads shared memory again (as in the ticket kernel)
     acc = _sum_lanes(a, b, c, x_leaf, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE,
                      LIVE, PARTIAL, HELD, lanes_layout)
     s_leaf = fold_lanes(acc, TILE, LOG2_TILE, fold_layout)
