@@ -305,25 +305,33 @@ def test_control_a_change_in_one_leaf_moves_its_row(held_runs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_logsumexp_takes_its_tail_in_the_combine_launch(dtype, held_runs, monkeypatch):
-    """The public logsumexp: where the held kernel runs, its combine launch writes each row's
-    ``safe_shift(max) + log(total)`` rounded once to the input's dtype (asserted to run there),
-    with the bytes of :func:`logsumexp_from_parts` on the row kernel's max and total (and on
-    ``max_and_sum_exp``'s), NaN, infinities and -inf rows included, leaves of 8 and 4, in a
-    cluster (fp32) and with tickets (16-bit).  Control: a new max in one row moves that row's
-    logsumexp and no other row's."""
+def test_logsumexp_takes_its_tail_in_the_held_launches(dtype, held_runs, monkeypatch):
+    """The public logsumexp: where the held kernel runs, its own launches write each row's
+    ``safe_shift(max) + log(total)`` rounded once to the input's dtype (asserted to run there:
+    the ticket kernel's combine launch, 16-bit; the cluster kernel itself, fp32, whose program 0
+    of a row's cluster takes the row's total), with the bytes of :func:`logsumexp_from_parts` on
+    the row kernel's max and total (and on ``max_and_sum_exp``'s), NaN, infinities and -inf rows
+    included, leaves of 8 and 4.  Control: a new max in one row moves that row's logsumexp and
+    no other row's."""
     ts, bl = mods()
     tails = []
     if bl.HELD[0]:
         from tpinv.kernels import gluon_softmax, gluon_softmax_cluster
-        real = gluon_softmax.combine_sums
+        real_combine = gluon_softmax.combine_sums
+        real_options = gluon_softmax_cluster.options_with_lse
 
-        def counted(slots, max_, total, leaves, lse):
-            tails.append(lse is not None)
-            return real(slots, max_, total, leaves, lse)
+        def combine(slots, max_, total, leaves, lse):
+            tails.append(("combine", lse is not None))
+            return real_combine(slots, max_, total, leaves, lse)
 
-        monkeypatch.setattr(gluon_softmax, "combine_sums", counted)
-        monkeypatch.setattr(gluon_softmax_cluster, "combine_sums", counted)
+        def cluster_options(options, lse):
+            if options["MODE"] == 0:
+                tails.append(("cluster", lse))
+            return real_options(options, lse)
+
+        monkeypatch.setattr(gluon_softmax, "combine_sums", combine)
+        monkeypatch.setattr(gluon_softmax_cluster, "options_with_lse", cluster_options)
+    where = "cluster" if dtype == torch.float32 else "combine"
     expected = []
     for leaves in (8, 4):      # an fp32 leaf of 37,984 elements is not held: the L2 kernel
         flat = special_rows(rand(26, 151936, dtype=dtype, seed=50 + leaves))
@@ -331,7 +339,7 @@ def test_logsumexp_takes_its_tail_in_the_combine_launch(dtype, held_runs, monkey
         before = len(held_runs)
         got = ts.logsumexp_forward_cuda(x, leaves)
         if len(held_runs) > before:
-            expected.append(True)
+            expected.append((where, True))
         assert got.shape == (2, 13) and got.dtype == dtype
         _, m, s = row_kernel(ts, flat, leaves, ts._MODE_STATS)
         assert_same_bits(got.reshape(-1), logsumexp_from_parts(m, s).to(dtype),
@@ -339,11 +347,11 @@ def test_logsumexp_takes_its_tail_in_the_combine_launch(dtype, held_runs, monkey
         before = len(held_runs)
         m, s = ts.max_and_sum_exp_cuda(x, leaves)
         if len(held_runs) > before:
-            expected.append(False)
+            expected.append((where, False))
         assert_same_bits(got, logsumexp_from_parts(m, s).to(dtype), f"{dtype} leaves={leaves}")
-    # each held logsumexp launch took its tail in the combine; max_and_sum_exp did not
+    # each held logsumexp launch took its tail in its own launches; max_and_sum_exp did not
     assert tails == expected, (tails, expected)
-    assert (True in tails) == bool(bl.HELD[0]), "the held kernel runs Qwen3's leaves of 8"
+    assert ((where, True) in tails) == bool(bl.HELD[0]), "the held kernel runs Qwen3's leaves of 8"
     y = flat.clone()
     y[9, 3 * (151936 // 4) + 5] = flat[9].float().max() + 2.0
     after = ts.logsumexp_forward_cuda(y, 4)

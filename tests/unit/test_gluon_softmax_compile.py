@@ -57,12 +57,12 @@ def _ptxas_present() -> bool:
     return bool(path) and os.path.exists(path)
 
 
-def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, slots: bool,
+def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, pointer: str = "slot_ptr",
              maxnreg: int | None = None):
     """``kernel`` (launched as :func:`~tpinv.kernels.gluon_softmax.softmax_rows_held` launches it;
-    ``slots``: it meets through global memory slots) compiled for sm_90 with the table's launch
-    shape for ``dtype`` (``maxnreg``: another register cap); returns it and the table's programs
-    an SM."""
+    ``pointer``: its fifth parameter, the ticket kernel's meeting slots or the cluster kernel's
+    logsumexp output) compiled for sm_90 with the table's launch shape for ``dtype``
+    (``maxnreg``: another register cap); returns it and the table's programs an SM."""
     if not _ptxas_present():
         pytest.skip("no ptxas in this Triton")
     source = _source()
@@ -70,13 +70,15 @@ def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, slots: bool,
     options = dict(gluon_softmax_plan.held_launch_options(
         torch.empty(0, dtype=dtype).element_size(), leaf_len, LEAVES, mode, leaf_block(leaf_len),
         warps, per_sm, stagger))
+    if pointer == "lse_ptr":          # the cluster kernel: the statistics write the logsumexp
+        options["LSE"] = mode == 0
     launch_options = {k: options.pop(k) for k in ("enable_fp_fusion", "maxnreg") if k in options}
     launch_options["num_warps"] = options["num_warps"]      # also the kernel's own constexpr
     if maxnreg is not None:
         launch_options["maxnreg"] = maxnreg
     element = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     signature = {"x_ptr": f"*{element}", "y_ptr": f"*{element}", "max_ptr": "*fp32",
-                 "total_ptr": "*fp32", **({"slot_ptr": "*i64"} if slots else {}),
+                 "total_ptr": "*fp32", pointer: "*i64" if pointer == "slot_ptr" else "*fp32",
                  "sync_ptr": "*i32", "n_rows": "i32", "leaf_len": "i32", "stride_x": "i32",
                  "stride_y": "i32", "stagger_ns": "i32"}
     signature.update({name: "constexpr" for name in options})
@@ -89,7 +91,7 @@ def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, slots: bool,
 def compile_held(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // LEAVES,
                  maxnreg: int | None = None):
     """The held kernel compiled for sm_90 with the table's launch shape for ``dtype``."""
-    return _compile(gluon_softmax._softmax_held_kernel, dtype, mode, leaf_len, True, maxnreg)
+    return _compile(gluon_softmax._softmax_held_kernel, dtype, mode, leaf_len, maxnreg=maxnreg)
 
 
 def _local_memory_accesses(compiled) -> int:
@@ -189,12 +191,13 @@ def compile_clustered(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB
     """The cluster kernel (:mod:`tpinv.kernels.gluon_softmax_cluster`) compiled for sm_90 with
     the table's launch shape for ``dtype``."""
     from tpinv.kernels import gluon_softmax_cluster
-    return _compile(gluon_softmax_cluster._softmax_cluster_kernel, dtype, mode, leaf_len, True)
+    return _compile(gluon_softmax_cluster._softmax_cluster_kernel, dtype, mode, leaf_len,
+                    "lse_ptr")
 
 
-#: The cluster kernel's two meetings' slots: two parities of eight fp32 words each, in static
-#: shared memory beside the dynamic shared memory Triton sizes.
-MEETING_SLOTS_BYTES = 2 * 2 * 8 * 4
+#: A meeting's slots: two parities of eight fp32 words, in static shared memory beside the
+#: dynamic shared memory Triton sizes (one such array for each ``.shared`` the PTX declares).
+MEETING_SLOTS_BYTES = 2 * 8 * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)])
@@ -202,19 +205,23 @@ MEETING_SLOTS_BYTES = 2 * 2 * 8 * 4
 def test_the_cluster_kernel_meets_in_shared_memory(dtype, mode):
     """A row's leaves meet by writing into each other's shared memory (``mapa`` and
     ``st.shared::cluster``) and one cluster barrier a meeting (two a row; the statistics alone
-    meet once, for the max, and publish their leaf sums to global memory without waiting), never
-    by polling global memory; a program with its meeting slots still lets the table's programs
-    share an SM.  Control: the ticket kernel polls its row's slots in global memory."""
+    meet once a row, for the max, with the previous row's leaf sums carried in that meeting's
+    second set of slots, and once more after the loop for the last row's sums: two meetings in
+    the program, three slot writes, no global slots at all), never by polling global memory; a
+    program with its meeting slots still lets the table's programs share an SM.  Control: the
+    ticket kernel polls its row's slots in global memory."""
     compiled, per_sm = compile_clustered(dtype, mode)
     ptx = compiled.asm["ptx"]
-    meetings = 1 if mode == 0 else 2
-    assert ptx.count("barrier.cluster.arrive.release") == meetings
-    assert ptx.count("barrier.cluster.wait.acquire") == meetings
-    assert ptx.count("mapa.shared::cluster") == meetings
-    assert ptx.count("st.shared::cluster") == meetings
-    assert ("atom.global.gpu.relaxed.exch" in ptx) == (mode == 0)
+    writes = 3 if mode == 0 else 2
+    assert ptx.count("barrier.cluster.arrive.release") == 2
+    assert ptx.count("barrier.cluster.wait.acquire") == 2
+    assert ptx.count("mapa.shared::cluster") == writes
+    assert ptx.count("st.shared::cluster") == writes
+    assert "atom.global.gpu.relaxed.exch" not in ptx
     assert "ld.volatile.global" not in ptx
     assert ".shared .align 16 .b32 tpinv_row_maxima[16]" in ptx
-    shared = compiled.metadata.shared + MEETING_SLOTS_BYTES
+    assert (".shared .align 16 .b32 tpinv_previous_sums[16]" in ptx) == (mode == 0)
+    slot_sets = ptx.count(".shared .align 16 .b32 tpinv_")
+    shared = compiled.metadata.shared + MEETING_SLOTS_BYTES * slot_sets
     assert per_sm * (shared + RESERVED_PER_PROGRAM) <= SM90_SHARED, shared
     assert "ld.volatile.global" in compile_held(dtype, mode)[0].asm["ptx"]

@@ -18,12 +18,17 @@ the row's parity choosing one of two sets of slots) and one cluster barrier (rel
 after which each program reads the row's values from its own shared memory.  The hardware keeps
 a cluster's programs resident together, so no launch order, residency or other kernel can make
 a meeting wait forever, and no global counter or memset is needed.  The statistics alone meet
-once, for the max: each leaf then writes its sum to the row's slot in global memory and goes on,
-and :func:`~tpinv.kernels.gluon_softmax.combine_sums` takes each row's total after the launch,
-as it does for the ticket kernel (a second meeting there cost fp32 statistics 9 points of copy
-bandwidth: docs/benchmarks.md, "The statistics in a cluster meet once").
+once a row, for the max, and that meeting also carries each leaf's sum of the cluster's previous
+row: program 0 of the cluster then takes that row's total (and its logsumexp, with the
+combine's own :func:`~tpinv.kernels.gluon_softmax.logsumexp_of`), so nobody waits for a sum (a
+second meeting a row cost fp32 statistics 9 points of copy bandwidth: docs/benchmarks.md, "The
+statistics in a cluster meet once"), no second launch takes the totals, and the cluster's last
+row's sums meet once after its loop.
 """
 from __future__ import annotations
+
+import types
+from typing import Mapping
 
 import torch
 from triton.experimental import gluon
@@ -31,9 +36,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.cluster_launch import clustered
-from tpinv.kernels.gluon_softmax import (combine_sums, _issue, _publish, _stagger, _sum_lanes,
-                                         _thread_barrier, _write_output)
+from tpinv.kernels.gluon_softmax import (_issue, _stagger, _sum_lanes, _thread_barrier,
+                                         _write_output, logsumexp_of)
 from tpinv.kernels.gluon_softmax_plan import held_launch_options
+from tpinv.kernels.launch import remember
 from tpinv.kernels.gluon_softmax_leaf import fold_lanes, leaf_extremes, shift_of
 
 __all__ = ["softmax_rows_clustered", "CLUSTER_LEAVES"]
@@ -65,6 +71,36 @@ barrier.cluster.wait.acquire.aligned;
 ld.shared.v4.b32 {$0, $1, $2, $3}, [%tpv_base];
 ld.shared.v4.b32 {$4, $5, $6, $7}, [%tpv_base+16];
 }"""
+# The statistics' max meeting also carries each leaf's sum of the cluster's previous row, in a
+# second set of slots (the same parity rule): one barrier a row, and the previous row's sums
+# are in every program's shared memory once the next row's maxima are.
+_MEETING_WITH_SUMS = """{
+.shared .align 16 .b32 tpinv_row_maxima[16];
+.shared .align 16 .b32 tpinv_previous_sums[16];
+.reg .u32 %tpv_base, %tpv_sums, %tpv_slot, %tpv_t, %tpv_rank, %tpv_to;
+mov.u32 %tpv_base, tpinv_row_maxima;
+mov.u32 %tpv_sums, tpinv_previous_sums;
+and.b32 %tpv_t, $18, 1;
+mad.lo.u32 %tpv_base, %tpv_t, 32, %tpv_base;
+mad.lo.u32 %tpv_sums, %tpv_t, 32, %tpv_sums;
+mov.u32 %tpv_rank, %cluster_ctarank;
+mov.u32 %tpv_to, %tid.x;
+rem.u32 %tpv_to, %tpv_to, $19;
+mad.lo.u32 %tpv_slot, %tpv_rank, 4, %tpv_base;
+mapa.shared::cluster.u32 %tpv_slot, %tpv_slot, %tpv_to;
+st.shared::cluster.b32 [%tpv_slot], $16;
+mad.lo.u32 %tpv_slot, %tpv_rank, 4, %tpv_sums;
+mapa.shared::cluster.u32 %tpv_slot, %tpv_slot, %tpv_to;
+st.shared::cluster.b32 [%tpv_slot], $17;
+barrier.cluster.arrive.release.aligned;
+barrier.cluster.wait.acquire.aligned;
+ld.shared.v4.b32 {$0, $1, $2, $3}, [%tpv_base];
+ld.shared.v4.b32 {$4, $5, $6, $7}, [%tpv_base+16];
+ld.shared.v4.b32 {$8, $9, $10, $11}, [%tpv_sums];
+ld.shared.v4.b32 {$12, $13, $14, $15}, [%tpv_sums+16];
+}"""
+_MEETING_WITH_SUMS = gl.constexpr(_MEETING_WITH_SUMS)
+_MEETING_WITH_SUMS_OPERANDS = gl.constexpr("=r," * 16 + "r,r,r,r")
 _MAX_MEETING = gl.constexpr(_MEETING.replace("%NAME%", "tpinv_row_maxima"))
 _SUM_MEETING = gl.constexpr(_MEETING.replace("%NAME%", "tpinv_row_sums"))
 _MEETING_OPERANDS = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r")
@@ -81,6 +117,25 @@ def _meet(asm: gl.constexpr, value, parity, LEAVES: gl.constexpr):
             w[2].to(gl.float32, bitcast=True), w[3].to(gl.float32, bitcast=True),
             w[4].to(gl.float32, bitcast=True), w[5].to(gl.float32, bitcast=True),
             w[6].to(gl.float32, bitcast=True), w[7].to(gl.float32, bitcast=True))
+
+
+@gluon.jit
+def _meet_with_sums(value, previous_sum, parity, LEAVES: gl.constexpr):
+    """``(maxima, previous sums)``: the row's ``LEAVES`` leaf maxima and the leaf sums of the
+    cluster's previous row (leaf order), once every program of the cluster gave both."""
+    w = gl.inline_asm_elementwise(
+        _MEETING_WITH_SUMS, _MEETING_WITH_SUMS_OPERANDS,
+        [value.to(gl.int32, bitcast=True), previous_sum.to(gl.int32, bitcast=True), parity,
+         LEAVES + parity * 0],
+        dtype=(gl.int32,) * 16, is_pure=False, pack=1)
+    return ((w[0].to(gl.float32, bitcast=True), w[1].to(gl.float32, bitcast=True),
+             w[2].to(gl.float32, bitcast=True), w[3].to(gl.float32, bitcast=True),
+             w[4].to(gl.float32, bitcast=True), w[5].to(gl.float32, bitcast=True),
+             w[6].to(gl.float32, bitcast=True), w[7].to(gl.float32, bitcast=True)),
+            (w[8].to(gl.float32, bitcast=True), w[9].to(gl.float32, bitcast=True),
+             w[10].to(gl.float32, bitcast=True), w[11].to(gl.float32, bitcast=True),
+             w[12].to(gl.float32, bitcast=True), w[13].to(gl.float32, bitcast=True),
+             w[14].to(gl.float32, bitcast=True), w[15].to(gl.float32, bitcast=True)))
 
 
 @gluon.jit
@@ -106,15 +161,14 @@ def _nan_max_of(v, LEAVES: gl.constexpr):
 
 
 @gluon.jit
-def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr,
-                   leaf_len, stride_x, stride_y, lanes, MODE: gl.constexpr, LEAVES: gl.constexpr,
+def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr, leaf_len,
+                   stride_x, stride_y, lanes, MODE: gl.constexpr, LEAVES: gl.constexpr,
                    STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
                    TILE: gl.constexpr, LOG2_TILE: gl.constexpr, LIVE: gl.constexpr,
                    PARTIAL: gl.constexpr, HELD: gl.constexpr, lanes_layout: gl.constexpr,
                    fold_layout: gl.constexpr):
     """Leaf ``leaf`` of ``row``, already in ``a, b, c``: its max, the row's max from the
-    cluster's, its sum, then (statistics alone) the sum into ``slot_ptr``'s row slot, or the row's
-    total from the cluster's sums and the leaf's output."""
+    cluster's, its sum, the row's total from the cluster's sums, and the leaf's output."""
     row64 = row.to(gl.int64)
     x_leaf = x_ptr + row64 * stride_x + leaf.to(gl.int64) * leaf_len   # for tiles not held
     m_leaf, lo = leaf_extremes(a, b, c, x_leaf, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
@@ -125,26 +179,63 @@ def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr,
     acc = _sum_lanes(a, b, c, x_leaf, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE,
                      LIVE, PARTIAL, HELD, lanes_layout)
     s_leaf = fold_lanes(acc, TILE, LOG2_TILE, fold_layout)
-    if MODE == 0:
-        # the statistics alone: the leaf sum goes to the row's slot, nobody waits for it, and
-        # combine_sums takes the row's total after the launch (as the ticket kernel's does)
-        _publish(slot_ptr + row64 * (2 * LEAVES) + LEAVES + leaf, s_leaf)
-        if leaf == 0:
-            gl.store(max_ptr + row64, m)
-    else:
-        total = _pair_tree_of(_meet(_SUM_MEETING, s_leaf, parity, LEAVES), LEAVES)
-        if leaf == 0:
-            gl.store(max_ptr + row64, m)
-            gl.store(total_ptr + row64, total)
-        _write_output(a, b, c, x_leaf, y_ptr + row64 * stride_y + leaf.to(gl.int64) * leaf_len,
-                      shift, total, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE,
-                      PARTIAL, HELD, lanes_layout)
+    total = _pair_tree_of(_meet(_SUM_MEETING, s_leaf, parity, LEAVES), LEAVES)
+    if leaf == 0:
+        gl.store(max_ptr + row64, m)
+        gl.store(total_ptr + row64, total)
+    _write_output(a, b, c, x_leaf, y_ptr + row64 * stride_y + leaf.to(gl.int64) * leaf_len,
+                  shift, total, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE,
+                  PARTIAL, HELD, lanes_layout)
     # the buffers are copied into again next: every thread is past its last read of them
     _thread_barrier()
 
 
 @gluon.jit
-def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n_rows,
+def _row_total(sums, row, m, total_ptr, lse_ptr, LEAVES: gl.constexpr, LSE: gl.constexpr):
+    """Row ``row``'s total from its leaf sums (the pair tree) and, with ``LSE``, its logsumexp
+    from its max ``m`` (:func:`~tpinv.kernels.gluon_softmax.logsumexp_of`, the combine's own
+    function), written by one program of the row's cluster."""
+    total = _pair_tree_of(sums, LEAVES)
+    gl.store(total_ptr + row, total)
+    if LSE:
+        gl.store(lse_ptr + row, logsumexp_of(m, total, lse_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _statistics_of_row(a, b, c, row, leaf, parity, previous_sum, previous_m, x_ptr, max_ptr,
+                       total_ptr, lse_ptr, leaf_len, stride_x, lanes, LEAVES: gl.constexpr,
+                       STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+                       BLOCK: gl.constexpr, TILE: gl.constexpr, LOG2_TILE: gl.constexpr,
+                       LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr,
+                       LSE: gl.constexpr, lanes_layout: gl.constexpr,
+                       fold_layout: gl.constexpr):
+    """The statistics alone, leaf ``leaf`` of ``row``: its max and sum (as
+    :func:`_row_of_leaves`), the row meeting once, for the max, which also carries the leaf
+    sums of the cluster's previous row (``previous_sum``; its max ``previous_m``): program 0
+    takes that row's total then, and nobody waits for a sum.  Returns ``(m, leaf sum)``."""
+    row64 = row.to(gl.int64)
+    x_leaf = x_ptr + row64 * stride_x + leaf.to(gl.int64) * leaf_len   # for tiles not held
+    m_leaf, lo = leaf_extremes(a, b, c, x_leaf, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
+                               PARTIAL, HELD, lanes_layout)
+    maxima, previous_sums = _meet_with_sums(m_leaf, previous_sum, parity, LEAVES)
+    m = _nan_max_of(maxima, LEAVES)
+    if (leaf == 0) & (row >= gl.num_programs(0) // LEAVES):   # not the cluster's first row
+        _row_total(previous_sums, row64 - gl.num_programs(0) // LEAVES, previous_m, total_ptr,
+                   lse_ptr, LEAVES, LSE)
+    shift = shift_of(m)
+    _thread_barrier()   # the sum pass reads shared memory again (as in the ticket kernel)
+    acc = _sum_lanes(a, b, c, x_leaf, shift, lo, lanes, leaf_len, 0, STEPS, A, B, BLOCK, TILE,
+                     LIVE, PARTIAL, HELD, lanes_layout)
+    s_leaf = fold_lanes(acc, TILE, LOG2_TILE, fold_layout)
+    if leaf == 0:
+        gl.store(max_ptr + row64, m)
+    # the buffers are copied into again next: every thread is past its last read of them
+    _thread_barrier()
+    return m, s_leaf
+
+
+@gluon.jit
+def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr, n_rows,
                             leaf_len, stride_x, stride_y, stagger_ns, MODE: gl.constexpr,
                             LEAVES: gl.constexpr, LOG2_LEAVES: gl.constexpr, BLOCK: gl.constexpr,
                             TILE: gl.constexpr, LOG2_TILE: gl.constexpr, LIVE: gl.constexpr,
@@ -152,7 +243,7 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr
                             STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
                             C_LANES: gl.constexpr, VEC: gl.constexpr,
                             STAGGER: gl.constexpr, fold_layout: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            LSE: gl.constexpr, num_warps: gl.constexpr):
     lanes_layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [num_warps], [0])
     held_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     dtype: gl.constexpr = x_ptr.dtype.element_ty
@@ -169,16 +260,36 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr
     _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes, LEAVES, STEPS,
            A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
     parity = 0
-    while row < n_rows:
-        async_copy.wait_group(0)
-        _thread_barrier()
-        _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr,
-                       leaf_len, stride_x, stride_y, lanes, MODE, LEAVES, STEPS, A, B, BLOCK, TILE,
-                       LOG2_TILE, LIVE, PARTIAL, HELD, lanes_layout, fold_layout)
-        row += n_clusters
-        parity = 1 - parity
-        _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes, LEAVES,
-               STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
+    if MODE == 0:
+        previous_sum = gl.to_tensor(0.0)   # nothing before the cluster's first row
+        previous_m = gl.to_tensor(0.0)
+        while row < n_rows:
+            async_copy.wait_group(0)
+            _thread_barrier()
+            previous_m, previous_sum = _statistics_of_row(
+                a, b, c, row, leaf, parity, previous_sum, previous_m, x_ptr, max_ptr, total_ptr,
+                lse_ptr, leaf_len, stride_x, lanes, LEAVES, STEPS, A, B, BLOCK, TILE, LOG2_TILE,
+                LIVE, PARTIAL, HELD, LSE, lanes_layout, fold_layout)
+            row += n_clusters
+            parity = 1 - parity
+            _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes,
+                   LEAVES, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
+        if row >= n_clusters:   # the cluster's last row: its sums meet once more
+            sums = _meet(_SUM_MEETING, previous_sum, parity, LEAVES)
+            if leaf == 0:
+                _row_total(sums, (row - n_clusters).to(gl.int64), previous_m, total_ptr,
+                           lse_ptr, LEAVES, LSE)
+    else:
+        while row < n_rows:
+            async_copy.wait_group(0)
+            _thread_barrier()
+            _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr,
+                           leaf_len, stride_x, stride_y, lanes, MODE, LEAVES, STEPS, A, B, BLOCK,
+                           TILE, LOG2_TILE, LIVE, PARTIAL, HELD, lanes_layout, fold_layout)
+            row += n_clusters
+            parity = 1 - parity
+            _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes,
+                   LEAVES, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
 
 
 def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mode: int,
@@ -198,13 +309,23 @@ def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mo
     # staggered starts: an arrival count per SM (int32, zero before the launch); else unread
     sync = (torch.zeros(1024, dtype=torch.int32, device=rows.device) if staggered
             else torch.empty(1, dtype=torch.int32, device=rows.device))
-    # the statistics alone: each leaf's sum, in the ticket kernel's slot layout (every slot read
-    # by combine_sums is written first, so nothing is zeroed); else unread
-    slots = torch.empty(n_rows * 2 * leaves if mode == 0 else 1, dtype=torch.int64,
-                        device=rows.device)
-    args = (rows, target, max_, total, slots, sync, n_rows, leaf_len, rows.stride(0),
-            target.stride(0), stagger_ns if staggered else 0)
+    # the statistics alone write each row's total, and its logsumexp into lse where given
+    options = options_with_lse(options, lse is not None)
+    args = (rows, target, max_, total, total if lse is None else lse, sync, n_rows, leaf_len,
+            rows.stride(0), target.stride(0), stagger_ns if staggered else 0)
     kernel = clustered(_softmax_cluster_kernel, args, options, leaves)
     kernel.launch(max(1, min(n_rows, n_programs // leaves, kernel.max_clusters)), args, options)
-    if mode == 0:
-        combine_sums(slots, max_, total, leaves, lse)
+
+
+_WITH_LSE: dict = {}   # (id(options), lse) -> (options, options with LSE)
+
+
+def options_with_lse(options: Mapping, lse: bool) -> Mapping:
+    """The held launch's ``options`` (kept per shape by
+    :func:`~tpinv.kernels.gluon_softmax_plan.held_launch_options`) with the cluster kernel's
+    ``LSE``, kept with them, read-only."""
+    kept = _WITH_LSE.get((id(options), lse))
+    if kept is None or kept[0] is not options:
+        kept = remember(_WITH_LSE, (id(options), lse),
+                        (options, types.MappingProxyType({**options, "LSE": lse})))
+    return kept[1]
