@@ -318,19 +318,20 @@ def test_logsumexp_takes_its_tail_in_the_held_launches(dtype, held_runs, monkeyp
     if bl.HELD[0]:
         from tpinv.kernels import gluon_softmax, gluon_softmax_cluster
         real_combine = gluon_softmax.combine_sums
-        real_options = gluon_softmax_cluster.options_with_lse
+        real_options = gluon_softmax_cluster.held_launch_options
 
         def combine(slots, max_, total, leaves, lse):
             tails.append(("combine", lse is not None))
             return real_combine(slots, max_, total, leaves, lse)
 
-        def cluster_options(options, lse):
+        def cluster_options(*args):
+            options = real_options(*args)
             if options["MODE"] == 0:
-                tails.append(("cluster", lse))
-            return real_options(options, lse)
+                tails.append(("cluster", options["LSE"]))
+            return options
 
         monkeypatch.setattr(gluon_softmax, "combine_sums", combine)
-        monkeypatch.setattr(gluon_softmax_cluster, "options_with_lse", cluster_options)
+        monkeypatch.setattr(gluon_softmax_cluster, "held_launch_options", cluster_options)
     where = "cluster" if dtype == torch.float32 else "combine"
     expected = []
     for leaves in (8, 4):      # an fp32 leaf of 37,984 elements is not held: the L2 kernel

@@ -69,9 +69,8 @@ def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, pointer: str 
     warps, per_sm, stagger = gluon_softmax_plan.HELD_CONFIG[dtype, mode]
     options = dict(gluon_softmax_plan.held_launch_options(
         torch.empty(0, dtype=dtype).element_size(), leaf_len, LEAVES, mode, leaf_block(leaf_len),
-        warps, per_sm, stagger))
-    if pointer == "lse_ptr":          # the cluster kernel: the statistics write the logsumexp
-        options["LSE"] = mode == 0
+        warps, per_sm, stagger,
+        mode == 0 if pointer == "lse_ptr" else None))   # the cluster's statistics: a logsumexp
     launch_options = {k: options.pop(k) for k in ("enable_fp_fusion", "maxnreg") if k in options}
     launch_options["num_warps"] = options["num_warps"]      # also the kernel's own constexpr
     if maxnreg is not None:

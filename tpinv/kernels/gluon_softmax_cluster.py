@@ -27,9 +27,6 @@ row's sums meet once after its loop.
 """
 from __future__ import annotations
 
-import types
-from typing import Mapping
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -39,7 +36,6 @@ from tpinv.kernels.cluster_launch import clustered
 from tpinv.kernels.gluon_softmax import (_issue, _stagger, _sum_lanes, _thread_barrier,
                                          _write_output, logsumexp_of)
 from tpinv.kernels.gluon_softmax_plan import held_launch_options
-from tpinv.kernels.launch import remember
 from tpinv.kernels.gluon_softmax_leaf import fold_lanes, leaf_extremes, shift_of
 
 __all__ = ["softmax_rows_clustered", "CLUSTER_LEAVES"]
@@ -54,56 +50,51 @@ CLUSTER_LEAVES = (2, 4, 8)
 # always with the same value); the barrier's release and acquire order the writes before
 # the reads.  The set of the next row's parity is written only after every program has passed
 # this row's barrier, so no value is overwritten before it is read.
-_MEETING = """{
-.shared .align 16 .b32 %NAME%[16];
-.reg .u32 %tpv_base, %tpv_slot, %tpv_t;
-mov.u32 %tpv_base, %NAME%;
-and.b32 %tpv_t, $9, 1;
-mad.lo.u32 %tpv_base, %tpv_t, 32, %tpv_base;
-mov.u32 %tpv_t, %cluster_ctarank;
-mad.lo.u32 %tpv_slot, %tpv_t, 4, %tpv_base;
-mov.u32 %tpv_t, %tid.x;
-rem.u32 %tpv_t, %tpv_t, $10;
-mapa.shared::cluster.u32 %tpv_slot, %tpv_slot, %tpv_t;
-st.shared::cluster.b32 [%tpv_slot], $8;
-barrier.cluster.arrive.release.aligned;
-barrier.cluster.wait.acquire.aligned;
-ld.shared.v4.b32 {$0, $1, $2, $3}, [%tpv_base];
-ld.shared.v4.b32 {$4, $5, $6, $7}, [%tpv_base+16];
-}"""
+def _meeting_asm(*names: str) -> str:
+    """The PTX of a meeting over one set of slots per name (static shared arrays of sixteen
+    words, two parities of eight): operands ``$0 ..`` the eight words read from each set in
+    turn, then one value a set, then the parity, then ``LEAVES``."""
+    k = len(names)
+    value, parity, leaves = 8 * k, 8 * k + k, 8 * k + k + 1
+    bases = [f"%tpv_base{i}" for i in range(k)]
+    lines = ["{", *(f".shared .align 16 .b32 {name}[16];" for name in names),
+             f".reg .u32 {', '.join(bases)}, %tpv_slot, %tpv_t, %tpv_rank, %tpv_to;",
+             *(f"mov.u32 {base}, {name};" for base, name in zip(bases, names)),
+             f"and.b32 %tpv_t, ${parity}, 1;",
+             *(f"mad.lo.u32 {base}, %tpv_t, 32, {base};" for base in bases),
+             "mov.u32 %tpv_rank, %cluster_ctarank;",
+             "mov.u32 %tpv_to, %tid.x;",
+             f"rem.u32 %tpv_to, %tpv_to, ${leaves};"]
+    for i, base in enumerate(bases):
+        lines += [f"mad.lo.u32 %tpv_slot, %tpv_rank, 4, {base};",
+                  "mapa.shared::cluster.u32 %tpv_slot, %tpv_slot, %tpv_to;",
+                  f"st.shared::cluster.b32 [%tpv_slot], ${value + i};"]
+    lines += ["barrier.cluster.arrive.release.aligned;", "barrier.cluster.wait.acquire.aligned;"]
+    for i, base in enumerate(bases):
+        for half in (0, 4):
+            words = ", ".join(f"${8 * i + half + j}" for j in range(4))
+            lines.append(f"ld.shared.v4.b32 {{{words}}}, [{base}{'+16' if half else ''}];")
+    return "\n".join(lines + ["}"])
+
+
+_MAX_MEETING = gl.constexpr(_meeting_asm("tpinv_row_maxima"))
+_SUM_MEETING = gl.constexpr(_meeting_asm("tpinv_row_sums"))
 # The statistics' max meeting also carries each leaf's sum of the cluster's previous row, in a
 # second set of slots (the same parity rule): one barrier a row, and the previous row's sums
 # are in every program's shared memory once the next row's maxima are.
-_MEETING_WITH_SUMS = """{
-.shared .align 16 .b32 tpinv_row_maxima[16];
-.shared .align 16 .b32 tpinv_previous_sums[16];
-.reg .u32 %tpv_base, %tpv_sums, %tpv_slot, %tpv_t, %tpv_rank, %tpv_to;
-mov.u32 %tpv_base, tpinv_row_maxima;
-mov.u32 %tpv_sums, tpinv_previous_sums;
-and.b32 %tpv_t, $18, 1;
-mad.lo.u32 %tpv_base, %tpv_t, 32, %tpv_base;
-mad.lo.u32 %tpv_sums, %tpv_t, 32, %tpv_sums;
-mov.u32 %tpv_rank, %cluster_ctarank;
-mov.u32 %tpv_to, %tid.x;
-rem.u32 %tpv_to, %tpv_to, $19;
-mad.lo.u32 %tpv_slot, %tpv_rank, 4, %tpv_base;
-mapa.shared::cluster.u32 %tpv_slot, %tpv_slot, %tpv_to;
-st.shared::cluster.b32 [%tpv_slot], $16;
-mad.lo.u32 %tpv_slot, %tpv_rank, 4, %tpv_sums;
-mapa.shared::cluster.u32 %tpv_slot, %tpv_slot, %tpv_to;
-st.shared::cluster.b32 [%tpv_slot], $17;
-barrier.cluster.arrive.release.aligned;
-barrier.cluster.wait.acquire.aligned;
-ld.shared.v4.b32 {$0, $1, $2, $3}, [%tpv_base];
-ld.shared.v4.b32 {$4, $5, $6, $7}, [%tpv_base+16];
-ld.shared.v4.b32 {$8, $9, $10, $11}, [%tpv_sums];
-ld.shared.v4.b32 {$12, $13, $14, $15}, [%tpv_sums+16];
-}"""
-_MEETING_WITH_SUMS = gl.constexpr(_MEETING_WITH_SUMS)
-_MEETING_WITH_SUMS_OPERANDS = gl.constexpr("=r," * 16 + "r,r,r,r")
-_MAX_MEETING = gl.constexpr(_MEETING.replace("%NAME%", "tpinv_row_maxima"))
-_SUM_MEETING = gl.constexpr(_MEETING.replace("%NAME%", "tpinv_row_sums"))
-_MEETING_OPERANDS = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r")
+_MAX_AND_PREVIOUS_SUMS_MEETING = gl.constexpr(_meeting_asm("tpinv_row_maxima",
+                                                           "tpinv_previous_sums"))
+_MEETING_OPERANDS = gl.constexpr("=r," * 8 + "r,r,r")
+_TWO_SETS_MEETING_OPERANDS = gl.constexpr("=r," * 16 + "r,r,r,r")
+
+
+@gluon.jit
+def _floats(w, FIRST: gl.constexpr):
+    """Words ``FIRST .. FIRST + 7`` of a meeting's output, as the fp32 values they hold."""
+    return (w[FIRST].to(gl.float32, bitcast=True), w[FIRST + 1].to(gl.float32, bitcast=True),
+            w[FIRST + 2].to(gl.float32, bitcast=True), w[FIRST + 3].to(gl.float32, bitcast=True),
+            w[FIRST + 4].to(gl.float32, bitcast=True), w[FIRST + 5].to(gl.float32, bitcast=True),
+            w[FIRST + 6].to(gl.float32, bitcast=True), w[FIRST + 7].to(gl.float32, bitcast=True))
 
 
 @gluon.jit
@@ -111,12 +102,8 @@ def _meet(asm: gl.constexpr, value, parity, LEAVES: gl.constexpr):
     """The row's ``LEAVES`` fp32 values (leaf order) once every program of the cluster gave its."""
     w = gl.inline_asm_elementwise(asm, _MEETING_OPERANDS,
                                   [value.to(gl.int32, bitcast=True), parity, LEAVES + parity * 0],
-                                  dtype=(gl.int32, gl.int32, gl.int32, gl.int32, gl.int32, gl.int32,
-                                         gl.int32, gl.int32), is_pure=False, pack=1)
-    return (w[0].to(gl.float32, bitcast=True), w[1].to(gl.float32, bitcast=True),
-            w[2].to(gl.float32, bitcast=True), w[3].to(gl.float32, bitcast=True),
-            w[4].to(gl.float32, bitcast=True), w[5].to(gl.float32, bitcast=True),
-            w[6].to(gl.float32, bitcast=True), w[7].to(gl.float32, bitcast=True))
+                                  dtype=(gl.int32,) * 8, is_pure=False, pack=1)
+    return _floats(w, 0)
 
 
 @gluon.jit
@@ -124,18 +111,11 @@ def _meet_with_sums(value, previous_sum, parity, LEAVES: gl.constexpr):
     """``(maxima, previous sums)``: the row's ``LEAVES`` leaf maxima and the leaf sums of the
     cluster's previous row (leaf order), once every program of the cluster gave both."""
     w = gl.inline_asm_elementwise(
-        _MEETING_WITH_SUMS, _MEETING_WITH_SUMS_OPERANDS,
+        _MAX_AND_PREVIOUS_SUMS_MEETING, _TWO_SETS_MEETING_OPERANDS,
         [value.to(gl.int32, bitcast=True), previous_sum.to(gl.int32, bitcast=True), parity,
          LEAVES + parity * 0],
         dtype=(gl.int32,) * 16, is_pure=False, pack=1)
-    return ((w[0].to(gl.float32, bitcast=True), w[1].to(gl.float32, bitcast=True),
-             w[2].to(gl.float32, bitcast=True), w[3].to(gl.float32, bitcast=True),
-             w[4].to(gl.float32, bitcast=True), w[5].to(gl.float32, bitcast=True),
-             w[6].to(gl.float32, bitcast=True), w[7].to(gl.float32, bitcast=True)),
-            (w[8].to(gl.float32, bitcast=True), w[9].to(gl.float32, bitcast=True),
-             w[10].to(gl.float32, bitcast=True), w[11].to(gl.float32, bitcast=True),
-             w[12].to(gl.float32, bitcast=True), w[13].to(gl.float32, bitcast=True),
-             w[14].to(gl.float32, bitcast=True), w[15].to(gl.float32, bitcast=True)))
+    return _floats(w, 0), _floats(w, 8)
 
 
 @gluon.jit
@@ -303,29 +283,15 @@ def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mo
     n_rows, width = rows.shape
     leaf_len = width // leaves
     target = rows if out is None else out
+    # the statistics alone write each row's total, and its logsumexp into lse where given
     options = held_launch_options(rows.element_size(), leaf_len, leaves, mode, block, num_warps,
-                                  per_sm, stagger_ns)
+                                  per_sm, stagger_ns, lse is not None)
     staggered = options["STAGGER"] > 0
     # staggered starts: an arrival count per SM (int32, zero before the launch); else unread
     sync = (torch.zeros(1024, dtype=torch.int32, device=rows.device) if staggered
             else torch.empty(1, dtype=torch.int32, device=rows.device))
-    # the statistics alone write each row's total, and its logsumexp into lse where given
-    options = options_with_lse(options, lse is not None)
     args = (rows, target, max_, total, total if lse is None else lse, sync, n_rows, leaf_len,
             rows.stride(0), target.stride(0), stagger_ns if staggered else 0)
     kernel = clustered(_softmax_cluster_kernel, args, options, leaves)
     kernel.launch(max(1, min(n_rows, n_programs // leaves, kernel.max_clusters)), args, options)
 
-
-_WITH_LSE: dict = {}   # (id(options), lse) -> (options, options with LSE)
-
-
-def options_with_lse(options: Mapping, lse: bool) -> Mapping:
-    """The held launch's ``options`` (kept per shape by
-    :func:`~tpinv.kernels.gluon_softmax_plan.held_launch_options`) with the cluster kernel's
-    ``LSE``, kept with them, read-only."""
-    kept = _WITH_LSE.get((id(options), lse))
-    if kept is None or kept[0] is not options:
-        kept = remember(_WITH_LSE, (id(options), lse),
-                        (options, types.MappingProxyType({**options, "LSE": lse})))
-    return kept[1]

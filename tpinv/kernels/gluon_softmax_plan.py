@@ -67,8 +67,8 @@ HELD_CONFIG = {
 #: 74.6 / 72.0; the statistics, meeting once in a cluster as here (their sums to global slots,
 #: :func:`~tpinv.kernels.gluon_softmax.combine_sums` after): fp32 85.9 / 78.4 against 76.0 / 70.0
 #: (77.7 / 68.5 meeting twice); slower in a cluster: bf16 log_softmax (79.4 against 81.7 at 4096
-#: rows), bf16 statistics (63.7 / 58.3 against 68.6 / 59.7); then the statistics' totals taken in the
-#: cluster kernel (the previous row's sums carried by the next row's meeting, no combine launch):
+#: rows), bf16 statistics (63.7 / 58.3 against 68.6 / 59.7); then the statistics' totals taken in
+#: the cluster kernel (the previous row's sums carried by the next row's meeting, no combine launch):
 #: fp32 logsumexp 86.3 / 79.7 against 85.9 / 78.5.  Speed only: the same bits either way.
 CLUSTERED = frozenset({(torch.float32, 0), (torch.float32, 1), (torch.float32, 2),
                        (torch.bfloat16, 2), (torch.float16, 2)})
@@ -131,10 +131,12 @@ def register_cap(num_warps: int, per_sm: float) -> int | None:
 
 @functools.lru_cache(maxsize=256)
 def held_launch_options(element_size: int, leaf_len: int, leaves: int, mode: int, block: int,
-                        num_warps: int, per_sm: float, stagger_ns: int) -> Mapping:
+                        num_warps: int, per_sm: float, stagger_ns: int,
+                        lse: bool | None = None) -> Mapping:
     """The held kernel's constexprs and launch options for leaves of ``leaf_len`` elements of
     ``element_size`` bytes (what :func:`~tpinv.kernels.gluon_softmax.softmax_rows_held` launches
-    with), kept per shape and read-only."""
+    with), kept per shape and read-only; with ``lse`` (the cluster kernel's), its ``LSE``: the
+    statistics write each row's logsumexp."""
     steps = cdiv(leaf_len, block)
     vec = 16 // element_size
     tile = tile_lanes_of(vec, num_warps, block)
@@ -147,4 +149,5 @@ def held_launch_options(element_size: int, leaf_len: int, leaves: int, mode: int
         LOG2_TILE=tile.bit_length() - 1, LIVE=live, PARTIAL=partial, HELD=held, STEPS=steps,
         A=a, B=b, C_LANES=c_lanes,
         VEC=vec, STAGGER=stagger, fold_layout=fold_layout_of(tile, num_warps),
-        num_warps=num_warps, enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap})))
+        num_warps=num_warps, enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap}),
+        **({} if lse is None else {"LSE": lse})))
