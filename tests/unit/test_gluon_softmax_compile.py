@@ -58,11 +58,12 @@ def _ptxas_present() -> bool:
 
 
 def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, pointer: str = "slot_ptr",
-             maxnreg: int | None = None):
+             maxnreg: int | None = None, prefetch: bool | None = None):
     """``kernel`` (launched as :func:`~tpinv.kernels.gluon_softmax.softmax_rows_held` launches it;
     ``pointer``: its fifth parameter, the ticket kernel's meeting slots or the cluster kernel's
     logsumexp output) compiled for sm_90 with the table's launch shape for ``dtype``
-    (``maxnreg``: another register cap); returns it and the table's programs an SM."""
+    (``maxnreg``: another register cap; ``prefetch``: the cluster's ``PREFETCH`` other than the
+    plan's); returns it and the table's programs an SM."""
     if not _ptxas_present():
         pytest.skip("no ptxas in this Triton")
     source = _source()
@@ -70,7 +71,9 @@ def _compile(kernel, dtype: torch.dtype, mode: int, leaf_len: int, pointer: str 
     options = dict(gluon_softmax_plan.held_launch_options(
         torch.empty(0, dtype=dtype).element_size(), leaf_len, LEAVES, mode, leaf_block(leaf_len),
         warps, per_sm, stagger,
-        mode == 0 if pointer == "lse_ptr" else None))   # the cluster's statistics: a logsumexp
+        mode == 0 if pointer == "lse_ptr" else None,    # the cluster's statistics: a logsumexp
+        None if pointer != "lse_ptr" else
+        (dtype, mode) in gluon_softmax_plan.PREFETCHED if prefetch is None else prefetch))
     launch_options = {k: options.pop(k) for k in ("enable_fp_fusion", "maxnreg") if k in options}
     launch_options["num_warps"] = options["num_warps"]      # also the kernel's own constexpr
     if maxnreg is not None:
@@ -186,12 +189,43 @@ def test_only_the_leaf_s_live_tiles_are_computed():
     assert barriers <= stats_barriers + 2 * tiles + 2, (barriers, stats_barriers)
 
 
-def compile_clustered(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // LEAVES):
+def compile_clustered(dtype: torch.dtype, mode: int, leaf_len: int = QWEN3_VOCAB // LEAVES,
+                      prefetch: bool | None = None):
     """The cluster kernel (:mod:`tpinv.kernels.gluon_softmax_cluster`) compiled for sm_90 with
-    the table's launch shape for ``dtype``."""
+    the table's launch shape for ``dtype`` (``prefetch``: other than the plan's)."""
     from tpinv.kernels import gluon_softmax_cluster
     return _compile(gluon_softmax_cluster._softmax_cluster_kernel, dtype, mode, leaf_len,
-                    "lse_ptr")
+                    "lse_ptr", prefetch=prefetch)
+
+
+#: The output pass's vector stores to global memory, and a copy from global to shared memory.
+VECTOR_STORE = re.compile(r"\bst\.global\S*\.v[248]\.")
+ASYNC_COPY = re.compile(r"\bcp\.async\.c[ag]\.shared\.global\b")
+
+
+def _copies_among_output_stores(ptx: str) -> int:
+    """How many of the program's copies lie between its first and last vector store in the PTX."""
+    lines = ptx.splitlines()
+    stores = [i for i, line in enumerate(lines) if VECTOR_STORE.search(line)]
+    return sum(stores[0] < i < stores[-1] for i, line in enumerate(lines)
+               if ASYNC_COPY.search(line))
+
+
+@pytest.mark.parametrize("dtype,mode", [(torch.bfloat16, 2),
+                                        pytest.param(torch.float32, 1, marks=pytest.mark.slow),
+                                        pytest.param(torch.float32, 2, marks=pytest.mark.slow)])
+def test_the_cluster_copies_its_next_row_during_the_output_pass(dtype, mode):
+    """Where :data:`~tpinv.kernels.gluon_softmax_plan.PREFETCHED` names the program, the copies
+    of the cluster's next row lie among the output pass's stores (each held tile copied once
+    the pass has written it); elsewhere every copy comes before the output's first store or
+    after its last.  Control, by construction: the same program with the flag flipped."""
+    prefetched = (dtype, mode) in gluon_softmax_plan.PREFETCHED
+    assert {(torch.bfloat16, 2), (torch.float32, 1)} <= gluon_softmax_plan.PREFETCHED
+    assert (torch.float32, 2) not in gluon_softmax_plan.PREFETCHED    # measured slower
+    for flag in (prefetched, not prefetched):
+        ptx = compile_clustered(dtype, mode, prefetch=flag)[0].asm["ptx"]
+        among = _copies_among_output_stores(ptx)
+        assert (among > 0) == flag, (flag, among, len(ASYNC_COPY.findall(ptx)))
 
 
 #: A meeting's slots: two parities of eight fp32 words, in static shared memory beside the

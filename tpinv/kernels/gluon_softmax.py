@@ -106,29 +106,46 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
         x_leaf = x_ptr + row * stride_x + (item % LEAVES).to(gl.int64) * leaf_len
         for k in gl.static_range(STEPS):
             for t in gl.static_range(BLOCK // TILE):
-                offs = k * BLOCK + t * TILE + lanes
-                if not tile_in_memory(k, t, STEPS, HELD):   # else read in each pass instead
-                    if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
-                        _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
-                                    mask=offs < leaf_len, eviction_policy="evict_first")
-                    elif tile_holds_elements(k, t, STEPS, LIVE):
-                        _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
-                                    eviction_policy="evict_first")
+                _copy_tile(a, b, c, x_leaf, k * BLOCK + t * TILE + lanes, leaf_len, k, t, STEPS,
+                           A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len,
+def _copy_tile(a, b, c, x_leaf, offs, leaf_len, k: gl.constexpr, t: gl.constexpr,
+               STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
+               TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
+               HELD: gl.constexpr):
+    """Start the cp.async copy of tile ``t`` of step ``k`` (elements ``offs``) of the leaf at
+    ``x_leaf`` into its place in ``a, b, c``: none for a tile wholly past the leaf's end or read
+    from memory in each pass (:func:`tile_in_memory`), masked at the leaf's end."""
+    if not tile_in_memory(k, t, STEPS, HELD):
+        if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
+            _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
+                        mask=offs < leaf_len, eviction_policy="evict_first")
+        elif tile_holds_elements(k, t, STEPS, LIVE):
+            _async_load(held_tile(a, b, c, k, t, A, B, BLOCK, TILE), x_leaf + offs,
+                        eviction_policy="evict_first")
+
+
+@gluon.jit
+def _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len, x_next, has_next,
                 MODE: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
                 BLOCK: gl.constexpr, TILE: gl.constexpr, LIVE: gl.constexpr,
                 PARTIAL: gl.constexpr, HELD: gl.constexpr, lanes_layout: gl.constexpr,
-                FAST: gl.constexpr, KEPT_EXP: gl.constexpr):
+                FAST: gl.constexpr, KEPT_EXP: gl.constexpr, PREFETCH: gl.constexpr):
     """The leaf's output from shared memory, the row kernel's per-element formula: ``(x - shift)
     - log(total)`` (``MODE`` 1) or ``div_rn(exp(x - shift), total)``, with ``FAST`` (where
     :func:`reciprocal_divides_exactly` holds) the hardware ex2 alone and the quotient from the
     row's reciprocal ``recip`` (:func:`quotient_by_reciprocal`): the same bits.  With
     ``KEPT_EXP`` the leaf holds the sum's ``exp(x - shift)`` (:func:`leaf_sum`), not ``x``, in
-    its held tiles; a tile read from memory takes its exps again (the same bits)."""
+    its held tiles; a tile read from memory takes its exps again (the same bits).  With
+    ``PREFETCH`` (the cluster kernel's, :data:`~tpinv.kernels.gluon_softmax_plan.PREFETCHED`)
+    each held tile, once its output is stored, is copied from ``x_next`` (the next leaf, where
+    ``has_next``) into the same place, and the copies close as one group after the pass: a
+    thread copies the very elements it has itself read (one layout for copies and reads), and
+    its store used what it read, so no read is overwritten before it is done (Triton still puts
+    a block barrier before each such copy)."""
     for k in gl.static_range(STEPS):
         for t in gl.static_range(BLOCK // TILE):
             if tile_holds_elements(k, t, STEPS, LIVE):   # a tile past the leaf's end: nothing
@@ -154,6 +171,14 @@ def _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len,
                     gl.store(y_leaf + offs, y, mask=offs < leaf_len, eviction_policy="evict_first")
                 else:
                     gl.store(y_leaf + offs, y, eviction_policy="evict_first")
+                if PREFETCH:
+                    # the next leaf's copy of this tile: this thread's own elements, read above
+                    # (the store used them), so no other thread's read is overwritten
+                    if has_next:
+                        _copy_tile(a, b, c, x_next, offs, leaf_len, k, t, STEPS, A, B, BLOCK,
+                                   TILE, LIVE, PARTIAL, HELD)
+    if PREFETCH:
+        async_copy.commit_group()
 
 
 @gluon.jit
@@ -176,25 +201,29 @@ def _sum_lanes(a, b, c, x_leaf, shift, lo, lanes, leaf_len, MODE: gl.constexpr,
 
 
 @gluon.jit
-def _write_output(a, b, c, x_leaf, y_leaf, shift, total, lo, lanes, leaf_len,
+def _write_output(a, b, c, x_leaf, y_leaf, shift, total, lo, lanes, leaf_len, x_next, has_next,
                   MODE: gl.constexpr, STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
                   BLOCK: gl.constexpr, TILE: gl.constexpr, LIVE: gl.constexpr,
-                  PARTIAL: gl.constexpr, HELD: gl.constexpr, lanes_layout: gl.constexpr):
+                  PARTIAL: gl.constexpr, HELD: gl.constexpr, lanes_layout: gl.constexpr,
+                  PREFETCH: gl.constexpr):
     """The leaf's output (``MODE`` 1: log_softmax, 2: softmax) by :func:`_write_leaf`, softmax's
     quotients from the row's reciprocal where :func:`reciprocal_divides_exactly` holds for the
     leaf's least element ``lo``, by ``div_rn`` elsewhere (the same bits)."""
     if MODE == 1:
-        _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, total, lanes, leaf_len, MODE, STEPS,
-                    A, B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout, False, False)
+        _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, total, lanes, leaf_len, x_next,
+                    has_next, MODE, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout,
+                    False, False, PREFETCH)
     else:
         KEEP: gl.constexpr = a.dtype == gl.float32     # the sum kept its exps (_sum_lanes)
         recip = gl.div_rn(1.0, total)
         if reciprocal_divides_exactly(lo, shift, total):
-            _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len, MODE,
-                        STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout, True, KEEP)
+            _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len, x_next,
+                        has_next, MODE, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD,
+                        lanes_layout, True, KEEP, PREFETCH)
         else:
-            _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len, MODE,
-                        STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout, False, KEEP)
+            _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len, x_next,
+                        has_next, MODE, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD,
+                        lanes_layout, False, KEEP, PREFETCH)
 
 
 @gluon.jit
@@ -235,8 +264,8 @@ def _process(a, b, c, item, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len
             gl.store(total_ptr + row, total)
         # 3. the leaf's output from shared memory
         y_leaf = y_ptr + row * stride_y + leaf.to(gl.int64) * leaf_len
-        _write_output(a, b, c, x_leaf, y_leaf, shift, total, lo, lanes, leaf_len, MODE, STEPS, A,
-                      B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout)
+        _write_output(a, b, c, x_leaf, y_leaf, shift, total, lo, lanes, leaf_len, x_leaf, False,
+                      MODE, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout, False)
     # the buffers are copied into again next: every thread is past its last read of them
     _thread_barrier()
 

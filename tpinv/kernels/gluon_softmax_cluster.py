@@ -23,7 +23,11 @@ row: program 0 of the cluster then takes that row's total (and its logsumexp, wi
 combine's own :func:`~tpinv.kernels.gluon_softmax.logsumexp_of`), so nobody waits for a sum (a
 second meeting a row cost fp32 statistics 9 points of copy bandwidth: docs/benchmarks.md, "The
 statistics in a cluster meet once"), no second launch takes the totals, and the cluster's last
-row's sums meet once after its loop.
+row's sums meet once after its loop.  Since a cluster's next row is known, the programs the plan
+names (:data:`~tpinv.kernels.gluon_softmax_plan.PREFETCHED`) copy it into their leaf during the
+output pass, each held tile as soon as its output is written, so the copy runs under the rest of
+the pass (bf16 softmax 71.5 -> 73.7%, fp32 log_softmax 84.8 -> 86.3% of an H200's copy at 4096
+rows; docs/benchmarks.md, "The cluster copies its next row during the output pass").
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from tpinv.kernels.cluster_launch import clustered
 from tpinv.kernels.gluon_softmax import (_issue, _stagger, _sum_lanes, _thread_barrier,
                                          _write_output, logsumexp_of)
-from tpinv.kernels.gluon_softmax_plan import held_launch_options
+from tpinv.kernels.gluon_softmax_plan import PREFETCHED, held_launch_options
 from tpinv.kernels.gluon_softmax_leaf import fold_lanes, leaf_extremes, shift_of
 
 __all__ = ["softmax_rows_clustered", "CLUSTER_LEAVES"]
@@ -141,14 +145,15 @@ def _nan_max_of(v, LEAVES: gl.constexpr):
 
 
 @gluon.jit
-def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr, leaf_len,
-                   stride_x, stride_y, lanes, MODE: gl.constexpr, LEAVES: gl.constexpr,
+def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr, n_rows,
+                   leaf_len, stride_x, stride_y, lanes, MODE: gl.constexpr, LEAVES: gl.constexpr,
                    STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
                    TILE: gl.constexpr, LOG2_TILE: gl.constexpr, LIVE: gl.constexpr,
                    PARTIAL: gl.constexpr, HELD: gl.constexpr, lanes_layout: gl.constexpr,
-                   fold_layout: gl.constexpr):
+                   fold_layout: gl.constexpr, PREFETCH: gl.constexpr):
     """Leaf ``leaf`` of ``row``, already in ``a, b, c``: its max, the row's max from the
-    cluster's, its sum, the row's total from the cluster's sums, and the leaf's output."""
+    cluster's, its sum, the row's total from the cluster's sums, and the leaf's output; with
+    ``PREFETCH`` the output pass also copies the leaf of the cluster's next row (if any)."""
     row64 = row.to(gl.int64)
     x_leaf = x_ptr + row64 * stride_x + leaf.to(gl.int64) * leaf_len   # for tiles not held
     m_leaf, lo = leaf_extremes(a, b, c, x_leaf, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
@@ -163,11 +168,15 @@ def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr,
     if leaf == 0:
         gl.store(max_ptr + row64, m)
         gl.store(total_ptr + row64, total)
+    # the output; with PREFETCH each held tile is then copied from the cluster's next row
+    next_row = row64 + gl.num_programs(0) // LEAVES
+    x_next = x_ptr + next_row * stride_x + leaf.to(gl.int64) * leaf_len
     _write_output(a, b, c, x_leaf, y_ptr + row64 * stride_y + leaf.to(gl.int64) * leaf_len,
-                  shift, total, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE, LIVE,
-                  PARTIAL, HELD, lanes_layout)
-    # the buffers are copied into again next: every thread is past its last read of them
-    _thread_barrier()
+                  shift, total, lo, lanes, leaf_len, x_next, next_row < n_rows, MODE, STEPS, A,
+                  B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout, PREFETCH)
+    if not PREFETCH:
+        # the buffers are copied into again next: every thread is past its last read of them
+        _thread_barrier()
 
 
 @gluon.jit
@@ -223,7 +232,7 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr,
                             STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
                             C_LANES: gl.constexpr, VEC: gl.constexpr,
                             STAGGER: gl.constexpr, fold_layout: gl.constexpr,
-                            LSE: gl.constexpr, num_warps: gl.constexpr):
+                            LSE: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
     lanes_layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [num_warps], [0])
     held_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     dtype: gl.constexpr = x_ptr.dtype.element_ty
@@ -264,12 +273,14 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr,
             async_copy.wait_group(0)
             _thread_barrier()
             _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr,
-                           leaf_len, stride_x, stride_y, lanes, MODE, LEAVES, STEPS, A, B, BLOCK,
-                           TILE, LOG2_TILE, LIVE, PARTIAL, HELD, lanes_layout, fold_layout)
+                           n_rows, leaf_len, stride_x, stride_y, lanes, MODE, LEAVES, STEPS, A,
+                           B, BLOCK, TILE, LOG2_TILE, LIVE, PARTIAL, HELD, lanes_layout,
+                           fold_layout, PREFETCH)
             row += n_clusters
             parity = 1 - parity
-            _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes,
-                   LEAVES, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
+            if not PREFETCH:   # else the output pass copied it
+                _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes,
+                       LEAVES, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
 
 
 def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mode: int,
@@ -285,7 +296,8 @@ def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mo
     target = rows if out is None else out
     # the statistics alone write each row's total, and its logsumexp into lse where given
     options = held_launch_options(rows.element_size(), leaf_len, leaves, mode, block, num_warps,
-                                  per_sm, stagger_ns, lse is not None)
+                                  per_sm, stagger_ns, lse is not None,
+                                  (rows.dtype, mode) in PREFETCHED)
     staggered = options["STAGGER"] > 0
     # staggered starts: an arrival count per SM (int32, zero before the launch); else unread
     sync = (torch.zeros(1024, dtype=torch.int32, device=rows.device) if staggered

@@ -23,7 +23,7 @@ from tpinv.kernels.gluon_softmax_leaf import fold_layout_of, live_tiles, tile_la
 from tpinv.kernels.launch import cdiv
 
 __all__ = ["held_plan", "held_buffers", "register_cap", "held_launch_options", "HELD_CONFIG",
-           "CLUSTERED", "SMEM_BUDGET", "REGISTERS_PER_SM", "SM_SHARED", "RESERVED_PER_PROGRAM"]
+           "CLUSTERED", "PREFETCHED", "SMEM_BUDGET", "REGISTERS_PER_SM", "SM_SHARED", "RESERVED_PER_PROGRAM"]
 
 #: Shared memory a program may hold its leaf in (bytes): two such programs fit an SM.
 SMEM_BUDGET = 100 * 1024
@@ -72,6 +72,14 @@ HELD_CONFIG = {
 #: fp32 logsumexp 86.3 / 79.7 against 85.9 / 78.5.  Speed only: the same bits either way.
 CLUSTERED = frozenset({(torch.float32, 0), (torch.float32, 1), (torch.float32, 2),
                        (torch.bfloat16, 2), (torch.float16, 2)})
+#: The clustered (input dtype, mode) whose programs copy the cluster's next row into their leaf
+#: tile by tile during the output pass, each tile as soon as the pass has written its output
+#: (:func:`~tpinv.kernels.gluon_softmax._write_leaf`), rather than after the whole row.  H200, %
+#: of copy at 1024 / 4096 rows, same call, two runs each: bf16 softmax 71.3-71.4 / 73.6-73.7
+#: against 68.7-68.8 / 71.5, fp32 log_softmax 84.0-84.2 / 86.2-86.3 against 82.5-82.6 /
+#: 84.7-84.9; slower for fp32 softmax (78.4-78.6 / 80.7-80.8 against 81.0-81.1 / 83.6-83.7: not
+#: here); fp16 as bf16 (the same program shape, not timed).  Speed only: the same bits.
+PREFETCHED = frozenset({(torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 2)})
 
 
 def _powers(steps: int) -> tuple[int, int, int]:
@@ -132,11 +140,12 @@ def register_cap(num_warps: int, per_sm: float) -> int | None:
 @functools.lru_cache(maxsize=256)
 def held_launch_options(element_size: int, leaf_len: int, leaves: int, mode: int, block: int,
                         num_warps: int, per_sm: float, stagger_ns: int,
-                        lse: bool | None = None) -> Mapping:
+                        lse: bool | None = None, prefetch: bool | None = None) -> Mapping:
     """The held kernel's constexprs and launch options for leaves of ``leaf_len`` elements of
     ``element_size`` bytes (what :func:`~tpinv.kernels.gluon_softmax.softmax_rows_held` launches
-    with), kept per shape and read-only; with ``lse`` (the cluster kernel's), its ``LSE``: the
-    statistics write each row's logsumexp."""
+    with), kept per shape and read-only; with ``lse`` and ``prefetch`` (the cluster kernel's),
+    its ``LSE`` (the statistics write each row's logsumexp) and ``PREFETCH`` (the next row is
+    copied during the output pass: :data:`PREFETCHED`)."""
     steps = cdiv(leaf_len, block)
     vec = 16 // element_size
     tile = tile_lanes_of(vec, num_warps, block)
@@ -150,4 +159,5 @@ def held_launch_options(element_size: int, leaf_len: int, leaves: int, mode: int
         A=a, B=b, C_LANES=c_lanes,
         VEC=vec, STAGGER=stagger, fold_layout=fold_layout_of(tile, num_warps),
         num_warps=num_warps, enable_fp_fusion=False, **({} if cap is None else {"maxnreg": cap}),
-        **({} if lse is None else {"LSE": lse})))
+        **({} if lse is None else {"LSE": lse}),
+        **({} if prefetch is None else {"PREFETCH": prefetch})))
