@@ -1,4 +1,4 @@
-"""The held softmax's statistics combine (:func:`tpinv.kernels.gluon_softmax._combine_sums`) under
+"""The held softmax's statistics combine (:func:`tpinv.kernels.triton_softmax_combine._combine_sums`) under
 Triton's interpreter (CPU tensors), bitwise.
 
 The statistics' launch publishes each leaf sum as a 64-bit word (its fp32 bits and a written
@@ -18,6 +18,7 @@ import torch
 from triton_interp import interpreted_test, main
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+# run where the held kernels it serves can run (a Triton with Gluon), as before the combine had its own module
 pytest.importorskip("tpinv.kernels.gluon_softmax", reason="needs a Triton with Gluon", exc_type=ImportError)
 
 
@@ -32,7 +33,7 @@ def published(sums: torch.Tensor) -> torch.Tensor:
 
 def _check_combine_is_the_pair_tree():
     from tpinv.core.contract import tree_combine
-    from tpinv.kernels import gluon_softmax
+    from tpinv.kernels import triton_softmax_combine
     from tpinv.testing import assert_bits_differ, assert_same_bits
 
     gen = torch.Generator().manual_seed(17)
@@ -40,12 +41,12 @@ def _check_combine_is_the_pair_tree():
         sums = torch.exp(6 * torch.randn(9, leaves, generator=gen))
         sums[1, 0] = float("inf")
         total = torch.full((9,), float("nan"))
-        gluon_softmax._combine_sums[(9,)](published(sums), total, total, total, LEAVES=leaves,
+        triton_softmax_combine._combine_sums[(9,)](published(sums), total, total, total, LEAVES=leaves,
                                           LOG2_LEAVES=leaves.bit_length() - 1, LSE=False)
         assert_same_bits(total, tree_combine(sums), f"{leaves} leaves")
     control = torch.tensor([[2.0 ** 24, 1.0, 1.0, -2.0 ** 24]])
     total = torch.empty(1)
-    gluon_softmax._combine_sums[(1,)](published(control), total, total, total, LEAVES=4,
+    triton_softmax_combine._combine_sums[(1,)](published(control), total, total, total, LEAVES=4,
                                       LOG2_LEAVES=2, LSE=False)
     assert total.item() == 1.0 and control.sum().item() == 0.0
     assert_bits_differ(total, control.sum(-1), "control: the pair tree against left to right")

@@ -33,8 +33,9 @@ a second exp.
 
 Scheduling is the Triton by-leaves kernel's: a ticket counter hands out (row, leaf) items in order,
 the programs of a row meet after the maxima and after the sums (the statistics alone publish their
-leaf sums and wait for nobody; a second small kernel, :func:`_combine_sums`, takes each row's total
-after the launch, and for ``logsumexp`` the row's logsumexp with it: :func:`logsumexp_of`), and a
+leaf sums and wait for nobody; a second small kernel,
+:func:`~tpinv.kernels.triton_softmax_combine.combine_sums`, takes each row's total after the
+launch, and for ``logsumexp`` the row's logsumexp with it), and a
 program takes a ticket only while it runs, so this cannot deadlock once
 ``leaves`` programs can be resident.  Where the table says so, the programs an SM holds start one
 after another (:func:`_stagger`, a fixed delay each), so that they copy while others compute
@@ -50,8 +51,6 @@ kernel runs, with the same bits.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -65,10 +64,9 @@ from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fo
                                              tile_is_partial, widened)
 from tpinv.kernels.gluon_softmax_plan import held_plan
 from tpinv.kernels.launch import launch
-from tpinv.kernels.triton_softmax import _pair_tree as _triton_pair_tree
-from tpinv.kernels.triton_softmax import _shift_of as _triton_shift_of
+from tpinv.kernels.triton_softmax_combine import combine_sums
 
-__all__ = ["held_plan", "softmax_rows_held", "combine_sums", "logsumexp_of"]
+__all__ = ["held_plan", "softmax_rows_held"]
 
 #: The cp.async copy from global to shared memory (renamed ``async_load`` after Triton 3.6).
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -254,7 +252,7 @@ def _process(a, b, c, item, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len
                      LIVE, PARTIAL, HELD, lanes_layout)
     _publish(slots + LEAVES + leaf, fold_lanes(acc, TILE, LOG2_TILE, fold_layout))
     if MODE == 0:
-        # the statistics alone: nobody waits; _combine_sums takes the row's total after the launch
+        # the statistics alone: nobody waits; combine_sums takes the row's total after the launch
         if leaf == 0:
             gl.store(max_ptr + row, m)
     else:
@@ -328,42 +326,6 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
         item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
         _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B,
                BLOCK, TILE, LIVE, PARTIAL, HELD)
-
-
-@triton.jit
-def _combine_sums(slot_ptr, total_ptr, max_ptr, lse_ptr, LEAVES: tl.constexpr,
-                  LOG2_LEAVES: tl.constexpr, LSE: tl.constexpr):
-    """Row ``program_id(0)``'s total from the leaf sums the statistics' launch published: their
-    fp32 bits (the words' low halves) combined by the row kernel's adjacent-pair tree; with
-    ``LSE``, also the row's logsumexp, ``safe_shift(max) + log(total)`` in fp32 rounded once to
-    ``lse_ptr``'s dtype (:func:`logsumexp_of`)."""
-    row = tl.program_id(0).to(tl.int64)
-    words = tl.load(slot_ptr + row * (2 * LEAVES) + LEAVES + tl.arange(0, LEAVES))
-    sums = (words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    total = _triton_pair_tree(sums, LEAVES, LOG2_LEAVES)
-    tl.store(total_ptr + row, total)
-    if LSE:
-        tl.store(lse_ptr + row, logsumexp_of(tl.load(max_ptr + row), total,
-                                             lse_ptr.dtype.element_ty))
-
-
-@triton.jit
-def logsumexp_of(m, total, dtype: tl.constexpr):
-    """``(safe_shift(m) + log(total)).to(dtype)``: the fp32 operations of
-    :func:`tpinv.kernels.reference_softmax.logsumexp_from_parts`, rounded once (Triton's fp32
-    ``log`` and casts give CUDA torch's bits for every fp32 input: checked over every fp32 bit
-    pattern on an H200, and over every total a row can have in
-    ``tests/gpu/test_softmax_by_leaves.py``)."""
-    return (_triton_shift_of(m) + tl.log(total)).to(dtype)
-
-
-def combine_sums(slots: torch.Tensor, max_: torch.Tensor, total: torch.Tensor, leaves: int,
-                 lse: torch.Tensor | None) -> None:
-    """Launch :func:`_combine_sums` over the statistics' published ``slots``: each row's
-    ``total`` and, where ``lse`` is given, its logsumexp (``max_`` written by the launch before)."""
-    launch(_combine_sums, (total.shape[0],), slots, total, max_, total if lse is None else lse,
-           LEAVES=leaves, LOG2_LEAVES=leaves.bit_length() - 1, LSE=lse is not None,
-           num_warps=1, enable_fp_fusion=False)
 
 
 def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: int, block: int,

@@ -20,7 +20,7 @@ a cluster's programs resident together, so no launch order, residency or other k
 a meeting wait forever, and no global counter or memset is needed.  The statistics alone meet
 once a row, for the max, and that meeting also carries each leaf's sum of the cluster's previous
 row: program 0 of the cluster then takes that row's total (and its logsumexp, with the
-combine's own :func:`~tpinv.kernels.gluon_softmax.logsumexp_of`), so nobody waits for a sum (a
+combine's own :func:`~tpinv.kernels.triton_softmax_combine.logsumexp_of`), so nobody waits for a sum (a
 second meeting a row cost fp32 statistics 9 points of copy bandwidth: docs/benchmarks.md, "The
 statistics in a cluster meet once"), no second launch takes the totals, and the cluster's last
 row's sums meet once after its loop.  Since a cluster's next row is known, the programs the plan
@@ -38,9 +38,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.cluster_launch import clustered
 from tpinv.kernels.gluon_softmax import (_issue, _stagger, _sum_lanes, _thread_barrier,
-                                         _write_output, logsumexp_of)
+                                         _write_output)
 from tpinv.kernels.gluon_softmax_plan import PREFETCHED, held_launch_options
 from tpinv.kernels.gluon_softmax_leaf import fold_lanes, leaf_extremes, shift_of
+from tpinv.kernels.triton_softmax_combine import logsumexp_of
 
 __all__ = ["softmax_rows_clustered", "CLUSTER_LEAVES"]
 
@@ -182,7 +183,7 @@ def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr,
 @gluon.jit
 def _row_total(sums, row, m, total_ptr, lse_ptr, LEAVES: gl.constexpr, LSE: gl.constexpr):
     """Row ``row``'s total from its leaf sums (the pair tree) and, with ``LSE``, its logsumexp
-    from its max ``m`` (:func:`~tpinv.kernels.gluon_softmax.logsumexp_of`, the combine's own
+    from its max ``m`` (:func:`~tpinv.kernels.triton_softmax_combine.logsumexp_of`, the combine's own
     function), written by one program of the row's cluster."""
     total = _pair_tree_of(sums, LEAVES)
     gl.store(total_ptr + row, total)

@@ -65,7 +65,7 @@ HELD_CONFIG = {
 #: global memory; H200, % of copy at 4096 / 1024 rows, same call: bf16 softmax 72.4 / 69.6 against
 #: 64.7 / 61.6, fp32 log_softmax 81.4 / 77.6 against 78.8 / 76.3, fp32 softmax 78.2 / 74.3 against
 #: 74.6 / 72.0; the statistics, meeting once in a cluster as here (their sums to global slots,
-#: :func:`~tpinv.kernels.gluon_softmax.combine_sums` after): fp32 85.9 / 78.4 against 76.0 / 70.0
+#: :func:`~tpinv.kernels.triton_softmax_combine.combine_sums` after): fp32 85.9 / 78.4 against 76.0 / 70.0
 #: (77.7 / 68.5 meeting twice); slower in a cluster: bf16 log_softmax (79.4 against 81.7 at 4096
 #: rows), bf16 statistics (63.7 / 58.3 against 68.6 / 59.7); then the statistics' totals taken in
 #: the cluster kernel (the previous row's sums carried by the next row's meeting, no combine launch):

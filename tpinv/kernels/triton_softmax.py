@@ -27,7 +27,7 @@ kernel and the from-parts kernel)::
 
 ``logsumexp = logsumexp_from_parts(m, s)`` in torch, as on the split path (where the held
 kernel runs, its combine launch takes the same operations:
-:func:`tpinv.kernels.gluon_softmax.logsumexp_of`).  The kernels are
+:func:`tpinv.kernels.triton_softmax_combine.logsumexp_of`).  The kernels are
 compiled without FMA contraction, so each formula is the same instruction sequence in both
 kernels.  Semantics are those of :mod:`tpinv.kernels.reference_softmax`; bits may differ from it.
 
