@@ -173,7 +173,7 @@ def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs,
     """Every mode with a row's leaves in one thread-block cluster (the table's choice widened to
     every dtype and mode), leaves 8/4/2, one cluster looping over every row and as many as fit:
     the row kernel's bytes; the clustered launch is asserted to run, and the table's choice is
-    asserted to be what runs (bf16 softmax and fp32 statistics clustered, bf16 log_softmax and
+    asserted to be what runs (bf16 softmax, log_softmax and fp32 statistics clustered, bf16
     statistics not)."""
     ts, bl = mods()
     if not bl.HELD[0]:
@@ -188,7 +188,7 @@ def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs,
 
     monkeypatch.setattr(gluon_softmax_cluster, "softmax_rows_clustered", counted)
     for table_dtype, mode, want_cluster in ((torch.bfloat16, ts._MODE_SOFTMAX, True),
-                                            (torch.bfloat16, ts._MODE_LOG, False),
+                                            (torch.bfloat16, ts._MODE_LOG, True),
                                             (torch.bfloat16, ts._MODE_STATS, False),
                                             (torch.float32, ts._MODE_STATS, True)):
         x = special_rows(rand(37, 151936, dtype=table_dtype, seed=31))

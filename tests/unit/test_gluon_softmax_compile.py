@@ -140,8 +140,10 @@ def test_16bit_log_softmax_does_not_spill_at_its_register_cap():
     """bf16 log_softmax runs five programs an SM, its registers capped at 96
     (:func:`~tpinv.kernels.gluon_softmax_plan.register_cap`); the block barrier after the row-max
     meeting keeps the compiler from holding the max pass's shared-memory loads live into the sum
-    pass, so the program needs no local memory.  Control: the same program capped at 64
-    registers spills (the count can see a spill)."""
+    pass, so neither kernel's program (a cluster's, as the table runs Qwen3's leaves of 8, and
+    the ticket kernel's, for other leaf counts) needs local memory.  Control: the ticket
+    kernel's program capped at 64 registers spills (the count can see a spill)."""
+    assert _local_memory_accesses(compile_clustered(torch.bfloat16, 1)[0]) == 0
     compiled, _ = compile_held(torch.bfloat16, 1)
     assert gluon_softmax_plan.held_launch_options(2, QWEN3_VOCAB // LEAVES, LEAVES, 1,
                                                   leaf_block(QWEN3_VOCAB // LEAVES),
@@ -214,6 +216,7 @@ def _copies_among_output_stores(ptx: str) -> int:
 
 
 @pytest.mark.parametrize("dtype,mode", [(torch.bfloat16, 2),
+                                        pytest.param(torch.bfloat16, 1, marks=pytest.mark.slow),
                                         pytest.param(torch.float32, 1, marks=pytest.mark.slow),
                                         pytest.param(torch.float32, 2, marks=pytest.mark.slow)])
 def test_the_cluster_copies_its_next_row_during_the_output_pass(dtype, mode):
@@ -258,3 +261,26 @@ def test_the_cluster_kernel_meets_in_shared_memory(dtype, mode):
     shared = compiled.metadata.shared + MEETING_SLOTS_BYTES * slot_sets
     assert per_sm * (shared + RESERVED_PER_PROGRAM) <= SM90_SHARED, shared
     assert "ld.volatile.global" in compile_held(dtype, mode)[0].asm["ptx"]
+
+
+WAIT_GROUP = re.compile(r"cp\.async\.wait_group\s+(\d+);")
+SHARED_LOAD = re.compile(r"\bld\.shared\.")
+
+
+@pytest.mark.parametrize("compile_program", [compile_held, compile_clustered],
+                         ids=["tickets", "cluster"])
+def test_the_max_pass_reads_each_step_as_its_copy_lands(compile_program):
+    """A leaf's copies close as one cp.async group a step, and the max pass waits for its steps
+    one at a time (``wait_group STEPS - 1 - k`` before step ``k``), reading each step before the
+    next has landed: the table's bf16 Qwen3 leaf (18,992 elements, five steps of 4096) waits for
+    4, 3, 2, 1, 0 groups in flight, with shared-memory loads between one wait and the next.
+    Control, by construction: a leaf of one step (2048 elements) can only wait for all of it."""
+    leaf_len = QWEN3_VOCAB // LEAVES
+    steps = -(-leaf_len // leaf_block(leaf_len))
+    ptx = compile_program(torch.bfloat16, 0, leaf_len)[0].asm["ptx"]
+    waits = [(m.start(), int(m.group(1))) for m in WAIT_GROUP.finditer(ptx)]
+    assert steps == 5 and [n for _, n in waits] == list(range(steps - 1, -1, -1)), waits
+    for (here, _), (there, _) in zip(waits, waits[1:]):
+        assert SHARED_LOAD.search(ptx, here, there), "a step read before the next one landed"
+    one_step = compile_program(torch.bfloat16, 0, 2048)[0].asm["ptx"]
+    assert [int(n) for n in WAIT_GROUP.findall(one_step)] == [0]

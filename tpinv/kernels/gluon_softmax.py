@@ -18,8 +18,9 @@ leaf's arithmetic (max, exp, sum, fold, pair tree, quotient) is
 
 Why: the Triton by-leaves kernel reads its leaf three times (max, sum, output), the last two from
 L2, so every element crosses L2 four times.  Here a program copies its leaf from memory into
-shared memory once (``cp.async``), takes its max there, and the sum and the output read shared
-memory: each element crosses L2 once each way, and the later passes cost no memory latency.
+shared memory once (``cp.async``, one group a step), takes its max there, each step as soon as
+its copy has landed, and the sum and the output read shared memory: each element crosses L2
+once each way, and the later passes cost no memory latency.
 A leaf is held as its ``BLOCK``-wide steps in up to three power-of-two buffers (5 steps = 4 + 1),
 each step copied and read a tile of the row layout at a time; the last step's tiles that lie
 wholly past the leaf's end are neither copied nor read (their lanes would add ``+0``, which
@@ -97,16 +98,19 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
            STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
            TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr):
     """Start the cp.async copies of ``item``'s leaf into ``a, b, c`` (none past the last item,
-    none for a tile wholly past the leaf's end or read from memory, :func:`tile_in_memory`) and
-    close them as one group: no registers are held while they fly."""
-    if item < n_items:
-        row = (item // LEAVES).to(gl.int64)
-        x_leaf = x_ptr + row * stride_x + (item % LEAVES).to(gl.int64) * leaf_len
-        for k in gl.static_range(STEPS):
+    none for a tile wholly past the leaf's end or read from memory, :func:`tile_in_memory`),
+    each step's closed as one group (``STEPS`` groups, empty past the last item), so that the
+    max pass reads each step once its group has landed
+    (:func:`~tpinv.kernels.gluon_softmax_leaf.leaf_extremes`): no registers are held while
+    they fly."""
+    row = (item // LEAVES).to(gl.int64)
+    x_leaf = x_ptr + row * stride_x + (item % LEAVES).to(gl.int64) * leaf_len
+    for k in gl.static_range(STEPS):
+        if item < n_items:
             for t in gl.static_range(BLOCK // TILE):
                 _copy_tile(a, b, c, x_leaf, k * BLOCK + t * TILE + lanes, leaf_len, k, t, STEPS,
                            A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
-    async_copy.commit_group()
+        async_copy.commit_group()
 
 
 @gluon.jit
@@ -175,8 +179,8 @@ def _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len, x
                     if has_next:
                         _copy_tile(a, b, c, x_next, offs, leaf_len, k, t, STEPS, A, B, BLOCK,
                                    TILE, LIVE, PARTIAL, HELD)
-    if PREFETCH:
-        async_copy.commit_group()
+        if PREFETCH:
+            async_copy.commit_group()   # one group a step, as _issue closes them
 
 
 @gluon.jit
@@ -318,8 +322,6 @@ def _softmax_held_kernel(x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, sync_ptr, n
     _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES, STEPS, A, B, BLOCK,
            TILE, LIVE, PARTIAL, HELD)
     while item < n_items:
-        async_copy.wait_group(0)
-        _thread_barrier()
         _process(a, b, c, item, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len, stride_x,
                  stride_y, lanes, leaf_ids, MODE, LEAVES, LOG2_LEAVES, STEPS, A, B, BLOCK, TILE,
                  LOG2_TILE, LIVE, PARTIAL, HELD, lanes_layout, small_layout, fold_layout)

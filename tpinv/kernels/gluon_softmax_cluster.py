@@ -254,8 +254,6 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr,
         previous_sum = gl.to_tensor(0.0)   # nothing before the cluster's first row
         previous_m = gl.to_tensor(0.0)
         while row < n_rows:
-            async_copy.wait_group(0)
-            _thread_barrier()
             previous_m, previous_sum = _statistics_of_row(
                 a, b, c, row, leaf, parity, previous_sum, previous_m, x_ptr, max_ptr, total_ptr,
                 lse_ptr, leaf_len, stride_x, lanes, LEAVES, STEPS, A, B, BLOCK, TILE, LOG2_TILE,
@@ -271,8 +269,6 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr,
                            lse_ptr, LEAVES, LSE)
     else:
         while row < n_rows:
-            async_copy.wait_group(0)
-            _thread_barrier()
             _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr,
                            n_rows, leaf_len, stride_x, stride_y, lanes, MODE, LEAVES, STEPS, A,
                            B, BLOCK, TILE, LOG2_TILE, LIVE, PARTIAL, HELD, lanes_layout,

@@ -17,6 +17,7 @@ import triton.language as tl
 from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.launch import cdiv
 
@@ -301,10 +302,14 @@ def leaf_extremes(a, b, c, x_leaf, tile_lanes, leaf_len, A: gl.constexpr, B: gl.
                   layout: gl.constexpr):
     """The leaf's exact max (:func:`leaf_max_and_min`) and least element, in fp32: each taken in
     the input's dtype (exact, and two 16-bit lanes an instruction), past the leaf's end no
-    element (the tiles wholly past it are not read)."""
+    element (the tiles wholly past it are not read).  The leaf's copies are in flight, closed as
+    one cp.async group a step (:func:`~tpinv.kernels.gluon_softmax._issue`): each step is read
+    once its group has landed, so the pass starts with the leaf's first step, not its last (a
+    thread reads the very elements it copied)."""
     run = gl.full([TILE], float("-inf"), a.dtype, layout)
     low = gl.full([TILE], float("inf"), a.dtype, layout)
     for k in gl.static_range(STEPS):
+        async_copy.wait_group(STEPS - 1 - k)
         for t in gl.static_range(BLOCK // TILE):
             if tile_holds_elements(k, t, STEPS, LIVE):
                 x = leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len,

@@ -69,17 +69,25 @@ HELD_CONFIG = {
 #: (77.7 / 68.5 meeting twice); slower in a cluster: bf16 log_softmax (79.4 against 81.7 at 4096
 #: rows), bf16 statistics (63.7 / 58.3 against 68.6 / 59.7); then the statistics' totals taken in
 #: the cluster kernel (the previous row's sums carried by the next row's meeting, no combine launch):
-#: fp32 logsumexp 86.3 / 79.7 against 85.9 / 78.5.  Speed only: the same bits either way.
+#: fp32 logsumexp 86.3 / 79.7 against 85.9 / 78.5; then, the max pass reading each step as it lands
+#: (:func:`~tpinv.kernels.gluon_softmax_leaf.leaf_extremes`), bf16 log_softmax in a cluster
+#: copying its next row during the output pass (:data:`PREFETCHED`): 85.0 / 80.8-81.1 against
+#: 83.5 / 79.3-79.5 with tickets (bf16 statistics still slower in a cluster: 65.4 / 59.5 against
+#: 70.7-70.9 / 62.3 before the change).  Speed only: the same bits either way.
 CLUSTERED = frozenset({(torch.float32, 0), (torch.float32, 1), (torch.float32, 2),
-                       (torch.bfloat16, 2), (torch.float16, 2)})
+                       (torch.bfloat16, 1), (torch.float16, 1), (torch.bfloat16, 2),
+                       (torch.float16, 2)})
 #: The clustered (input dtype, mode) whose programs copy the cluster's next row into their leaf
 #: tile by tile during the output pass, each tile as soon as the pass has written its output
 #: (:func:`~tpinv.kernels.gluon_softmax._write_leaf`), rather than after the whole row.  H200, %
 #: of copy at 1024 / 4096 rows, same call, two runs each: bf16 softmax 71.3-71.4 / 73.6-73.7
 #: against 68.7-68.8 / 71.5, fp32 log_softmax 84.0-84.2 / 86.2-86.3 against 82.5-82.6 /
 #: 84.7-84.9; slower for fp32 softmax (78.4-78.6 / 80.7-80.8 against 81.0-81.1 / 83.6-83.7: not
-#: here); fp16 as bf16 (the same program shape, not timed).  Speed only: the same bits.
-PREFETCHED = frozenset({(torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 2)})
+#: here); fp16 as bf16 (the same program shape, not timed); then 16-bit log_softmax (above); the
+#: statistics copying during their sum pass instead were slower (fp32 75-76 / 71 against 86 /
+#: 79.6: a block barrier before each tile's copies).  Speed only: the same bits.
+PREFETCHED = frozenset({(torch.float32, 1), (torch.bfloat16, 1), (torch.float16, 1),
+                        (torch.bfloat16, 2), (torch.float16, 2)})
 
 
 def _powers(steps: int) -> tuple[int, int, int]:
