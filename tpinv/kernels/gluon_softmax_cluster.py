@@ -34,7 +34,6 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.cluster_launch import clustered
 from tpinv.kernels.gluon_softmax import (_issue, _stagger, _sum_lanes, _thread_barrier,
