@@ -15,7 +15,9 @@ first:
   of it reserved per program); control: one step more of leaf would not;
 - 16-bit log_softmax needs no local memory at its register cap (control: a lower cap spills);
 - a leaf's last step copies and computes only its tiles that hold elements (control: a leaf of
-  whole steps computes every lane), and fp32 softmax, keeping its exps, takes one an element.
+  whole steps computes every lane), and fp32 softmax, keeping its exps, takes one an element;
+- in both kernels the max pass reads a leaf's steps as their copies land, one cp.async group a
+  step (control: a leaf of one step waits for all of it).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from tpinv.kernels import gluon_softmax_leaf, gluon_softmax_plan  # noqa: E402
+from tpinv.kernels.launch import cdiv  # noqa: E402
 from tpinv.kernels.triton_softmax import leaf_block  # noqa: E402
 
 QWEN3_VOCAB, LEAVES = 151936, 8
@@ -276,7 +279,7 @@ def test_the_max_pass_reads_each_step_as_its_copy_lands(compile_program):
     4, 3, 2, 1, 0 groups in flight, with shared-memory loads between one wait and the next.
     Control, by construction: a leaf of one step (2048 elements) can only wait for all of it."""
     leaf_len = QWEN3_VOCAB // LEAVES
-    steps = -(-leaf_len // leaf_block(leaf_len))
+    steps = cdiv(leaf_len, leaf_block(leaf_len))
     ptx = compile_program(torch.bfloat16, 0, leaf_len)[0].asm["ptx"]
     waits = [(m.start(), int(m.group(1))) for m in WAIT_GROUP.finditer(ptx)]
     assert steps == 5 and [n for _, n in waits] == list(range(steps - 1, -1, -1)), waits

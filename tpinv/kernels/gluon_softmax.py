@@ -144,8 +144,9 @@ def _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len, x
     its held tiles; a tile read from memory takes its exps again (the same bits).  With
     ``PREFETCH`` (the cluster kernel's, :data:`~tpinv.kernels.gluon_softmax_plan.PREFETCHED`)
     each held tile, once its output is stored, is copied from ``x_next`` (the next leaf, where
-    ``has_next``) into the same place, and the copies close as one group after the pass: a
-    thread copies the very elements it has itself read (one layout for copies and reads), and
+    ``has_next``) into the same place, and each step's copies close as one group, as
+    :func:`_issue` closes them (the next row's max pass waits for them step by step): a thread
+    copies the very elements it has itself read (one layout for copies and reads), and
     its store used what it read, so no read is overwritten before it is done (Triton still puts
     a block barrier before each such copy)."""
     for k in gl.static_range(STEPS):
@@ -180,7 +181,7 @@ def _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, recip, lanes, leaf_len, x
                         _copy_tile(a, b, c, x_next, offs, leaf_len, k, t, STEPS, A, B, BLOCK,
                                    TILE, LIVE, PARTIAL, HELD)
         if PREFETCH:
-            async_copy.commit_group()   # one group a step, as _issue closes them
+            async_copy.commit_group()
 
 
 @gluon.jit

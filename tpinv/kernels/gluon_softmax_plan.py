@@ -84,8 +84,9 @@ CLUSTERED = frozenset({(torch.float32, 0), (torch.float32, 1), (torch.float32, 2
 #: against 68.7-68.8 / 71.5, fp32 log_softmax 84.0-84.2 / 86.2-86.3 against 82.5-82.6 /
 #: 84.7-84.9; slower for fp32 softmax (78.4-78.6 / 80.7-80.8 against 81.0-81.1 / 83.6-83.7: not
 #: here); fp16 as bf16 (the same program shape, not timed); then 16-bit log_softmax (above); the
-#: statistics copying during their sum pass instead were slower (fp32 75-76 / 71 against 86 /
-#: 79.6: a block barrier before each tile's copies).  Speed only: the same bits.
+#: statistics copying during their sum pass instead were slower (fp32 71.0-71.3 / 75.2-76.3
+#: against 79.6-79.7 / 86.1: a block barrier before each tile's copies).  Speed only: the same
+#: bits.
 PREFETCHED = frozenset({(torch.float32, 1), (torch.bfloat16, 1), (torch.float16, 1),
                         (torch.bfloat16, 2), (torch.float16, 2)})
 
