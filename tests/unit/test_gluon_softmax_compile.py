@@ -17,7 +17,9 @@ first:
 - a leaf's last step copies and computes only its tiles that hold elements (control: a leaf of
   whole steps computes every lane), and fp32 softmax, keeping its exps, takes one an element;
 - in both kernels the max pass reads a leaf's steps as their copies land, one cp.async group a
-  step (control: a leaf of one step waits for all of it).
+  step (control: a leaf of one step waits for all of it);
+- bf16's max pass compares 16-bit integer keys, with no bf16 min/max instruction left (control:
+  fp16's compares in fp16, with no integer min/max).
 """
 from __future__ import annotations
 
@@ -128,12 +130,13 @@ def test_the_held_kernel_compiles_for_sm90(dtype, mode, name):
 def test_bf16_elements_widen_by_bit_operations():
     """A bf16 program widens its held elements to fp32 as bit operations on pairs (the low half
     shifted up, the high half masked: :func:`~tpinv.kernels.gluon_softmax_leaf.widened`), two
-    instructions a pair; only the leaf's max and least element are converted by ``cvt`` (one
-    each).  Control: the fp16 program, whose widening is a real conversion, converts every
+    instructions a pair, the leaf's max and least element too (decoded from their integer keys:
+    :func:`~tpinv.kernels.gluon_softmax_extremes.leaf_extremes`), so no ``cvt`` is left.
+    Control: the fp16 program, whose widening is a real conversion, converts every
     element it reads (152 a thread in each of the statistics' two passes over shared memory
     that need fp32: fewer than that would mean an element was not read)."""
     ptx = compile_held(torch.bfloat16, 0)[0].asm["ptx"]
-    assert ptx.count("cvt.f32.bf16") == 2
+    assert ptx.count("cvt.f32.bf16") == 0
     assert ptx.count("0xFFFF0000") >= 152 // 2          # the high halves' mask, one a pair
     half = compile_held(torch.float16, 0)[0].asm["ptx"]
     assert half.count("cvt.f32.f16") >= 152
@@ -287,3 +290,23 @@ def test_the_max_pass_reads_each_step_as_its_copy_lands(compile_program):
         assert SHARED_LOAD.search(ptx, here, there), "a step read before the next one landed"
     one_step = compile_program(torch.bfloat16, 0, 2048)[0].asm["ptx"]
     assert [int(n) for n in WAIT_GROUP.findall(one_step)] == [0]
+
+
+#: sm_90 SASS: a 16-bit pair's integer min/max, and a bf16 pair's min/max.
+INTEGER_PAIR_MIN_MAX = re.compile(r"\bVIMNMX3?\.[SU]16x2\b")
+BF16_MIN_MAX = re.compile(r"\bV?HMNMX2?\.BF16")
+
+
+@pytest.mark.parametrize("compile_program", [compile_held, compile_clustered],
+                         ids=["tickets", "cluster"])
+def test_bf16_s_max_pass_compares_integer_keys(compile_program):
+    """The max pass of bf16 statistics (:func:`~tpinv.kernels.gluon_softmax_extremes.leaf_extremes`)
+    takes its maxima and minima as 16-bit integer keys, two a register, and no bf16 min/max is
+    left in the program; control: fp16's compares in fp16 and has no integer pair min/max."""
+    try:
+        bf16 = compile_program(torch.bfloat16, 0)[0].asm["sass"]
+        fp16 = compile_program(torch.float16, 0)[0].asm["sass"]
+    except Exception as error:     # no nvdisasm: nothing to read
+        pytest.skip(f"no SASS from this Triton: {error}")
+    assert INTEGER_PAIR_MIN_MAX.search(bf16) and not BF16_MIN_MAX.search(bf16)
+    assert not INTEGER_PAIR_MIN_MAX.search(fp16) and re.search(r"\bV?HMNMX2?\b", fp16)

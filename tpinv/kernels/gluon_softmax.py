@@ -13,8 +13,9 @@ leaf's least element shows that no exp can round below 2**-126, each exp is the 
 instruction the row kernel's exp reduces to there, and where it also shows that no quotient
 comes near underflow, softmax's correctly rounded division is taken from the row's reciprocal
 with two fused corrections (the same bits; ``tests/gpu/test_softmax_quotient.py``).  A held
-leaf's arithmetic (max, exp, sum, fold, pair tree, quotient) is
-:mod:`tpinv.kernels.gluon_softmax_leaf`; this module schedules it.
+leaf's arithmetic (exp, sum, fold, pair tree, quotient) is
+:mod:`tpinv.kernels.gluon_softmax_leaf`, its max pass :mod:`tpinv.kernels.gluon_softmax_extremes`;
+this module schedules them.
 
 Why: the Triton by-leaves kernel reads its leaf three times (max, sum, output), the last two from
 L2, so every element crosses L2 four times.  Here a program copies its leaf from memory into
@@ -58,11 +59,12 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels import gluon_softmax_plan as plan
 from tpinv.kernels.gluon_softmax_leaf import (exp_never_flushes, exp_shifted, fold_lanes,
-                                             held_tile, leaf_extremes, leaf_sum, leaf_tile,
+                                             held_tile, leaf_sum, leaf_tile,
                                              nan_max, pair_tree, quotient_by_reciprocal,
                                              reciprocal_divides_exactly, shift_of,
                                              tile_holds_elements, tile_in_memory,
                                              tile_is_partial, widened)
+from tpinv.kernels.gluon_softmax_extremes import leaf_extremes
 from tpinv.kernels.gluon_softmax_plan import held_plan
 from tpinv.kernels.launch import launch
 from tpinv.kernels.triton_softmax_combine import combine_sums
@@ -101,7 +103,7 @@ def _issue(a, b, c, x_ptr, stride_x, leaf_len, item, n_items, lanes, LEAVES: gl.
     none for a tile wholly past the leaf's end or read from memory, :func:`tile_in_memory`),
     each step's closed as one group (``STEPS`` groups, empty past the last item), so that the
     max pass reads each step once its group has landed
-    (:func:`~tpinv.kernels.gluon_softmax_leaf.leaf_extremes`): no registers are held while
+    (:func:`~tpinv.kernels.gluon_softmax_extremes.leaf_extremes`): no registers are held while
     they fly."""
     row = (item // LEAVES).to(gl.int64)
     x_leaf = x_ptr + row * stride_x + (item % LEAVES).to(gl.int64) * leaf_len

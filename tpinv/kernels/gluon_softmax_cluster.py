@@ -39,7 +39,8 @@ from tpinv.kernels.cluster_launch import clustered
 from tpinv.kernels.gluon_softmax import (_issue, _stagger, _sum_lanes, _thread_barrier,
                                          _write_output)
 from tpinv.kernels.gluon_softmax_plan import PREFETCHED, held_launch_options
-from tpinv.kernels.gluon_softmax_leaf import fold_lanes, leaf_extremes, shift_of
+from tpinv.kernels.gluon_softmax_extremes import leaf_extremes
+from tpinv.kernels.gluon_softmax_leaf import fold_lanes, shift_of
 from tpinv.kernels.triton_softmax_combine import logsumexp_of
 
 __all__ = ["softmax_rows_clustered", "CLUSTER_LEAVES"]

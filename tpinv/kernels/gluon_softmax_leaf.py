@@ -2,7 +2,8 @@
 
 Invariant kept: each function here gives the bits of the same step of
 :func:`tpinv.kernels.triton_softmax._fused` (the one-program-per-row kernel, whose order is the
-contract) on one leaf held in shared memory: the exact max (NaN if any element is NaN), the
+contract) on one leaf held in shared memory: the exact max of the leaf maxima (NaN if any is
+NaN; the leaf's own max pass is :mod:`tpinv.kernels.gluon_softmax_extremes`), the
 ``BLOCK`` fp32 lanes of the leaf's sum (lane ``i`` adding ``exp(x - shift)`` of elements
 ``i, i + BLOCK, ...`` in order from ``+0``), their fold by contiguous halving (lane ``i`` plus lane
 ``i + n/2``), the adjacent-pair tree over a row's leaf sums, and softmax's correctly rounded
@@ -13,17 +14,15 @@ operation's operands or order.  ``tests/gpu/test_softmax_by_leaves.py`` compares
 """
 from __future__ import annotations
 
-import triton.language as tl
 from triton import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from tpinv.kernels.launch import cdiv
 
-__all__ = ["widened", "nan_max", "shift_of", "leaf_max_and_min", "exp_shifted",
+__all__ = ["widened", "nan_max", "shift_of", "exp_shifted",
            "exp_never_flushes", "quotient_by_reciprocal", "reciprocal_divides_exactly",
-           "leaf_extremes", "leaf_sum", "fold_lanes", "pair_tree", "held_tile",
+           "leaf_sum", "fold_lanes", "pair_tree", "held_tile",
            "held_tile_fp32", "leaf_tile", "tile_holds_elements", "tile_is_partial",
            "tile_in_memory", "fold_layout_of",
            "tile_lanes_of", "live_tiles"]
@@ -55,20 +54,6 @@ def nan_max(v):
 def shift_of(m):
     """``safe_shift``: the max where finite, else 0 (NaN stays NaN)."""
     return gl.where(gl.abs(m) == float("inf"), 0.0, m)
-
-
-@gluon.jit
-def _max_and_min(a_max, a_min, b_max, b_min):
-    return gl.maximum(a_max, b_max, propagate_nan=tl.PropagateNan.ALL), gl.minimum(a_min, b_min)
-
-
-@gluon.jit
-def leaf_max_and_min(run, low):
-    """The leaf's :func:`nan_max` from its running maxima (a maximum that keeps NaN, its NaN
-    then written as ``float("nan")``'s bits) and the least of its running minima (NaN ignored),
-    in one block reduction; both are order-free."""
-    m, lo = gl.reduce((run, low), 0, _max_and_min)
-    return gl.where(m != m, float("nan"), m), lo
 
 
 @gluon.jit
@@ -293,36 +278,6 @@ def held_tile_fp32(a, b, c, x_leaf, k: gl.constexpr, t: gl.constexpr, A: gl.cons
     if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
         x = gl.where(k * BLOCK + t * TILE + tile_lanes < leaf_len, x, float("-inf"))
     return x
-
-
-@gluon.jit
-def leaf_extremes(a, b, c, x_leaf, tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
-                  BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr,
-                  LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr,
-                  layout: gl.constexpr):
-    """The leaf's exact max (:func:`leaf_max_and_min`) and least element, in fp32: each taken in
-    the input's dtype (exact, and two 16-bit lanes an instruction), past the leaf's end no
-    element (the tiles wholly past it are not read).  The leaf's copies are in flight, closed as
-    one cp.async group a step (:func:`~tpinv.kernels.gluon_softmax._issue`): each step is read
-    once its group has landed, so the pass starts with the leaf's first step, not its last (a
-    thread reads the very elements it copied)."""
-    run = gl.full([TILE], float("-inf"), a.dtype, layout)
-    low = gl.full([TILE], float("inf"), a.dtype, layout)
-    for k in gl.static_range(STEPS):
-        async_copy.wait_group(STEPS - 1 - k)
-        for t in gl.static_range(BLOCK // TILE):
-            if tile_holds_elements(k, t, STEPS, LIVE):
-                x = leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len,
-                              layout, STEPS, LIVE, PARTIAL, HELD)
-                if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
-                    inside = k * BLOCK + t * TILE + tile_lanes < leaf_len
-                    run = gl.maximum(run, gl.where(inside, x, float("-inf")),
-                                     propagate_nan=tl.PropagateNan.ALL)
-                    low = gl.minimum(low, gl.where(inside, x, float("inf")))
-                else:
-                    run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
-                    low = gl.minimum(low, x)
-    return leaf_max_and_min(run.to(gl.float32), low.to(gl.float32))
 
 
 def fold_layout_of(lanes: int, num_warps: int) -> gl.DistributedLinearLayout:

@@ -70,7 +70,7 @@ HELD_CONFIG = {
 #: rows), bf16 statistics (63.7 / 58.3 against 68.6 / 59.7); then the statistics' totals taken in
 #: the cluster kernel (the previous row's sums carried by the next row's meeting, no combine launch):
 #: fp32 logsumexp 86.3 / 79.7 against 85.9 / 78.5; then, the max pass reading each step as it lands
-#: (:func:`~tpinv.kernels.gluon_softmax_leaf.leaf_extremes`), bf16 log_softmax in a cluster
+#: (:func:`~tpinv.kernels.gluon_softmax_extremes.leaf_extremes`), bf16 log_softmax in a cluster
 #: copying its next row during the output pass (:data:`PREFETCHED`): 85.0 / 80.8-81.1 against
 #: 83.5 / 79.3-79.5 with tickets (bf16 statistics still slower in a cluster: 65.4 / 59.5 against
 #: 70.7-70.9 / 62.3 before the change).  Speed only: the same bits either way.
