@@ -2,8 +2,8 @@
 
 Each check compares :func:`softmax_rows_by_leaves` with the one-program-per-row kernel
 (``_fused`` given its table config, which always runs the row kernel) byte for byte: out, max
-and sum, every mode, fp32/bf16/fp16, leaves 2/4/8, rows of NaN, +-inf, all -inf, a max of mixed
-+-0, and launch shapes down to ``leaves`` programs looping over many rows -- both with the leaf
+and sum, every mode, fp32/bf16/fp16, leaves 2/4/8, rows of NaN (of either sign), +-inf, all
+-inf, a max of mixed +-0 and of -0 alone, subnormals, and launch shapes down to ``leaves`` programs looping over many rows -- both with the leaf
 held in shared memory (the Gluon kernel, sm_90; asserted to run) and read through L2 (the Triton
 kernel).  The public ops are asserted to take the by-leaves path.  Control: raising one element
 of one leaf to a new row max changes that row's bytes (so the comparison sees a change in any

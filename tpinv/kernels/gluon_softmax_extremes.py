@@ -2,8 +2,9 @@
 
 Invariant kept: the leaf's max is the row kernel's (:func:`tpinv.kernels.triton_softmax._fused`)
 exact max of its elements -- NaN if any element is NaN, written as ``float("nan")``'s bits --
-and its least element a lower bound no greater than any element (it only picks between
-instructions proven to give the same bits: :func:`~tpinv.kernels.gluon_softmax_leaf.exp_never_flushes`).
+and, where no element is NaN, its least element (it only picks between instructions proven to
+give the same bits: :func:`~tpinv.kernels.gluon_softmax_leaf.exp_never_flushes`; with a NaN the
+row's shift is NaN and neither fast path is taken).
 Both are order-free, so where each element is compared, and in which instruction, moves no
 bit; ``tests/gpu/test_softmax_by_leaves.py`` compares the bytes, NaN of either sign, infinities,
 signed zeros and subnormals included.
@@ -13,7 +14,7 @@ flipped where the sign is set, so that integer order is the values' order with `
 two to a register, in the integer min/max unit: an H200's bf16 min/max instructions made the
 max pass of 16-bit statistics cost 12 points of copy bandwidth against fp16's 2
 (docs/benchmarks.md, "The bf16 max pass compares integer keys").  Other dtypes compare in their
-own type, two 16-bit lanes an instruction.
+own type (fp16 two lanes an instruction).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from tpinv.kernels.gluon_softmax_leaf import (leaf_tile, tile_holds_elements, tile_is_partial,
                                              widened)
 
-__all__ = ["leaf_extremes", "leaf_max_and_min", "sortable_keys"]
+__all__ = ["leaf_extremes", "sortable_keys"]
 
 #: The least and greatest int16 keys: no bf16 key lies outside them.
 _LEAST_KEY = gl.constexpr(-32768)
@@ -38,7 +39,7 @@ def _max_and_min(a_max, a_min, b_max, b_min):
 
 
 @gluon.jit
-def leaf_max_and_min(run, low):
+def _leaf_max_and_min(run, low):
     """The leaf's :func:`~tpinv.kernels.gluon_softmax_leaf.nan_max` from its running maxima (a
     maximum that keeps NaN, its NaN then written as ``float("nan")``'s bits) and the least of
     its running minima (NaN ignored), in one block reduction; both are order-free."""
@@ -97,14 +98,14 @@ def leaf_extremes(a, b, c, x_leaf, tile_lanes, leaf_len, A: gl.constexpr, B: gl.
                   BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr,
                   LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr,
                   layout: gl.constexpr):
-    """The leaf's exact max (:func:`leaf_max_and_min`) and least element, in fp32, past the
+    """The leaf's exact max (:func:`_leaf_max_and_min`) and least element, in fp32, past the
     leaf's end no element (the tiles wholly past it are not read).  The leaf's copies are in
     flight, closed as one cp.async group a step (:func:`~tpinv.kernels.gluon_softmax._issue`):
     each step is read once its group has landed, so the pass starts with the leaf's first step,
     not its last (a thread reads the very elements it copied).  bf16 compares
     :func:`sortable_keys`: a positive NaN is then the greatest key and a negative one the least,
     so a thread whose least key is a NaN makes the max NaN; other dtypes compare in their own
-    type, two 16-bit lanes an instruction."""
+    type."""
     KEYS: gl.constexpr = a.dtype == gl.bfloat16
     if KEYS:
         run = gl.full([TILE], _LEAST_KEY, gl.int16, layout)
@@ -128,4 +129,4 @@ def leaf_extremes(a, b, c, x_leaf, tile_lanes, leaf_len, A: gl.constexpr, B: gl.
     else:
         run_f = run.to(gl.float32)
         low_f = low.to(gl.float32)
-    return leaf_max_and_min(run_f, low_f)
+    return _leaf_max_and_min(run_f, low_f)
