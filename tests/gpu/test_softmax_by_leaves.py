@@ -3,7 +3,9 @@
 Each check compares :func:`softmax_rows_by_leaves` with the one-program-per-row kernel
 (``_fused`` given its table config, which always runs the row kernel) byte for byte: out, max
 and sum, every mode, fp32/bf16/fp16, leaves 2/4/8, rows of NaN (of either sign), +-inf, all
--inf, a max of mixed +-0 and of -0 alone, subnormals, and launch shapes down to ``leaves`` programs looping over many rows -- both with the leaf
+-inf, a max of mixed +-0 and of -0 alone, subnormals, leaves with no element of clear sign
+(negative, -0 alone, -inf, a negative NaN at the leaf's end), rows of positive elements only,
+and launch shapes down to ``leaves`` programs looping over many rows -- both with the leaf
 held in shared memory (the Gluon kernel, sm_90; asserted to run) and read through L2 (the Triton
 kernel).  The public ops are asserted to take the by-leaves path.  Control: raising one element
 of one leaf to a new row max changes that row's bytes (so the comparison sees a change in any
@@ -87,6 +89,19 @@ def special_rows(x: torch.Tensor) -> torch.Tensor:
         x[7] = x[7] * (torch.finfo(x.dtype).tiny / 4)    # subnormal
         x[8, 3] = float("nan")
         x[8, 4] = negative_nan
+    if x.shape[0] > 16:  # bf16's raw-bit maxima: leaves with no element of clear sign
+        n = w // 8       # a leaf of 8 (a part of one of fewer)
+        x[9] = -x[9].abs() - 0.5                        # every leaf negative
+        x[10, :n] = -0.0                                # a leaf of -0 alone
+        x[11, :n] = float("-inf")                       # a leaf of -inf and one finite element
+        x[11, n // 2] = -1000.0
+        x[12, :n] = -x[12, :n].abs() - 3.0              # a negative NaN at a negative leaf's end
+        x[12, n - 1] = negative_nan
+        x[13] = x[13].abs() + 100.0                     # positive, far from 0
+        x[14] = -x[14].abs()                            # -0 at the row's last element
+        x[14, w - 1] = -0.0
+        x[15] = -0.0                                    # -0 alone
+        x[16] = x[16].abs() * 1e-3                      # positive, near 0
     return x
 
 

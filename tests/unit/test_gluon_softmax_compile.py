@@ -18,8 +18,8 @@ first:
   whole steps computes every lane), and fp32 softmax, keeping its exps, takes one an element;
 - in both kernels the max pass reads a leaf's steps as their copies land, one cp.async group a
   step (control: a leaf of one step waits for all of it);
-- bf16's max pass compares 16-bit integer keys, with no bf16 min/max instruction left (control:
-  fp16's compares in fp16, with no integer min/max).
+- bf16's max pass takes signed and unsigned maxima of the raw bits, with no bf16 min/max
+  instruction left (control: fp16's compares in fp16, with no integer maximum).
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_the_held_kernel_compiles_for_sm90(dtype, mode, name):
 def test_bf16_elements_widen_by_bit_operations():
     """A bf16 program widens its held elements to fp32 as bit operations on pairs (the low half
     shifted up, the high half masked: :func:`~tpinv.kernels.gluon_softmax_leaf.widened`), two
-    instructions a pair, the leaf's max and least element too (decoded from their integer keys:
+    instructions a pair, the leaf's max and floor too (from their raw bits:
     :func:`~tpinv.kernels.gluon_softmax_extremes.leaf_extremes`), so no ``cvt`` is left.
     Control: the fp16 program, whose widening is a real conversion, converts every
     element it reads (152 a thread in each of the statistics' two passes over shared memory
@@ -296,17 +296,22 @@ def test_the_max_pass_reads_each_step_as_its_copy_lands(compile_program):
     assert [int(n) for n in WAIT_GROUP.findall(one_step)] == [0]
 
 
-#: sm_90 SASS: a 16-bit pair's integer min/max, and a bf16 pair's min/max.
-INTEGER_PAIR_MIN_MAX = re.compile(r"\bVIMNMX3?\.[SU]16x2\b")
+#: sm_90 SASS: a 16-bit pair's signed and unsigned integer maxima (two or three inputs), and a
+#: bf16 pair's min/max.
+SIGNED_PAIR_MAX = re.compile(r"\bVIMNMX3?\.S16x2\b")
+UNSIGNED_PAIR_MAX = re.compile(r"\bVIMNMX3?\.U16x2\b")
 BF16_MIN_MAX = re.compile(r"\bV?HMNMX2?\.BF16")
 
 
 @pytest.mark.parametrize("compile_program", [compile_held, compile_clustered],
                          ids=["tickets", "cluster"])
-def test_bf16_s_max_pass_compares_integer_keys(compile_program):
+def test_bf16_s_max_pass_compares_raw_bits(compile_program):
     """The max pass of bf16 statistics (:func:`~tpinv.kernels.gluon_softmax_extremes.leaf_extremes`)
-    takes its maxima and minima as 16-bit integer keys, two a register, and no bf16 min/max is
-    left in the program; control: fp16's compares in fp16 and has no integer pair min/max."""
+    takes a signed and an unsigned maximum of the elements' raw bits, two a register, and no
+    bf16 min/max is left in the program; control: fp16's compares in fp16 and has no integer
+    pair maximum."""
     bf16, fp16 = (_sass(compile_program(dtype, 0)[0]) for dtype in (torch.bfloat16, torch.float16))
-    assert INTEGER_PAIR_MIN_MAX.search(bf16) and not BF16_MIN_MAX.search(bf16)
-    assert not INTEGER_PAIR_MIN_MAX.search(fp16) and re.search(r"\bV?HMNMX2?\b", fp16)
+    assert SIGNED_PAIR_MAX.search(bf16) and UNSIGNED_PAIR_MAX.search(bf16)
+    assert not BF16_MIN_MAX.search(bf16)
+    assert not (SIGNED_PAIR_MAX.search(fp16) or UNSIGNED_PAIR_MAX.search(fp16))
+    assert re.search(r"\bV?HMNMX2?\b", fp16)

@@ -9,11 +9,11 @@ that order from ``+0`` (lanes past the leaf add ``exp(-inf) = +0``), folded by c
 ``(x - shift) - log(s)`` or ``div_rn(exp(x - shift), s)`` in fp32, rounded once.  Each add, exp,
 log and division is the same IEEE operation on the same operands as in the row kernel, compiled
 without FMA contraction (``tests/gpu/test_softmax_by_leaves.py`` compares the bytes); where a
-leaf's least element shows that no exp can round below 2**-126, each exp is the one hardware
-instruction the row kernel's exp reduces to there, and where it also shows that no quotient
-comes near underflow, softmax's correctly rounded division is taken from the row's reciprocal
-with two fused corrections (the same bits; ``tests/gpu/test_softmax_quotient.py``).  A held
-leaf's arithmetic (exp, sum, fold, pair tree, quotient) is
+leaf's floor (a value no element is below) shows that no exp can round below 2**-126, each exp
+is the one hardware instruction the row kernel's exp reduces to there, and where it also shows
+that no quotient comes near underflow, softmax's correctly rounded division is taken from the
+row's reciprocal with two fused corrections (the same bits; ``tests/gpu/test_softmax_quotient.py``).
+A held leaf's arithmetic (exp, sum, fold, pair tree, quotient) is
 :mod:`tpinv.kernels.gluon_softmax_leaf`, its max pass :mod:`tpinv.kernels.gluon_softmax_extremes`;
 this module schedules them.
 
@@ -191,8 +191,8 @@ def _sum_lanes(a, b, c, x_leaf, shift, lo, lanes, leaf_len, MODE: gl.constexpr,
                STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
                TILE: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr,
                HELD: gl.constexpr, lanes_layout: gl.constexpr):
-    """The leaf's sum lanes (:func:`leaf_sum`) for a leaf whose least element is ``lo``, each exp
-    the hardware ex2 alone where ``lo`` shows it is (-inf, NaN or a value about 87.3 below the
+    """The leaf's sum lanes (:func:`leaf_sum`) for a leaf no element of which is below ``lo``, each
+    exp the hardware ex2 alone where ``lo`` shows it is (-inf, NaN or a value about 87.3 below the
     row max in the leaf take the general exp); fp32 softmax keeps each exp in the leaf in place
     of its element, for its quotients."""
     KEEP: gl.constexpr = MODE == 2 and a.dtype == gl.float32
@@ -213,7 +213,7 @@ def _write_output(a, b, c, x_leaf, y_leaf, shift, total, lo, lanes, leaf_len, x_
                   PREFETCH: gl.constexpr):
     """The leaf's output (``MODE`` 1: log_softmax, 2: softmax) by :func:`_write_leaf`, softmax's
     quotients from the row's reciprocal where :func:`reciprocal_divides_exactly` holds for the
-    leaf's least element ``lo``, by ``div_rn`` elsewhere (the same bits)."""
+    leaf's floor ``lo``, by ``div_rn`` elsewhere (the same bits)."""
     if MODE == 1:
         _write_leaf(a, b, c, x_leaf, y_leaf, shift, total, total, lanes, leaf_len, x_next,
                     has_next, MODE, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD, lanes_layout,
@@ -244,7 +244,7 @@ def _process(a, b, c, item, x_ptr, y_ptr, max_ptr, total_ptr, slot_ptr, leaf_len
     leaf = item % LEAVES
     slots = slot_ptr + row * (2 * LEAVES)   # the leaf maxima, then the leaf sums
     x_leaf = x_ptr + row * stride_x + leaf.to(gl.int64) * leaf_len   # for tiles not held
-    # 1. the leaf's exact max and its least element, then the row's max from every leaf's
+    # 1. the leaf's exact max and a floor, then the row's max from every leaf's
     m_leaf, lo = leaf_extremes(a, b, c, x_leaf, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
                                PARTIAL, HELD, lanes_layout)
     _publish(slots + leaf, m_leaf)

@@ -1,20 +1,21 @@
-"""A held leaf's max pass (Gluon), for :mod:`tpinv.kernels.gluon_softmax`: its exact max and least element.
+"""A held leaf's max pass (Gluon) for :mod:`tpinv.kernels.gluon_softmax`: its exact max, a floor.
 
 Invariant kept: the leaf's max is the row kernel's (:func:`tpinv.kernels.triton_softmax._fused`)
-exact max of its elements -- NaN if any element is NaN, written as ``float("nan")``'s bits --
-and, where no element is NaN, its least element (it only picks between instructions proven to
-give the same bits: :func:`~tpinv.kernels.gluon_softmax_leaf.exp_never_flushes`; with a NaN the
-row's shift is NaN and neither fast path is taken).
+exact max of its elements -- NaN if any element is NaN, written as ``float("nan")``'s bits, and
+``+0`` above ``-0`` -- and, where no element is NaN, a floor: a value no element is below (it
+only picks between instructions proven to give the same bits:
+:func:`~tpinv.kernels.gluon_softmax_leaf.exp_never_flushes`, where a lower floor only takes the
+general path more often; with a NaN the row's shift is NaN and neither fast path is taken).
 Both are order-free, so where each element is compared, and in which instruction, moves no
 bit; ``tests/gpu/test_softmax_by_leaves.py`` compares the bytes, NaN of either sign, infinities,
-signed zeros and subnormals included.
+signed zeros, subnormals and leaves with no element of clear sign included.
 
-bf16 elements are compared as 16-bit integer keys (:func:`sortable_keys`: the magnitude bits
-flipped where the sign is set, so that integer order is the values' order with ``-0 < +0``),
-two to a register, in the integer min/max unit: an H200's bf16 min/max instructions made the
-max pass of 16-bit statistics cost 12 points of copy bandwidth against fp16's 2
-(docs/benchmarks.md, "The bf16 max pass compares integer keys").  Other dtypes compare in their
-own type (fp16 two lanes an instruction).
+bf16 elements are compared as their raw bits, two a register, in the integer min/max unit
+(:func:`leaf_extremes`): an H200's bf16 min/max instructions made the max pass of 16-bit
+statistics cost 12 points of copy bandwidth against fp16's 2 (docs/benchmarks.md, "The bf16 max
+pass compares integer keys"), and two raw maxima a pair, which the assembler folds two pairs an
+instruction, cost less than keys made from the bits first ("The bf16 max pass compares raw
+bits").  Other dtypes compare in their own type (fp16 two lanes an instruction).
 """
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from tpinv.kernels.gluon_softmax_leaf import (leaf_tile, tile_holds_elements, tile_is_partial,
                                              widened)
 
-__all__ = ["leaf_extremes", "sortable_keys"]
+__all__ = ["leaf_extremes"]
 
-#: The least and greatest int16 keys: no bf16 key lies outside them.
-_LEAST_KEY = gl.constexpr(-32768)
-_GREATEST_KEY = gl.constexpr(32767)
+#: ``-0``'s bits as an int16: the least signed value, and an unsigned value no negative element
+#: is below -- what a lane past the leaf's end takes in both maxima (:func:`leaf_extremes`).
+_NEGATIVE_ZERO = gl.constexpr(-32768)
+#: The greatest unsigned 16-bit value (a NaN's bits): the start of an unsigned minimum.
+_ALL_ONES = gl.constexpr(-1)
 
 
 @gluon.jit
@@ -48,49 +51,67 @@ def _leaf_max_and_min(run, low):
 
 
 @gluon.jit
-def sortable_keys(x):
-    """bf16 ``x`` (or int16 keys) as int16 keys in the values' order: the magnitude bits flipped
-    where the sign is set (a byte permute spreads each half's sign over it; one logic operation
-    flips), so ``-0`` sorts just below ``+0`` and a NaN beyond the infinity of its sign.  The
-    map is its own inverse: keys give back the bf16 bits."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 m; prmt.b32 m, $1, 0, 0xBB99; and.b32 m, m, 0x7FFF7FFF; xor.b32 $0, $1, m; }",
-        "=r,r", [x], dtype=gl.int16, is_pure=True, pack=2)
-
-
-@gluon.jit
-def _key_max(a, b):
+def _signed_max(a, b):
     return gl.inline_asm_elementwise("max.s16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int16,
                                      is_pure=True, pack=2)
 
 
 @gluon.jit
-def _key_min(a, b):
-    return gl.inline_asm_elementwise("min.s16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int16,
+def _unsigned_max(a, b):
+    return gl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int16,
                                      is_pure=True, pack=2)
 
 
 @gluon.jit
-def _extended(run, low, x, inside, KEYS: gl.constexpr, MASKED: gl.constexpr):
-    """``run`` and ``low`` (the running maxima and minima, keys where ``KEYS``) past the tile
-    ``x``, its elements outside ``inside`` (``MASKED``: the leaf's last, partial tile) skipped."""
-    if KEYS:
-        key = sortable_keys(x)
-        if MASKED:
-            run = _key_max(run, gl.where(inside, key, _LEAST_KEY))
-            low = _key_min(low, gl.where(inside, key, _GREATEST_KEY))
-        else:
-            run = _key_max(run, key)
-            low = _key_min(low, key)
+def _unsigned_min(a, b):
+    return gl.inline_asm_elementwise("min.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.int16,
+                                     is_pure=True, pack=2)
+
+
+@gluon.jit
+def _float_extended(run, low, x, inside, MASKED: gl.constexpr):
+    """``run`` and ``low`` (running maxima and minima in ``x``'s type) past the tile ``x``, its
+    elements outside ``inside`` (``MASKED``: the leaf's last, partial tile) skipped."""
+    if MASKED:
+        run = gl.maximum(run, gl.where(inside, x, float("-inf")),
+                         propagate_nan=tl.PropagateNan.ALL)
+        low = gl.minimum(low, gl.where(inside, x, float("inf")))
     else:
-        if MASKED:
-            run = gl.maximum(run, gl.where(inside, x, float("-inf")),
-                             propagate_nan=tl.PropagateNan.ALL)
-            low = gl.minimum(low, gl.where(inside, x, float("inf")))
-        else:
-            run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
-            low = gl.minimum(low, x)
+        run = gl.maximum(run, x, propagate_nan=tl.PropagateNan.ALL)
+        low = gl.minimum(low, x)
     return run, low
+
+
+@gluon.jit
+def _bits(a, b, c, x_leaf, k: gl.constexpr, t: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+          BLOCK: gl.constexpr, TILE: gl.constexpr, tile_lanes, leaf_len, layout: gl.constexpr,
+          STEPS: gl.constexpr, LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr,
+          PAST_END: gl.constexpr):
+    """Tile ``t`` of step ``k`` of a bf16 leaf as its raw bits (int16), ``PAST_END`` past the
+    leaf's end."""
+    raw = leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len, layout, STEPS,
+                    LIVE, PARTIAL, HELD).to(gl.int16, bitcast=True)
+    if tile_is_partial(k, t, STEPS, LIVE, PARTIAL):
+        raw = gl.where(k * BLOCK + t * TILE + tile_lanes < leaf_len, raw, PAST_END)
+    return raw
+
+
+@gluon.jit
+def _least_magnitude(a, b, c, x_leaf, tile_lanes, leaf_len, A: gl.constexpr, B: gl.constexpr,
+                     BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr,
+                     LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr,
+                     layout: gl.constexpr):
+    """The max of a bf16 leaf every element of which has its sign bit set and none is NaN: its
+    element of least magnitude, the least of its bits as unsigned integers (``-0`` the least)."""
+    least = gl.full([TILE], _ALL_ONES, gl.int16, layout)
+    for k in gl.static_range(STEPS):
+        for t in gl.static_range(BLOCK // TILE):
+            if tile_holds_elements(k, t, STEPS, LIVE):
+                least = _unsigned_min(least, _bits(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE,
+                                                   tile_lanes, leaf_len, layout, STEPS, LIVE,
+                                                   PARTIAL, HELD, _ALL_ONES))
+    least_f = widened(least.to(gl.bfloat16, bitcast=True))
+    return gl.max(gl.where(tile_lanes < leaf_len, least_f, float("-inf")), axis=0)
 
 
 @gluon.jit
@@ -98,35 +119,52 @@ def leaf_extremes(a, b, c, x_leaf, tile_lanes, leaf_len, A: gl.constexpr, B: gl.
                   BLOCK: gl.constexpr, TILE: gl.constexpr, STEPS: gl.constexpr,
                   LIVE: gl.constexpr, PARTIAL: gl.constexpr, HELD: gl.constexpr,
                   layout: gl.constexpr):
-    """The leaf's exact max (:func:`_leaf_max_and_min`) and least element, in fp32, past the
-    leaf's end no element (the tiles wholly past it are not read).  The leaf's copies are in
-    flight, closed as one cp.async group a step (:func:`~tpinv.kernels.gluon_softmax._issue`):
-    each step is read once its group has landed, so the pass starts with the leaf's first step,
-    not its last (a thread reads the very elements it copied).  bf16 compares
-    :func:`sortable_keys`: a positive NaN is then the greatest key and a negative one the least,
-    so a thread whose least key is a NaN makes the max NaN; other dtypes compare in their own
-    type."""
-    KEYS: gl.constexpr = a.dtype == gl.bfloat16
-    if KEYS:
-        run = gl.full([TILE], _LEAST_KEY, gl.int16, layout)
-        low = gl.full([TILE], _GREATEST_KEY, gl.int16, layout)
+    """``(max, floor)`` of the leaf in fp32 (:func:`_leaf_max_and_min`; past the leaf's end no
+    element, the tiles wholly past it not read).  The leaf's copies are in flight, closed as one
+    cp.async group a step (:func:`~tpinv.kernels.gluon_softmax._issue`): each step is read once
+    its group has landed, so the pass starts with the leaf's first step, not its last (a thread
+    reads the very elements it copied).
+
+    bf16 takes two maxima of each lane's raw bits, a pair a register: signed, whose result is
+    the lane's greatest element of clear sign (a positive NaN above +inf) where it has one, and
+    unsigned, whose result is its element of set sign of greatest magnitude (the least; a
+    negative NaN above -inf) where it has one.  The leaf's max is then the greatest of the
+    former; a negative NaN makes it NaN; the floor is the least of the latter, ``+0`` for lanes
+    with no element of set sign.  Where no element of the leaf has a clear sign, a second pass
+    takes its element of least magnitude (:func:`_least_magnitude`).  Other dtypes compare in
+    their own type."""
+    RAW: gl.constexpr = a.dtype == gl.bfloat16
+    if RAW:
+        run = gl.full([TILE], _NEGATIVE_ZERO, gl.int16, layout)
+        neg = gl.full([TILE], _NEGATIVE_ZERO, gl.int16, layout)
     else:
         run = gl.full([TILE], float("-inf"), a.dtype, layout)
-        low = gl.full([TILE], float("inf"), a.dtype, layout)
+        neg = gl.full([TILE], float("inf"), a.dtype, layout)
     for k in gl.static_range(STEPS):
         async_copy.wait_group(STEPS - 1 - k)
         for t in gl.static_range(BLOCK // TILE):
             if tile_holds_elements(k, t, STEPS, LIVE):
-                x = leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len,
-                              layout, STEPS, LIVE, PARTIAL, HELD)
-                inside = k * BLOCK + t * TILE + tile_lanes < leaf_len
-                run, low = _extended(run, low, x, inside, KEYS,
-                                     tile_is_partial(k, t, STEPS, LIVE, PARTIAL))
-    if KEYS:
-        run_f = widened(sortable_keys(run).to(gl.bfloat16, bitcast=True))
-        low_f = widened(sortable_keys(low).to(gl.bfloat16, bitcast=True))
-        run_f = gl.where(low_f != low_f, float("nan"), run_f)
+                if RAW:
+                    raw = _bits(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len,
+                                layout, STEPS, LIVE, PARTIAL, HELD, _NEGATIVE_ZERO)
+                    run = _signed_max(run, raw)
+                    neg = _unsigned_max(neg, raw)
+                else:
+                    x = leaf_tile(a, b, c, x_leaf, k, t, A, B, BLOCK, TILE, tile_lanes, leaf_len,
+                                  layout, STEPS, LIVE, PARTIAL, HELD)
+                    run, neg = _float_extended(run, neg, x,
+                                               k * BLOCK + t * TILE + tile_lanes < leaf_len,
+                                               tile_is_partial(k, t, STEPS, LIVE, PARTIAL))
+    if RAW:
+        # a lane's max where it holds an element of clear sign (int16 >= 0), else -inf; its
+        # floor where it holds one of set sign (unsigned >= 0x8000), else +0; a negative NaN
+        # (its floor NaN) makes the lane's max NaN
+        run_f = gl.where(run >= 0, widened(run.to(gl.bfloat16, bitcast=True)), float("-inf"))
+        low_f = gl.where(neg < 0, widened(neg.to(gl.bfloat16, bitcast=True)), 0.0)
+        m, lo = _leaf_max_and_min(gl.where(low_f != low_f, float("nan"), run_f), low_f)
+        if m == float("-inf"):   # no element of clear sign, no NaN
+            m = _least_magnitude(a, b, c, x_leaf, tile_lanes, leaf_len, A, B, BLOCK, TILE, STEPS,
+                                 LIVE, PARTIAL, HELD, layout)
     else:
-        run_f = run.to(gl.float32)
-        low_f = low.to(gl.float32)
-    return _leaf_max_and_min(run_f, low_f)
+        m, lo = _leaf_max_and_min(run.to(gl.float32), neg.to(gl.float32))
+    return m, lo

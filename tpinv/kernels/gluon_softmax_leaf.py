@@ -73,17 +73,17 @@ def exp_shifted(d, FLUSH_FREE: gl.constexpr):
 
 @gluon.jit
 def exp_never_flushes(lo, shift):
-    """Whether every ``exp(x - shift)`` of a leaf whose least element is ``lo`` is the hardware ex2
-    alone (:func:`exp_shifted`'s ``FLUSH_FREE``): ``(x - shift) * log2(e)`` rounds monotonically
-    in ``x``, so where the least element's product is -126 or more, every element's is (a NaN
-    ``lo`` or ``shift`` gives False)."""
+    """Whether every ``exp(x - shift)`` of a leaf no element of which is below ``lo`` is the
+    hardware ex2 alone (:func:`exp_shifted`'s ``FLUSH_FREE``): ``(x - shift) * log2(e)`` rounds
+    monotonically in ``x``, so where the product at ``lo`` is -126 or more, every element's is
+    (a NaN ``lo`` or ``shift`` gives False)."""
     return _least_product(lo, shift) >= -126.0
 
 
 @gluon.jit
 def _least_product(lo, shift):
-    """``(lo - shift) * log2(e)``: the ex2 argument of a leaf's least element ``lo``, no greater
-    than any other element's (each rounding is monotonic)."""
+    """``(lo - shift) * log2(e)``: the ex2 argument at a leaf's floor ``lo``, no greater than any
+    element's (each rounding is monotonic)."""
     return (lo - shift) * _LOG2E
 
 
@@ -106,7 +106,7 @@ def quotient_by_reciprocal(a, b, y):
 @gluon.jit
 def reciprocal_divides_exactly(lo, shift, total):
     """Whether :func:`quotient_by_reciprocal` gives ``div_rn(exp(x - shift), total)`` for every
-    ``x`` of a leaf whose least element is ``lo`` (``exp`` the hardware ex2 alone there, as
+    ``x`` of a leaf no element of which is below ``lo`` (``exp`` the hardware ex2 alone there, as
     :func:`exp_never_flushes`): ``total`` in ``[1, 2**24)``, of exponent ``t``, and the least
     product ``(lo - shift) * log2(e)`` at least ``t - 96``.  Then every ``exp`` is above
     ``2**(t - 97)`` and every quotient above ``2**-98``, so each remainder ``a - b * q`` is a
