@@ -80,7 +80,7 @@ def special_rows(x: torch.Tensor) -> torch.Tensor:
     x[3, 7] = 0.0
     x[3, w // 2 + 3] = -0.0
     x[4, w // 3] = float("-inf")
-    if x.shape[0] > 8:   # the max pass's order of bf16 keys: NaN of either sign, -0, subnormals
+    if x.shape[0] > 8:   # the max pass's bf16 orders: NaN of either sign, -0, subnormals
         negative_nan = -x.new_tensor(float("nan"))
         x[5, 11] = negative_nan
         x[6] = -x[6].abs() - 1.0     # a max of -0 alone
