@@ -30,7 +30,8 @@ from tpinv.kernels.gluon_softmax_leaf import (leaf_tile, tile_holds_elements, ti
 __all__ = ["leaf_extremes"]
 
 #: ``-0``'s bits as an int16: the least signed value, and an unsigned value no negative element
-#: is below -- what a lane past the leaf's end takes in both maxima (:func:`leaf_extremes`).
+#: is below -- where both maxima start, and what a lane past the leaf's end takes in them
+#: (:func:`leaf_extremes`).
 _NEGATIVE_ZERO = gl.constexpr(-32768)
 #: The greatest unsigned 16-bit value (a NaN's bits): the start of an unsigned minimum.
 _ALL_ONES = gl.constexpr(-1)
@@ -129,8 +130,8 @@ def leaf_extremes(a, b, c, x_leaf, tile_lanes, leaf_len, A: gl.constexpr, B: gl.
     the lane's greatest element of clear sign (a positive NaN above +inf) where it has one, and
     unsigned, whose result is its element of set sign of greatest magnitude (the least; a
     negative NaN above -inf) where it has one.  The leaf's max is then the greatest of the
-    former; a negative NaN makes it NaN; the floor is the least of the latter, ``+0`` for lanes
-    with no element of set sign.  Where no element of the leaf has a clear sign, a second pass
+    former; a negative NaN makes it NaN; the floor is the least of the latter, ``-0`` for lanes
+    with no element of set sign (no element there is below it).  Where no element of the leaf has a clear sign, a second pass
     takes its element of least magnitude (:func:`_least_magnitude`).  Other dtypes compare in
     their own type."""
     RAW: gl.constexpr = a.dtype == gl.bfloat16
@@ -157,10 +158,10 @@ def leaf_extremes(a, b, c, x_leaf, tile_lanes, leaf_len, A: gl.constexpr, B: gl.
                                                tile_is_partial(k, t, STEPS, LIVE, PARTIAL))
     if RAW:
         # a lane's max where it holds an element of clear sign (int16 >= 0), else -inf; its
-        # floor where it holds one of set sign (unsigned >= 0x8000), else +0; a negative NaN
-        # (its floor NaN) makes the lane's max NaN
+        # floor the unsigned maximum as it stands, which starts at -0's bits: -0 where the lane
+        # holds no element of set sign; a negative NaN (its floor NaN) makes the lane's max NaN
         run_f = gl.where(run >= 0, widened(run.to(gl.bfloat16, bitcast=True)), float("-inf"))
-        low_f = gl.where(neg < 0, widened(neg.to(gl.bfloat16, bitcast=True)), 0.0)
+        low_f = widened(neg.to(gl.bfloat16, bitcast=True))
         m, lo = _leaf_max_and_min(gl.where(low_f != low_f, float("nan"), run_f), low_f)
         if m == float("-inf"):   # no element of clear sign, no NaN
             m = _least_magnitude(a, b, c, x_leaf, tile_lanes, leaf_len, A, B, BLOCK, TILE, STEPS,
