@@ -124,6 +124,53 @@ def test_broadcast_bias_grad_is_width_independent():
     assert_bits_differ(dy.reshape(-1, 24).flip(0).cumsum(0)[-1], full, "reversed token order")
 
 
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_parameter_grads_are_the_same_bits_at_any_thread_count(kind, dtype):
+    from tpinv.kernels.reference_tree import halving_sum
+    from tpinv.megatron.norms import InvariantNorm
+    from tpinv.testing import num_threads, record_ops
+
+    torch.manual_seed(0)
+    stock = (torch.nn.LayerNorm(24) if kind == "LayerNorm" else torch.nn.RMSNorm(24, eps=1e-5)).to(dtype)
+    with torch.no_grad():
+        stock.weight.normal_()
+    x, dy = torch.randn(3000, 24).to(dtype), torch.randn(3000, 24).to(dtype)
+    grads = {}
+    for threads in (1, 2, 4):
+        norm = InvariantNorm.from_torch(stock)
+        with num_threads(threads), record_ops() as seen:
+            norm(x.clone().requires_grad_()).backward(dy)
+        assert "tpinv::tree_sum" in seen
+        grads[threads] = (norm.weight.grad, getattr(norm.bias, "grad", None))
+    for threads in (2, 4):
+        assert_same_bits(grads[threads][0], grads[1][0], f"{kind} {dtype} weight grad, {threads} threads")
+        if kind == "LayerNorm":
+            assert_same_bits(grads[threads][1], grads[1][1], f"{kind} {dtype} bias grad, {threads} threads")
+    # the order: the fp32 products of each token, summed over the tokens by contiguous halving
+    normed = (torch.nn.functional.layer_norm(x.float(), (24,), None, None, 1e-5) if kind == "LayerNorm"
+              else torch.nn.functional.rms_norm(x.float(), (24,), None, 1e-5))
+    want = halving_sum((dy.float() * normed).t()).to(dtype)
+    assert_same_bits(grads[1][0], want, f"{kind} {dtype} weight grad: the fixed token order")
+
+
+def test_affine_by_tokens_sums_tokens_in_the_fixed_order():
+    from tpinv.megatron.norms import AffineByTokens
+
+    # four tokens whose products are 1, 2**24, -2**24, 0: contiguous halving adds 1 - 2**24 and
+    # 2**24 first (both exact), then gives 1; a token-by-token chain loses the 1 beside 2**24 and
+    # gives 0 -- the control, different by construction
+    dy = torch.tensor([1.0, 2.0 ** 24, -(2.0 ** 24), 0.0])[:, None].expand(4, 3).contiguous()
+    weight, bias = torch.ones(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+    AffineByTokens.apply(torch.ones(4, 3), weight, bias, torch.float32).backward(dy)
+    assert_same_bits(weight.grad, torch.ones(3), "weight grad")
+    assert_same_bits(bias.grad, torch.ones(3), "bias grad")
+    chain = torch.zeros(3)
+    for row in dy:
+        chain = chain + row
+    assert_bits_differ(chain, weight.grad, "the token-by-token chain")
+
+
 def test_grad_norm_equals_the_trainers_norm():
     from tpinv.megatron.grad_norm import invariant_grad_norm
     from tpinv.training.optim import ParamLayout, global_grad_norm

@@ -9,10 +9,11 @@ Invariants kept, on top of :mod:`tpinv.layers.linear`'s:
   each rank holds ``[gate_r; up_r]``, slices of one TP-independent gate and up weight
   (megatron-core 0.16 passes ``stride=2`` itself; earlier versions draw the fused weight as
   one block, a different function at each TP size);
-* with ``skip_bias_add=True`` the column-parallel bias comes back broadcast to the output's
-  shape through :class:`BroadcastBias`, whose backward sums the tokens in the fixed
-  ``tree_sum(leaves=1)`` chain -- so megatron's own bias-add (bias-GeLU, bias-SwiGLU, plain
-  add) gives the same bias gradient at every sharded width.
+* with ``skip_bias_add=True`` a column- or row-parallel bias comes back broadcast to the
+  output's shape through :class:`BroadcastBias`, whose backward sums the tokens in the fixed
+  ``tree_sum(leaves=1)`` chain -- so megatron's own bias-add (bias-GeLU, bias-SwiGLU,
+  bias-dropout-add, plain add) gives the same bias gradient at every sharded width and thread
+  count.
 """
 from __future__ import annotations
 
@@ -97,6 +98,12 @@ class MegatronRowParallelLinear(RowParallelLinear):
                              tp_group=megatron_tp_group(tp_group), **kwargs)
         except InvarianceError as err:
             raise _leaf_hint(err, config) from None
+
+    def forward(self, input_):
+        y, bias = super().forward(input_)
+        if bias is not None:   # megatron adds it (bias-dropout-add): its gradient, the fixed token sum
+            bias = apply_function(BroadcastBias, bias, y.shape)
+        return y, bias
 
 
 def _sharded_state_dict(layer, prefix, axis_map, sharded_offsets, metadata):

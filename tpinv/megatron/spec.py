@@ -2,11 +2,12 @@
 
 Invariant kept: a megatron-core ``GPTModel`` (local spec) whose linears, embedding, output
 layer, loss and dropouts are tpinv's gives the same logits, loss and gradient bits at every TP
-size.  The rest of the local spec (norms, rotary and learned position embeddings, core
-attention) is elementwise, per-head or sums over tokens of full-width (unsharded) tensors,
-so it sees identical inputs and shapes at every TP size; the one token sum over a sharded
-width, the column-parallel bias gradient when megatron adds the bias itself
-(``skip_bias_add``), runs in a fixed order (:mod:`tpinv.megatron.layers`).  Dropout is
+size and thread count.  The norms are :mod:`tpinv.megatron.norms`' (their weight and bias
+gradients sum tokens in one fixed order; torch's split the tokens among threads); the rest of
+the local spec (rotary and learned position embeddings, core attention) is elementwise,
+per-head or a per-row sum in token order, so it sees identical inputs and shapes at every TP
+size; a bias megatron adds itself (``skip_bias_add``) has its gradient summed in a fixed order
+(:mod:`tpinv.megatron.layers`).  Dropout is
 :mod:`tpinv.megatron.dropout`'s.  megatron-core 0.12 through 0.16 are supported
 (:mod:`tpinv.megatron.version`).  Transformer-Engine, apex and Kitchen modules are not
 invariant: they are detected and refused with a message listing what is supported.
@@ -27,6 +28,7 @@ from tpinv.megatron.layers import (
     LEAVES_FIELD, MegatronColumnParallelLinear, MegatronRowParallelLinear, MegatronVocabParallelEmbedding,
     megatron_tp_group,
 )
+from tpinv.megatron.norms import NORM_TYPES, InvariantNorm
 from tpinv.megatron.version import megatron_version
 
 SUPPORTED = ("megatron.core.tensor_parallel.ColumnParallelLinear", "megatron.core.tensor_parallel.RowParallelLinear",
@@ -46,7 +48,8 @@ def _mcore():
 def _refuse_transformer_engine(module: torch.nn.Module, where: str) -> None:
     cls = type(module)
     origin = f"{cls.__module__}.{cls.__name__}"
-    if "transformer_engine" in origin or cls.__name__.startswith("TE") or "kitchen" in origin or "apex" in origin:
+    if ("transformer_engine" in origin or cls.__name__.startswith("TE") or "kitchen" in origin or "apex" in origin
+            or cls.__name__ == "FusedLayerNorm"):
         raise NotImplementedError(
             f"{where} is {origin}, a Transformer-Engine/apex/Kitchen module, which tpinv cannot make invariant. "
             f"Build the model with tpinv.megatron.get_gpt_layer_tpinv_spec() (or the local spec) instead; "
@@ -115,6 +118,10 @@ def _row_from(old, config, tp_group, where) -> MegatronRowParallelLinear:
         strategy="tree")
 
 
+def _norm_from(old, config, tp_group, where) -> InvariantNorm:
+    return InvariantNorm.from_torch(old)
+
+
 def _embedding_from(old, config, tp_group, where) -> MegatronVocabParallelEmbedding:
     return MegatronVocabParallelEmbedding(old.num_embeddings, old.embedding_dim, init_method=None, config=config,
                                           tp_group=tp_group)
@@ -143,8 +150,9 @@ def _tpinv_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor)
 def swap_to_tpinv(model: torch.nn.Module, *, tp_group: Optional[torch.distributed.ProcessGroup] = None,
                   config: Any = None, dropout_seed: Optional[int] = None) -> torch.nn.Module:
     """Replace, in place, every megatron-core tensor-parallel linear and embedding of ``model``
-    (a ``GPTModel`` built from the local spec, or any module tree of them) with tpinv's, keeping
-    the weights; route the model's language-model loss through tpinv's cross-entropy.
+    (a ``GPTModel`` built from the local spec, or any module tree of them) with tpinv's, and every
+    torch LayerNorm / RMSNorm with :class:`~tpinv.megatron.norms.InvariantNorm`, keeping the
+    weights; route the model's language-model loss through tpinv's cross-entropy.
 
     ``tp_group`` must be the group the model was built with (``None``: megatron's
     ``parallel_state`` TP group).  Every dropout becomes :mod:`tpinv.megatron.dropout`'s, keyed by
@@ -156,7 +164,8 @@ def swap_to_tpinv(model: torch.nn.Module, *, tp_group: Optional[torch.distribute
     if config is None:
         raise ValueError("swap_to_tpinv needs the model's TransformerConfig (model.config or config=)")
     makers = ((tensor_parallel.ColumnParallelLinear, _column_from), (tensor_parallel.RowParallelLinear, _row_from),
-              (tensor_parallel.VocabParallelEmbedding, _embedding_from))
+              (tensor_parallel.VocabParallelEmbedding, _embedding_from)) + \
+        tuple((cls, _norm_from) for cls in NORM_TYPES)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             where = f"{parent_name}.{child_name}".lstrip(".")
