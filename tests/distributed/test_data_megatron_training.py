@@ -7,7 +7,6 @@ summation order of the micro-batch gradients by construction), and at TP2xDP2 th
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import io
 import os
 
@@ -17,8 +16,8 @@ from tpinv.testing import run_ranks
 from tpinv.testing.runs import assert_runs_differ, assert_same_run, run_summary
 from tpinv.testing.corpus import tiny_corpus_jsonl, tiny_tokenizer_json
 from tpinv.training import TrainConfig
+from tpinv.testing.scripts import load_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = dict(model="qwen3-tiny", seq_len=8, global_batch=8, micro_batch=2, steps=3, lr=1e-2, warmup=1, eval_every=0,
             dtype="fp32")
 
@@ -43,9 +42,7 @@ def run_layouts(rank, world_size, configs):
 
 
 def _preprocess(tmp_path):
-    spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("tools/preprocess_data.py")
     tok = tiny_tokenizer_json(str(tmp_path))
     prefixes = []
     for name, upper in (("a", False), ("b", True)):

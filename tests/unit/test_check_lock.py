@@ -1,15 +1,11 @@
 """tools/check_lock.py: the installed set must equal the lock, name and version."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "check_lock", Path(__file__).resolve().parents[2] / "tools" / "check_lock.py")
-check_lock = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check_lock)
+from tpinv.testing.scripts import load_script
+
+check_lock = load_script("tools/check_lock.py")
 
 
 def test_same_set_passes_and_names_are_normalized():

@@ -4,7 +4,6 @@ mixture, the order a function of (seed, sample index), --data-path / list settin
 Each corpus and tokenizer is made in tmp_path (tpinv.testing.corpus: the ``tokenizers`` library)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -14,17 +13,14 @@ import torch
 
 from tpinv.testing import assert_bits_differ, assert_same_bits
 from tpinv.testing.corpus import tiny_corpus_jsonl, tiny_tokenizer_json
+from tpinv.testing.scripts import load_script
 
 pytest.importorskip("megatron.core")
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(REPO, "tools", "preprocess_data.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/preprocess_data.py")
 
 
 def _preprocess(tmp_path, name, *extra, docs=40, upper=False):

@@ -4,7 +4,6 @@ tokenizer files are recognised by content (``tokenizer.model.v1``) and ``tekken.
 refused saying what it is."""
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -13,15 +12,12 @@ import pytest
 
 from tpinv.io.tokenizer import SentencePieceTokenizer, load_tokenizer
 from tpinv.testing import num_threads
+from tpinv.testing.scripts import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _generate():
-    spec = importlib.util.spec_from_file_location("generate", os.path.join(ROOT, "launch", "generate.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("launch/generate.py")
 
 
 @pytest.fixture(autouse=True, scope="module")

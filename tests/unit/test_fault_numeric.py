@@ -3,7 +3,6 @@ step whose loss or gradient norm is not finite stops the run naming the step, be
 update, so nothing non-finite is saved or made ``latest``."""
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 
@@ -14,6 +13,7 @@ from tpinv.testing import assert_same_bits
 
 from tpinv.training import NonFiniteError, TrainConfig, Trainer
 from tpinv.training.ckpt_files import LATEST_FILE
+from tpinv.testing.scripts import load_script
 
 TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=4, micro_batch=4, steps=3, lr=1e-2, warmup=1,
             eval_every=0)
@@ -33,11 +33,7 @@ def test_bad_optimizer_numbers_are_refused(field, value, words):
 
 
 def test_cli_refuses_nan_lr_before_building_anything(capsys):
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "launch", "pretrain.py")
-    spec = importlib.util.spec_from_file_location("pretrain", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("launch/pretrain.py")
     assert module.main(["--lr", "nan", "--steps", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: bad optimizer setting: lr=nan (must be finite and > 0)"]
@@ -62,11 +58,7 @@ def test_non_finite_loss_stops_the_step_and_saves_nothing(tmp_path):
 
 
 def test_cli_run_flags_reach_the_config(capsys):
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "launch", "pretrain.py")
-    spec = importlib.util.spec_from_file_location("pretrain", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("launch/pretrain.py")
     cfg, _ = module.parse_args(["--dist-timeout", "5", "--overwrite"])
     assert cfg.dist_timeout == 5.0 and cfg.overwrite
     assert module.main(["--dist-timeout", "0"]) == 1

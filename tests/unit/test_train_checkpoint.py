@@ -19,6 +19,7 @@ import pytest
 from tpinv.testing import assert_bits_differ, assert_same_bits, num_threads
 from tpinv.training import TrainConfig, Trainer
 from tpinv.training.export import read_full_tensors
+from tpinv.testing.scripts import load_script
 from tpinv.training.ckpt_files import STATE_FILE, prune_steps, step_dir_name
 
 TINY = dict(model="qwen3-tiny", digits=1, seq_len=6, global_batch=8, micro_batch=4, eval_every=0, warmup=1, lr=1e-2)
@@ -82,11 +83,7 @@ def test_async_save_writes_what_a_blocking_save_writes(tmp_path):
 
 
 def test_export_tool_writes_the_trained_weights(tmp_path, capsys):
-    import importlib.util
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("export_checkpoint", os.path.join(root, "tools", "export_checkpoint.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("tools/export_checkpoint.py")
     trained = Trainer(TrainConfig(**dict(TINY, steps=2, save=str(tmp_path / "ck"))), stream=io.StringIO())
     trained.run()
     out = tmp_path / "model"
