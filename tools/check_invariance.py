@@ -16,7 +16,8 @@ Both metrics are :mod:`tpinv.engine.metrics`'s (the definitions the mismatch rep
 ``--paths invariant,vanilla`` (default) runs tpinv and the plain torch/BLAS/all_reduce control
 on the same weights; ``--vanilla`` runs the control alone.  Spawns its own gloo ranks (world =
 the largest TP size) unless started by torchrun.  Exits 1 if the invariant path is not
-bitwise reproducible.
+bitwise reproducible, 2 on bad arguments (a model source that does not exist or does not split
+at a TP size: refused before any rank starts).
 """
 from __future__ import annotations
 
@@ -39,19 +40,29 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--paths", default="invariant,vanilla")
+    p.add_argument("--paths", default="invariant,vanilla",
+                   help="which paths run, comma separated: invariant (tpinv), vanilla (the plain-torch control)")
     p.add_argument("--vanilla", action="store_true", help="run only the vanilla control")
     p.add_argument("--quick", action="store_true", help="4 prompts, 6 new tokens (a smoke run)")
-    p.add_argument("--json", default="runs/check_invariance.json")
+    p.add_argument("--json", default="runs/check_invariance.json",
+                   help="where the summary is written (default: %(default)s, under the current directory)")
     a = p.parse_args(argv)
-    a.tp = [int(x) for x in a.tp.split(",")]
-    a.batch = [int(x) for x in a.batch.split(",")]
+    try:
+        a.tp = [int(x) for x in a.tp.split(",")]
+        a.batch = [int(x) for x in a.batch.split(",")]
+    except ValueError:
+        p.error(f"--tp {a.tp!r} and --batch {a.batch!r}: expected whole numbers, comma separated")
     a.paths = ["vanilla"] if a.vanilla else a.paths.split(",")
     if a.quick:
         a.prompts, a.new_tokens = 4, 6
     bad = [x for x in a.paths if x not in ("invariant", "vanilla")]
     if bad or min(a.batch) < 1 or a.prompts < 1 or a.new_tokens < 1:
         p.error(f"bad --paths {bad}" if bad else "--batch, --prompts and --new-tokens must be positive")
+    from tpinv.io.loading import check_source
+    try:   # before any rank starts: the model source, and every TP size against its sizes
+        check_source(a.model, a.tp)
+    except (ValueError, OSError) as e:
+        p.error(f"--model {a.model} at --tp {','.join(map(str, a.tp))}: {' '.join(str(e).split())}")
     return a
 
 

@@ -10,7 +10,8 @@ whose bytes took more than one value, how many distinct values it took.  Exits 1
 
     python tools/check_repeat.py --model qwen3-0.6b --layers 2 --kv-heads 16 --batch 3 --seq 77
 
-Defaults are a CPU smoke run (``qwen3-tiny``).  On CUDA the shapes worth trying are the ones that
+Defaults are a CPU smoke run (``qwen3-tiny``, seconds); the command above is a GPU one (on a
+CPU a step of that shape takes minutes).  On CUDA the shapes worth trying are the ones that
 leave ragged tiles: one query head per kv head (``--kv-heads`` = the heads), sequence lengths
 that are not a multiple of 64, several batch rows.  ``--json`` writes the counts.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -29,12 +31,14 @@ from tpinv.testing.bits import bits
 
 
 def repeated_step_digests(model, tokens: torch.Tensor, targets: torch.Tensor,
-                          steps: int) -> dict[str, set[str]]:
-    """``{tensor name: distinct digests}`` over ``steps`` identical training steps."""
+                          steps: int, progress=None) -> dict[str, set[str]]:
+    """``{tensor name: distinct digests}`` over ``steps`` identical training steps; ``progress``
+    (a text stream) gets a line after each step."""
     if steps < 2:
         raise ValueError(f"steps must be at least 2 to compare anything, got {steps}")
     seen: dict[str, set[str]] = defaultdict(set)
-    for _ in range(steps):
+    start = time.perf_counter()
+    for step in range(steps):
         model.zero_grad(set_to_none=True)
         loss = model.loss(tokens, targets)
         loss.sum().backward()
@@ -42,6 +46,8 @@ def repeated_step_digests(model, tokens: torch.Tensor, targets: torch.Tensor,
         for name, p in model.named_parameters():
             if p.grad is not None:
                 seen[f"grad {name}"].add(bits(p.grad))
+        if progress is not None:
+            print(f"  step {step + 1}/{steps} done ({time.perf_counter() - start:.1f} s)", file=progress, flush=True)
     return dict(seen)
 
 
@@ -53,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=33)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default=None, help="cuda if available, else cpu")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -74,7 +80,9 @@ def main(argv=None) -> int:
     shape = (opts.batch, opts.seq)
     tokens = torch.randint(0, model.args.vocab_size, shape, generator=gen).to(device)
     targets = torch.randint(0, model.args.vocab_size, shape, generator=gen).to(device)
-    seen = repeated_step_digests(model, tokens, targets, opts.steps)
+    print(f"check_repeat: {opts.model} on {device}, {opts.steps} steps of {opts.batch} x {opts.seq} tokens",
+          file=sys.stderr, flush=True)
+    seen = repeated_step_digests(model, tokens, targets, opts.steps, progress=sys.stderr)
     varying = {name: len(d) for name, d in seen.items() if len(d) > 1}
     print(f"{opts.model} on {device} ({model.args.num_heads} heads, {model.args.num_kv_heads} kv heads, "
           f"{model.args.num_layers} layers), {opts.batch} x {opts.seq} tokens, {opts.steps} steps: "

@@ -49,9 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: What each kind of model source is (:func:`tpinv.io.loading.source_kind`), for errors.
+_KINDS = {"hf": "a HF model directory", "tpinv": "a tpinv checkpoint directory", "config": "a named config"}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from tpinv.io.hf_convert import convert_hf_to_tpinv, convert_tpinv_to_hf
+    from tpinv.io.loading import source_kind
+    source, want = (args.hf_dir, "hf") if args.command == "to-tpinv" else (args.tpinv_dir, "tpinv")
+    kind = source_kind(source)   # a missing directory, a training checkpoint: refused here, naming what it is
+    if kind != want:
+        raise ValueError(f"{source} is {_KINDS[kind]}; {args.command} reads {_KINDS[want]}")
     progress = not args.no_progress and sys.stderr.isatty()
     if args.command == "to-tpinv":
         out = convert_hf_to_tpinv(args.hf_dir, args.out_dir, tp=args.tp, dtype=cli_dtype(args.dtype),

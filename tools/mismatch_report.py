@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=ints, default=[1, 3, 8], help="engine batch sizes (cache slots), e.g. 1,3,8")
     p.add_argument("--trainer-tp", type=ints, default=[1], help="trainer TP sizes")
     p.add_argument("--vanilla", action="store_true", help="also run the vanilla control")
-    p.add_argument("--prompts", help="jsonl of requests (as launch/generate.py reads); default: random prompts")
+    p.add_argument("--prompts", help="jsonl of requests (as launch/generate.py reads; each is run with "
+                   "top_logprobs=5 and ignore_eos, for the metrics); default: random prompts")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=ints, default=[4, 24], help="min,max length of random prompts")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -56,30 +57,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_requests(args, vocab_size: int):
+def make_requests(args, model_args):
+    """The report's requests (each with ``top_logprobs=5`` and ``ignore_eos``, for the metrics):
+    ``--prompts``' lines, every one checked against the model before any rank starts (a bad line
+    is refused naming its line of the file), or random prompts."""
+    import dataclasses
+
     from tpinv.engine import Request, SamplingParams
-    from tpinv.engine.scheduler import request_from_json
+    from tpinv.engine.scheduler import read_requests_jsonl, validate_request
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_k": args.top_k,
                 "top_p": args.top_p, "seed": args.seed}
     if args.prompts:
-        with open(args.prompts, encoding="utf-8") as f:
-            lines = [json.loads(line) for line in f if line.strip()]
-        reqs = [request_from_json(d, i, defaults) for i, d in enumerate(lines)]
-    else:
-        gen = torch.Generator().manual_seed(args.seed)
-        lo, hi = args.prompt_len
-        reqs = [Request(i, torch.randint(0, vocab_size, (int(torch.randint(lo, hi + 1, (1,), generator=gen)),),
-                                         generator=gen).tolist(), max_tokens=args.max_tokens,
-                        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
-                for i in range(args.num_prompts)]
-    import dataclasses
-    return [dataclasses.replace(r, top_logprobs=5, ignore_eos=True) for r in reqs]
-
-
-def vocab_size(source: str) -> int:
-    """The vocabulary size of a model source, read from its config (no weights loaded)."""
-    from tpinv.io.loading import source_model_args
-    return source_model_args(source)[0].vocab_size
+        reqs = []
+        for line in read_requests_jsonl(args.prompts, defaults):
+            try:
+                if line.request is None:
+                    raise ValueError(line.error)
+                reqs.append(dataclasses.replace(line.request, top_logprobs=5, ignore_eos=True))
+                validate_request(reqs[-1], vocab_size=model_args.vocab_size,
+                                 max_context=model_args.max_position_embeddings)   # no tokenizer: token ids
+            except (ValueError, TypeError) as e:
+                where = "" if str(e).startswith(f"line {line.number}:") else f"line {line.number}: "
+                raise ValueError(f"--prompts {args.prompts}: {where}{e}") from None
+        return reqs
+    gen = torch.Generator().manual_seed(args.seed)
+    lo, hi = args.prompt_len
+    return [Request(i, torch.randint(0, model_args.vocab_size, (int(torch.randint(lo, hi + 1, (1,), generator=gen)),),
+                                     generator=gen).tolist(), max_tokens=args.max_tokens, top_logprobs=5,
+                    ignore_eos=True, sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
+            for i in range(args.num_prompts)]
 
 
 def build_model(spec: dict, group):
@@ -205,13 +211,18 @@ def save_histogram(diffs: dict, path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from tpinv.io.loading import check_source
+    try:   # before any rank starts: the model at every TP size, every request line
+        requests = make_requests(args, check_source(args.model, sorted(set(args.tp + args.trainer_tp))))
+    except (ValueError, OSError) as e:
+        parser.error(" ".join(str(e).split()))
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         import torch.distributed as dist
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     spec = {"model": args.model, "dtype": cli_dtype(args.dtype), "init_seed": args.init_seed,
             "weight_scale": args.weight_scale, "seed": args.seed}
-    requests = make_requests(args, vocab_size(args.model))
     modes = [False, True] if args.vanilla else [False]
     gens = run_at_sizes("engine_rollouts", args.tp, spec, args.batch, modes, requests)
     rank0 = not (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0)

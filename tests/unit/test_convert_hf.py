@@ -1,7 +1,6 @@
 """HF <-> tpinv conversion: bitwise round trips, resharding, key maps, bad input, streaming, megatron names."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -21,8 +20,8 @@ from tpinv.io.hf_keys import (args_from_dict, args_to_dict, hf_config_from_args,
                                   to_hf_name)
 from tpinv.io.safetensors_stream import SafetensorsReader
 from tpinv.testing import assert_bits_differ, assert_same_bits, run_ranks, same_bits
+from tpinv.testing.scripts import REPO_ROOT, load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2)
 FAMILIES = {
     # Qwen3: q/k norm, tied embeddings (no lm_head in the files), fp32
@@ -294,17 +293,15 @@ def test_conversion_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
 # ---- CLI ------------------------------------------------------------------------------------------
 
 def test_cli(hf_dirs, tmp_path):
-    spec = importlib.util.spec_from_file_location("convert_hf_cli", os.path.join(ROOT, "tools", "convert_hf.py"))
-    convert_hf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert_hf)
+    convert_hf = load_script("tools/convert_hf.py")
     src = hf_dirs[0]["mistral", True]
     assert convert_hf.main(["to-tpinv", src, str(tmp_path / "ck"), "--tp", "2", "--dtype", "bf16"]) == 0
     assert convert_hf.main(["to-hf", str(tmp_path / "ck"), str(tmp_path / "hf"), "--max-shard-size", "20KB"]) == 0
     got, want = _hf_tensors(str(tmp_path / "hf")), _hf_tensors(src)
     assert all(got[k].dtype == torch.bfloat16 and same_bits(got[k], want[k].to(torch.bfloat16)) for k in want)
     assert convert_hf.parse_size("4GiB") == 4 * 2**30 and convert_hf.parse_size("20KB") == 20_000
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf.py"), "to-tpinv",
+    bad = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "convert_hf.py"), "to-tpinv",
                           str(tmp_path), str(tmp_path / "x"), "--tp", "2"], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])), timeout=120)
-    assert bad.returncode == 2 and "error:" in bad.stderr and "config.json not found" in bad.stderr
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])), timeout=120)
+    assert bad.returncode == 2 and "error:" in bad.stderr and "holds neither tpinv.json" in bad.stderr
     assert not os.path.exists(tmp_path / "x")

@@ -7,7 +7,6 @@ and all tokens bitwise equal; the vanilla rows (negative control) do not.
 """
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -17,15 +16,8 @@ import torch
 
 from tpinv.engine import Engine, Request, SamplingParams
 from tpinv.testing import assert_same_bits, num_threads
+from tpinv.testing.scripts import load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def load_script(rel: str):
-    spec = importlib.util.spec_from_file_location(os.path.basename(rel)[:-3], os.path.join(ROOT, rel))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -70,7 +62,8 @@ def test_mismatch_report_pieces(tmp_path):
                                            "--batch", "1,3", "--num-prompts", "3", "--max-tokens", "5",
                                            "--prompt-len", "3,9", "--vanilla"])
     spec = {"model": args.model, "dtype": tool.cli_dtype(args.dtype), "init_seed": 0, "weight_scale": 5.0, "seed": 42}
-    requests = tool.make_requests(args, tool.vocab_size(args.model))
+    from tpinv.io.loading import check_source
+    requests = tool.make_requests(args, check_source(args.model))
     modes = [False, True]
     gens = {1: tool.engine_rollouts(None, spec, args.batch, modes, requests)}
     rollouts = {(v, 1, b): (v, [(o[0], o[1]) for o in gens[1][v, b]]) for v in modes for b in args.batch}

@@ -223,6 +223,56 @@ def test_resumed_tensorboard_run_replaces_the_steps_after_its_checkpoint(tmp_pat
     assert written == [1, 2, 3, 2, 3] and len(first["history"]) == 3
 
 
+def test_resumed_run_rewrites_the_metrics_file_after_its_checkpoint(tmp_path):
+    from tpinv.training.metrics import read_metrics
+    log, ck = str(tmp_path / "log"), str(tmp_path / "ck")
+    Trainer(TrainConfig(**dict(TINY, log_dir=log, save=ck, save_every=1)), stream=io.StringIO()).run()
+    first = read_metrics(log)
+    assert [r["step"] for r in first if r["event"] == "step"] == [1, 2, 3]
+    with open(os.path.join(log, "metrics.jsonl"), "a", encoding="utf-8") as f:
+        f.write('{"event": "step", "step": 4, "lo')          # a killed run's torn last line
+    Trainer(TrainConfig(**dict(TINY, log_dir=log, save=ck, load=os.path.join(ck, "step_00000001"))),
+            stream=io.StringIO()).run()
+    records = read_metrics(log)
+    steps = [r for r in records if r["event"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3]                 # one record a step
+    assert steps[0] == [r for r in first if r["event"] == "step"][0]   # the first session's step 1 kept
+    assert [r["event"] for r in records].count("start") == 2       # both sessions' starts
+    # the control: the same resume without the checkpoint's step to cut at appends (start_step 0
+    # means a fresh run, which writes the file anew)
+    from tpinv.training.metrics import drop_records_after
+    drop_records_after(os.path.join(log, "metrics.jsonl"), 3)
+    assert read_metrics(log) == records
+
+
+def test_a_resume_with_other_settings_warns_naming_each(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    Trainer(TrainConfig(**dict(TINY, save=ck, save_every=1)), stream=io.StringIO()).run()
+    step = os.path.join(ck, "step_00000001")
+    same = Trainer(TrainConfig(**dict(TINY, save=ck, load=step)), stream=io.StringIO())
+    assert same.resume_changes == []                                  # the control: nothing changed
+    other = Trainer(TrainConfig(**dict(TINY, save=ck, load=step, seed=7, vanilla=True, lr=1e-3)),
+                    stream=io.StringIO())
+    assert other.resume_changes == [f"seed (checkpoint {TrainConfig().seed!r}, this run 7)",
+                                    f"lr (checkpoint {TINY['lr']!r}, this run 0.001)",
+                                    "vanilla (checkpoint False, this run True)"]
+    capsys.readouterr()
+    other.run()
+    err = capsys.readouterr().err
+    assert "WARNING tpinv.training: resuming" in err and "with other settings than it was saved with: seed" in err
+
+
+def test_an_unwritable_log_dir_is_refused_before_training(tmp_path):
+    (tmp_path / "afile").write_text("")
+    cfg = TrainConfig(**dict(TINY, log_dir=str(tmp_path / "afile" / "logs")))
+    with pytest.raises(sinks_mod.SinkError, match=r"--log-dir .*afile/logs is not writable"):
+        sinks_mod.open_sinks(cfg, rank=0, distributed=False, run_id="r", config={})
+    assert sinks_mod.open_sinks(cfg, rank=1, distributed=False, run_id="r", config={}) == []  # rank 0 checks
+    cfg = TrainConfig(**dict(TINY, log_dir=str(tmp_path / "logs")))   # the control: a directory it can make
+    assert sinks_mod.open_sinks(cfg, rank=0, distributed=False, run_id="r", config={}) == []
+    assert (tmp_path / "logs").is_dir() and not os.listdir(tmp_path / "logs")
+
+
 def test_flags_reach_the_settings_and_a_missing_package_is_one_error_line(monkeypatch, capsys):
     import importlib.util
     import sys

@@ -35,6 +35,7 @@ def test_yaml_then_flags(tmp_path):
     ("global_batch: four\n", "global_batch='four' is a str, expected int"),
     ("dtype: fp8\n", "dtype='fp8'; choose from bf16, fp32, fp16"),
     ("- 1\n", "expected a mapping"),
+    ("steps: [3\n", "is not valid YAML: while parsing a flow sequence"),
 ])
 def test_bad_yaml_is_refused_with_the_key(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
@@ -46,3 +47,18 @@ def test_bad_yaml_is_refused_with_the_key(tmp_path, text, message):
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         parse_configs(["--config", str(tmp_path / "nope.yaml")])
+
+
+@pytest.mark.parametrize("dp", [3, 5, 6])
+def test_a_data_parallel_size_that_is_not_a_power_of_two_is_refused(dp):
+    from tpinv.core.contract import InvarianceError
+    with pytest.raises(InvarianceError, match=f"{dp} data-parallel ranks: .* needs a power of two"):
+        TrainConfig(global_batch=8 * dp, micro_batch=1).check(dp)
+    TrainConfig(global_batch=8 * dp, micro_batch=1, vanilla=True).check(dp)   # the control: no tree to keep
+    TrainConfig(global_batch=32, micro_batch=1).check(4)
+
+
+def test_sequence_parallel_with_column_only_rows_names_the_flags():
+    with pytest.raises(NotImplementedError, match="--sequence-parallel needs --row-strategy tree"):
+        TrainConfig(sequence_parallel=True, row_strategy="column_only").check(1)
+    TrainConfig(sequence_parallel=True).check(1)   # the control: the tree strategy

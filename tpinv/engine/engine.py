@@ -41,7 +41,7 @@ class Engine:
     ``max_batch`` cache slots of ``max_context`` positions (default the model's
     ``max_position_embeddings``); ``token_budget`` caps the tokens of one step (decode tokens
     plus admitted prompts); ``slot_order`` is the order free slots are handed out in;
-    ``eos_token_id`` defaults to the tokenizer's.  ``cuda_graph`` replays the decode step
+    ``eos_token_id`` defaults to the tokenizer's (a negative one: no EOS).  ``cuda_graph`` replays the decode step
     (one token for every slot) from a CUDA graph captured at the first decode: the same bits
     as the eager step, without its per-kernel host work (:meth:`close` frees it).  ``compile`` runs
 the decode step through :func:`tpinv.compile` (torch.compile, full graph, compiled at the first
@@ -58,6 +58,10 @@ decode): the same bits as the eager step (``docs/compile.md``); prefill stays ea
         self.max_context = int(max_context or model.args.max_position_embeddings)
         if self.max_context < 2:
             raise ValueError(f"max_context={max_context!r}: expected at least 2 positions")
+        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)
+                                         or eos_token_id >= model.args.vocab_size):
+            raise ValueError(f"eos_token_id={eos_token_id!r}: expected a token id below vocab_size="
+                             f"{model.args.vocab_size} (or a negative one: no EOS)")
         self.eos_token_id = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_id", None)
         self.scheduler = Scheduler(max_batch, token_budget=token_budget, slot_order=slot_order)
         self.device = next(model.parameters()).device

@@ -17,14 +17,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
 from tpinv.engine.sampling import RequestId, SamplingParams, request_key
 
-__all__ = ["FINISH_REASONS", "Request", "Result", "Scheduler", "SequenceState", "request_from_json",
-           "validate_request"]
+__all__ = ["FINISH_REASONS", "Request", "Result", "Scheduler", "RequestLine", "SequenceState", "read_requests_jsonl",
+           "request_from_json", "validate_request"]
 
 #: ``eos`` (the EOS token), ``stop`` (a stop string or stop token id), ``length`` (max_tokens or
 #: the context is full), ``error`` (the request was rejected; see ``Result.error``).
@@ -92,20 +92,23 @@ JSON_FIELDS = ("id", "prompt", "prompt_ids", "max_tokens", "temperature", "top_k
                "stop_token_ids", "ignore_eos", "top_logprobs")
 
 
-def request_from_json(line: dict, index: int, defaults: Optional[dict] = None) -> Request:
-    """A :class:`Request` from one JSON object; ``defaults`` fill the fields it leaves out.
+def request_from_json(line: dict, index: int, defaults: Optional[dict] = None, where: Optional[str] = None) -> Request:
+    """A :class:`Request` from one JSON object; ``defaults`` fill the fields it leaves out, and
+    ``index`` is its ``id`` where it gives none.
 
-    Raises ValueError naming an unknown field; the values themselves are checked when the
-    request is submitted (so a bad value becomes that request's error result).
+    Raises ValueError naming ``where`` (default ``line {index}``) and an unknown field or a field
+    of the wrong type; the values themselves are checked when the request is submitted (so a bad
+    value becomes that request's error result).
     """
+    where = where or f"line {index}"
     if not isinstance(line, dict):
-        raise ValueError(f"line {index}: expected a JSON object with fields {JSON_FIELDS}, got {type(line).__name__}")
+        raise ValueError(f"{where}: expected a JSON object with fields {JSON_FIELDS}, got {type(line).__name__}")
     unknown = sorted(set(line) - set(JSON_FIELDS))
     if unknown:
-        raise ValueError(f"line {index}: unknown field(s) {unknown}; expected some of {JSON_FIELDS}")
+        raise ValueError(f"{where}: unknown field(s) {unknown}; expected some of {JSON_FIELDS}")
     if ("prompt" in line) == ("prompt_ids" in line):
-        raise ValueError(f"line {index}: expected exactly one of 'prompt' (text) and 'prompt_ids' (token ids)")
-    _check_json_types(line, index)
+        raise ValueError(f"{where}: expected exactly one of 'prompt' (text) and 'prompt_ids' (token ids)")
+    _check_json_types(line, where)
     d = {**(defaults or {}), **line}
     if isinstance(d.get("stop"), str):
         d["stop"] = [d["stop"]]  # one stop string, as in the OpenAI API (not its characters)
@@ -114,6 +117,36 @@ def request_from_json(line: dict, index: int, defaults: Optional[dict] = None) -
                    max_tokens=d.get("max_tokens", 16), sampling=sampling, stop=tuple(d.get("stop", ())),
                    stop_token_ids=tuple(d.get("stop_token_ids", ())), ignore_eos=bool(d.get("ignore_eos", False)),
                    top_logprobs=d.get("top_logprobs", 0))
+
+
+class RequestLine(NamedTuple):
+    """One non-blank line of a request file: its line number (from 1), and its request or the
+    message saying why it is not one."""
+
+    number: int
+    request: Optional[Request]
+    error: Optional[str]
+
+
+def read_requests_jsonl(path: str, defaults: Optional[dict] = None) -> list[RequestLine]:
+    """The non-blank lines of a file of one JSON request a line, in order; a line that is not a
+    request has its message (naming its line of the file) instead.  Request ``i`` (counted from 0
+    over the non-blank lines) without an ``id`` has the id ``i``: a bad line keeps its place,
+    and the lines after it their ids."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); expected one JSON object "
+                         f"per line") from None
+    out = []
+    for i, (number, line) in enumerate(lines):
+        where = f"line {number}"
+        try:
+            out.append(RequestLine(number, request_from_json(json.loads(line.strip()), i, defaults, where), None))
+        except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+            out.append(RequestLine(number, None, f"{where}: {e}" if isinstance(e, json.JSONDecodeError) else str(e)))
+    return out
 
 
 def _is_int(v) -> bool:
@@ -142,11 +175,11 @@ _JSON_TYPES = {
 }
 
 
-def _check_json_types(line: dict, index: int) -> None:
+def _check_json_types(line: dict, where: str) -> None:
     for key, value in line.items():
         ok, what = _JSON_TYPES[key]
         if not ok(value):
-            raise ValueError(f"line {index}: field {key!r} is {json.dumps(value)}; expected {what}")
+            raise ValueError(f"{where}: field {key!r} is {json.dumps(value)}; expected {what}")
 
 
 def error_result(request_id: Any, message: str) -> Result:
@@ -161,7 +194,8 @@ def validate_request(request: Request, *, vocab_size: int, max_context: int, tok
     request_key(request.request_id)  # int or str
     if isinstance(request.prompt, str):
         if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+            raise ValueError("a text prompt needs a tokenizer: pass token ids ('prompt_ids'), or give the engine a "
+                             "tokenizer (a named config has none; launch/generate.py takes --tokenizer)")
         ids = tokenizer.encode(request.prompt)
     else:
         ids = list(request.prompt)

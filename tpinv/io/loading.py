@@ -15,17 +15,23 @@ from tpinv.distributed.groups import group_size_rank
 from tpinv.io.checkpoint import (META_FILE, load_shard, param_meta_from_module, param_replicas_from_module, read_info,
                                  shard_index)
 from tpinv.core.contract import DEFAULT_LEAVES
+from tpinv.models.args import check_model_sizes
 from tpinv.models.configs import CONFIGS, get_config
 from tpinv.io.hf_keys import args_from_dict
+from tpinv.io.run_dir import is_training_checkpoint
 from tpinv.models.transformer import Transformer
 from tpinv.io.tokenizer import load_tokenizer
 
-__all__ = ["load_model", "source_kind", "source_model_args"]
+__all__ = ["check_source", "load_model", "source_kind", "source_model_args"]
 
 
 def source_kind(source: str) -> str:
     """``"config"`` (a named config), ``"tpinv"`` (a checkpoint directory) or ``"hf"`` (a HF directory)."""
     if os.path.isdir(source):
+        if is_training_checkpoint(source):
+            raise ValueError(f"{source} is a training checkpoint (sharded), not a model directory: export its weights "
+                             f"with tools/export_checkpoint.py {source} OUT_DIR and use OUT_DIR (or resume the run "
+                             f"with launch/pretrain.py --load {source})")
         if os.path.isfile(os.path.join(source, META_FILE)):
             return "tpinv"
         if os.path.isfile(os.path.join(source, "config.json")):
@@ -34,6 +40,11 @@ def source_kind(source: str) -> str:
     try:
         get_config(source)
     except KeyError:
+        if os.path.exists(source):
+            raise ValueError(f"model source {source} is a file; expected a named config, a tpinv checkpoint "
+                             f"directory or a HF model directory") from None
+        if os.sep in source or source.startswith("."):
+            raise FileNotFoundError(f"model source {source}: no such directory") from None
         raise ValueError(f"model source {source!r} is neither a directory nor a named config; named configs: "
                          f"{', '.join(sorted(CONFIGS))}") from None
     return "config"
@@ -53,6 +64,18 @@ def source_model_args(source: str, dtype: Optional[torch.dtype] = None):
         from tpinv.io.hf_convert import read_hf_config
         args = read_hf_config(source)[1]
     return (args.replace(dtype=dtype) if dtype is not None else args), kind
+
+
+def check_source(source: str, tp_sizes=(1,), leaves: Optional[int] = None):
+    """``source``'s ModelArgs once it is known to load at every TP size of ``tp_sizes``: what
+    :func:`load_model` would refuse (no such source, a training checkpoint, a size that a TP size
+    or the leaves do not divide), refused before any rank or weight, as ValueError/OSError.
+    ``leaves`` defaults as in :func:`load_model`."""
+    args, kind = source_model_args(source)
+    leaves = leaves or (read_info(source).leaves if kind == "tpinv" else DEFAULT_LEAVES)
+    for tp in tp_sizes:
+        check_model_sizes(args, tp, leaves)
+    return args
 
 
 def _tokenizer_in(directory: str):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,9 +29,14 @@ import tempfile
 import uuid
 from typing import Optional
 
-__all__ = ["RunDirError", "RunLock", "claim_run_dir", "clean_stale_temps", "new_run_id", "LOCK_FILE"]
+__all__ = ["RunDirError", "RunLock", "claim_run_dir", "clean_stale_temps", "is_training_checkpoint", "new_run_id",
+           "LATEST_FILE", "LOCK_FILE", "STATE_FILE"]
+
+_log = logging.getLogger("tpinv.io.run_dir")
 
 LOCK_FILE = ".lock"
+#: A training checkpoint's step directory holds ``STATE_FILE``; its root names the newest step in ``LATEST_FILE``.
+STATE_FILE, LATEST_FILE = "train_state.json", "latest"
 _STEP = re.compile(r"^step_\d+$")
 _TEMP = re.compile(r"^(step_\d+\.(tmp|old)-.+|latest\.tmp-.+|\.overwritten-.+|\.lock\.stale-.+)$")
 
@@ -83,6 +89,10 @@ class RunLock:
                     continue  # released meanwhile: try again
                 if self._stale(owner):
                     self._break(owner)
+                    if owner.get("pid") != os.getpid():
+                        _log.warning("%s: took over the lock of run %s (pid %s, since %s), which is no longer "
+                                     "running", self.root, owner.get("run_id", "?"), owner.get("pid", "?"),
+                                     owner.get("since", "?"))
                     continue
                 raise RunDirError(
                     f"{self.root} is being written by another run (pid {owner.get('pid', '?')} on host "
@@ -154,10 +164,16 @@ def clean_stale_temps(root: str) -> list[str]:
     return removed
 
 
+def is_training_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a training checkpoint: a step directory (``STATE_FILE``) or a run's root
+    (``LATEST_FILE``).  It is not a model directory: ``tools/export_checkpoint.py`` makes one of it."""
+    return os.path.isfile(os.path.join(path, STATE_FILE)) or os.path.isfile(os.path.join(path, LATEST_FILE))
+
+
 def existing_checkpoints(root: str) -> list[str]:
     if not os.path.isdir(root):
         return []
-    return sorted(n for n in os.listdir(root) if _STEP.match(n) or n == "latest")
+    return sorted(n for n in os.listdir(root) if _STEP.match(n) or n == LATEST_FILE)
 
 
 def claim_run_dir(root: str, *, run_id: str, resume: bool, overwrite: bool) -> RunLock:
@@ -169,7 +185,7 @@ def claim_run_dir(root: str, *, run_id: str, resume: bool, overwrite: bool) -> R
         old = existing_checkpoints(root)
         if old and not resume:
             if not overwrite:
-                steps = [n for n in old if n != "latest"]
+                steps = [n for n in old if n != LATEST_FILE]
                 raise RunDirError(f"--save {root} already holds another run's checkpoints ({len(steps)} step "
                                   f"directories{', latest ' + steps[-1] if steps else ''}); pass --load {root} to "
                                   f"resume that run, --overwrite to replace it, or choose another directory")

@@ -15,6 +15,7 @@ import tempfile
 from typing import Optional
 
 from tpinv.io.atomic_dir import fsync_dir, fsync_file
+from tpinv.io.run_dir import LATEST_FILE, STATE_FILE
 from tpinv.io.safetensors_stream import CheckpointError
 
 __all__ = ["CheckpointError", "FORMAT_NAME", "FORMAT_VERSION", "LATEST_FILE", "STATE_FILE", "check_compatible",
@@ -22,7 +23,6 @@ __all__ = ["CheckpointError", "FORMAT_NAME", "FORMAT_VERSION", "LATEST_FILE", "S
            "verify_files", "write_latest"]
 
 FORMAT_NAME, FORMAT_VERSION = "tpinv-train-state", 2
-STATE_FILE, LATEST_FILE = "train_state.json", "latest"
 
 
 def step_dir_name(step: int) -> str:

@@ -132,6 +132,10 @@ class TrainConfig:
         for name in ("steps", "global_batch", "micro_batch", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: expected a positive int")
+        if not self.vanilla and dp & (dp - 1):
+            raise InvarianceError(
+                f"{dp} data-parallel ranks: the gradient tree over data-parallel ranks needs a power of two "
+                f"(1, 2, 4, ...); launch tp * 2**k ranks")
         if self.global_batch % (self.micro_batch * dp):
             raise ValueError(f"global_batch={self.global_batch} must be a multiple of micro_batch * dp = "
                              f"{self.micro_batch} * {dp} = {self.micro_batch * dp}")
@@ -146,6 +150,9 @@ class TrainConfig:
             raise NotImplementedError("cross_entropy_chunk_tokens is not supported by the vanilla control (--vanilla)")
         if self.vanilla and self.sequence_parallel:
             raise NotImplementedError("sequence_parallel=True is not supported by the vanilla control (--vanilla)")
+        if self.sequence_parallel and self.row_strategy != "tree":
+            raise NotImplementedError(f"--sequence-parallel needs --row-strategy tree (the row-parallel layers "
+                                      f"reduce-scatter the sequence), got --row-strategy {self.row_strategy}")
         if self.vanilla and (self.hidden_dropout or self.attention_dropout):
             raise NotImplementedError("hidden_dropout / attention_dropout > 0 are not supported by the vanilla "
                                       "control (--vanilla)")
@@ -235,7 +242,10 @@ def load_yaml_config(path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--config {path}: no such file")
     with open(path, encoding="utf-8") as fh:
-        raw = yaml.safe_load(fh)
+        try:
+            raw = yaml.safe_load(fh)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--config {path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):

@@ -29,7 +29,8 @@ __all__ = ["NonFiniteError", "RESUME_KEYS", "changed_on_resume", "check_finite",
 
 #: Settings whose change at resume makes the rest of the run differ from the uninterrupted one.
 RESUME_KEYS = ("data", "tokenizer", "digits", "seed", "global_batch", "seq_len", "steps", "lr", "min_lr", "warmup",
-               "weight_decay", "clip_grad", "beta1", "beta2", "eps", "heldout_size", "hidden_dropout")
+               "weight_decay", "clip_grad", "beta1", "beta2", "eps", "heldout_size", "hidden_dropout",
+               "attention_dropout", "data_path", "vanilla")
 #: Settings that say where a run saves, loads, logs or stops, or how much memory it takes, not what it computes.
 _PLACE_KEYS = ("save", "load", "stop_after", "log_dir", "progress", "overwrite", "dist_timeout", "tensorboard_dir",
                "wandb_project", "wandb_exp_name", "wandb_save_dir", "log_level", "async_save", "keep_last",

@@ -44,7 +44,10 @@ class MetricsLogger:
             return
         if log_dir is not None:
             os.makedirs(log_dir, exist_ok=True)
-            self._file = open(os.path.join(log_dir, METRICS_FILE), "a" if start_step else "w", encoding="utf-8")
+            path = os.path.join(log_dir, METRICS_FILE)
+            if start_step:
+                drop_records_after(path, start_step)
+            self._file = open(path, "a" if start_step else "w", encoding="utf-8")
         if progress is None:
             progress = hasattr(self.stream, "isatty") and self.stream.isatty()
         if progress:
@@ -93,6 +96,33 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def drop_records_after(path: str, step: int) -> None:
+    """Keep the records of ``path`` (a ``metrics.jsonl``) before its first step record past
+    ``step``: a run resumed from the checkpoint of ``step`` writes the later steps again, so each
+    step has one record (the earlier session's tail after that step is dropped, as TensorBoard
+    drops it).  Rewritten in one rename; a missing file is left missing."""
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    keep = 0
+    for keep, line in enumerate(lines):   # noqa: B007 - ``keep`` is the first dropped line
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            break                          # a torn last line of a killed run
+        if rec.get("event", "step") == "step" and rec.get("step", 0) > step:
+            break
+    else:
+        keep = len(lines)
+    if keep == len(lines):
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(lines[:keep])
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str) -> list[dict]:

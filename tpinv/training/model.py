@@ -7,7 +7,6 @@ reads exactly its shard, values unchanged apart from the one cast to ``--dtype``
 """
 from __future__ import annotations
 
-import os
 
 from tpinv.core.dtypes import MODEL_DTYPES, dtype_from_name
 from tpinv.io.loading import load_model, source_model_args
@@ -18,10 +17,6 @@ __all__ = ["build_model", "resolve_model_args"]
 
 def resolve_model_args(model: str, dtype: str):
     """``(ModelArgs, kind)`` of the ``--model`` source at the ``--dtype`` name (see :func:`source_model_args`)."""
-    from tpinv.training.ckpt_files import STATE_FILE
-    if os.path.isfile(os.path.join(model, STATE_FILE)) or os.path.isfile(os.path.join(model, "latest")):
-        raise ValueError(f"--model {model} is a training checkpoint (sharded); resume it with --load {model}, or "
-                         f"export its weights with tools/export_checkpoint.py {model} OUT_DIR and pass --model OUT_DIR")
     return source_model_args(model, dtype_from_name(dtype, allowed=MODEL_DTYPES))
 
 

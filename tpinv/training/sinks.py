@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import tempfile
 from typing import Optional
 
 import torch.distributed as dist
@@ -129,6 +130,16 @@ def wandb_save_dir(cfg) -> Optional[str]:
     return os.path.join(base, "wandb") if base else None
 
 
+def _check_log_dir(log_dir: str) -> None:
+    """Create ``--log-dir`` and prove it writable (a probe file), or raise naming the flag."""
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=log_dir, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise OSError(f"--log-dir {log_dir} is not writable ({e.strerror or e})") from None
+
+
 def open_sinks(cfg, *, rank: int, distributed: bool, run_id: str, config: dict, start_step: int = 0) -> list:
     """The requested sinks, opened on global rank 0 (``[]`` elsewhere); collective when ``distributed``.
 
@@ -137,6 +148,8 @@ def open_sinks(cfg, *, rank: int, distributed: bool, run_id: str, config: dict, 
     sinks, error = [], None
     if rank == 0:
         try:
+            if cfg.log_dir:
+                _check_log_dir(cfg.log_dir)
             if cfg.tensorboard_dir:
                 sinks.append(TensorBoardSink(cfg.tensorboard_dir, config=config, start_step=start_step))
             if cfg.wandb_project:
@@ -148,7 +161,8 @@ def open_sinks(cfg, *, rank: int, distributed: bool, run_id: str, config: dict, 
                 s.close()
             sinks = []
     if distributed and dist.is_initialized() and dist.get_world_size() > 1 and (cfg.tensorboard_dir
-                                                                                 or cfg.wandb_project):
+                                                                                 or cfg.wandb_project
+                                                                                 or cfg.log_dir):
         box = [error]
         dist.broadcast_object_list(box, src=0)
         error = box[0]
