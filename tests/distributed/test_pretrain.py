@@ -9,7 +9,8 @@
   diverges from its own uninterrupted run.
 * ``torchrun launch/pretrain.py --tp 2`` prints the per-step hex losses and the weight hash of
   the in-process TP=1 run, writes metrics.jsonl and the loss-curve PNG; bad input exits with
-  one ``error: ...`` line.
+  one ``error: ...`` line; ``python launch/pretrain.py`` without torchrun is one rank of the same
+  bits, and ``--tp 2`` there names the torchrun command.
 """
 from __future__ import annotations
 
@@ -153,3 +154,18 @@ def test_cli_bad_input_exits_with_one_error_line(case, tmp_path, one_thread):
         line = _cli_error(_flags(dict(model="llama-tiny")) + ["--load", str(ckpt), "--save", str(ckpt)], tmp_path)
         assert "different model" in line and "family" in line
         assert sorted(os.listdir(ckpt)) == before
+
+
+def test_cli_without_torchrun_runs_one_rank_or_names_the_command(tmp_path, one_thread):
+    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                         "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, PRETRAIN, "--threads", "1", "--no-progress"] + _flags(),
+                          capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    reference = Trainer(TrainConfig(**BASE), stream=io.StringIO()).run()   # the torchrun TP=1 run's bits
+    assert f"final weights sha256 {reference['weights_sha256']}" in proc.stdout
+    proc = subprocess.run([sys.executable, PRETRAIN, "--tp", "2"], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and errors == [
+        "error: --tp 2 needs 2 ranks: start it with torchrun --nproc-per-node 2 launch/pretrain.py ..."], proc.stderr
