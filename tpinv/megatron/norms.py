@@ -89,7 +89,8 @@ class InvariantNorm(torch.nn.Module):
         if self.kind == "LayerNorm":
             normed = F.layer_norm(wide, shape, None, None, 1e-5 if self.eps is None else self.eps)
         else:
-            normed = F.rms_norm(wide, shape, None, self.eps)
+            eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps   # torch's default: the input's
+            normed = F.rms_norm(wide, shape, None, eps)
         return apply_function(AffineByTokens, normed, self.weight, self.bias, x.dtype)
 
     def extra_repr(self) -> str:
