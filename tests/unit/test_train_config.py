@@ -62,3 +62,11 @@ def test_sequence_parallel_with_column_only_rows_names_the_flags():
     with pytest.raises(NotImplementedError, match="--sequence-parallel needs --row-strategy tree"):
         TrainConfig(sequence_parallel=True, row_strategy="column_only").check(1)
     TrainConfig(sequence_parallel=True).check(1)   # the control: the tree strategy
+
+
+def test_sequence_parallel_with_a_sequence_the_tp_size_does_not_split_is_refused_before_the_model():
+    from tpinv.training.model import build_model
+    with pytest.raises(ValueError, match=r"--seq-len 15 is not a multiple of --tp 2: .* \(e.g. --seq-len 16\)"):
+        build_model(TrainConfig(sequence_parallel=True, seq_len=15), None, 2, 0)
+    args, model = build_model(TrainConfig(sequence_parallel=True, seq_len=16), None, 1, 0)   # the control
+    assert model.args.num_layers == args.num_layers

@@ -29,6 +29,9 @@ def build_model(config, tp_group, tp: int, tp_rank: int):
     """
     args, _ = resolve_model_args(config.model, config.dtype)
     check_model_sizes(args, tp, config.leaves)  # TP dividing heads, sizes splitting into leaves
+    if getattr(config, "sequence_parallel", False) and config.seq_len % tp:
+        raise ValueError(f"--seq-len {config.seq_len} is not a multiple of --tp {tp}: --sequence-parallel splits "
+                         f"each sequence over the TP ranks (e.g. --seq-len {config.seq_len + (-config.seq_len) % tp})")
     if config.seq_len > args.max_position_embeddings:
         raise ValueError(f"seq_len={config.seq_len} exceeds the model's max_position_embeddings="
                          f"{args.max_position_embeddings}")
