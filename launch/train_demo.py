@@ -39,17 +39,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _pretrain_flags(tp: int, vanilla: bool, args, log_dir: str) -> list[str]:
+    """``launch/pretrain.py``'s flags for one run of the demo."""
+    seq_len = 3 * args.digits + 3
+    flags = ["--tp", str(tp), "--model", args.model, "--steps", str(args.steps),
+             "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
+             "--seq-len", str(seq_len), "--digits", str(args.digits), "--lr", str(args.lr),
+             "--warmup", str(max(1, args.steps // 10)), "--eval-every", str(args.eval_every),
+             "--seed", str(args.seed), "--threads", "1", "--log-dir", log_dir, "--no-progress"]
+    return flags + (["--vanilla"] if vanilla else [])
+
+
+def check_settings(args) -> None:
+    """Refuse, before any run starts, what ``launch/pretrain.py`` would refuse in any of the four
+    runs: its own checks of the settings and of the model at each TP size."""
+    from tpinv.io.loading import check_source
+    from tpinv.training.config import parse_configs
+    for _, tp, vanilla in RUNS:
+        config, _ = parse_configs(_pretrain_flags(tp, vanilla, args, "unused"))
+        config.check_numbers()
+        config.check(1)          # DP=1: each run's world is its TP size
+        check_source(args.model, (tp,), config.leaves)
+    from tpinv.training.data import make_dataset
+    make_dataset(config.data, config.seq_len, config.seed, digits=config.digits,   # the same task in all four
+                 heldout_size=config.heldout_size)
+
+
 def _run(name: str, tp: int, vanilla: bool, args, out: str) -> dict:
     log_dir = os.path.join(out, name.replace("=", "").replace(" ", "-").lower())
-    seq_len = 3 * args.digits + 3
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-           os.path.join(HERE, "pretrain.py"), "--tp", str(tp), "--model", args.model, "--steps", str(args.steps),
-           "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
-           "--seq-len", str(seq_len), "--digits", str(args.digits), "--lr", str(args.lr),
-           "--warmup", str(max(1, args.steps // 10)), "--eval-every", str(args.eval_every),
-           "--seed", str(args.seed), "--threads", "1", "--log-dir", log_dir, "--no-progress"]
-    if vanilla:
-        cmd.append("--vanilla")
+           os.path.join(HERE, "pretrain.py")] + _pretrain_flags(tp, vanilla, args, log_dir)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     print(f"\n== {name}: {' '.join(cmd[1:3])} --nproc-per-node={tp} launch/pretrain.py --tp {tp}"
           f"{' --vanilla' if vanilla else ''} ...", flush=True)
@@ -96,6 +115,11 @@ def _table(results: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        check_settings(args)
+    except (ValueError, OSError, NotImplementedError) as e:
+        sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
+        return 1
     out = args.out or tempfile.mkdtemp(prefix="tpinv-train-demo-")
     os.makedirs(out, exist_ok=True)
     print(f"tpinv training demo: {args.model} on {args.digits}-digit addition, {args.steps} steps, "

@@ -3,7 +3,7 @@ request-default flags before the model is built, its error results naming the fi
 lines counted), its exit status when no line could be generated; ``tools/mismatch_report.py``
 and ``tools/check_invariance.py`` refusing a model source or TP size before any rank starts;
 every command naming a training checkpoint as such (``tools/export_checkpoint.py`` makes a model
-of it)."""
+of it); the main job (``launch/train_demo.py``) refusing its bad flags before any of its runs."""
 from __future__ import annotations
 
 import json
@@ -138,3 +138,23 @@ def test_mismatch_report_names_a_bad_prompt_line(tmp_path):
 def test_convert_names_what_its_source_is(argv, want, tmp_path):
     proc = _run_tool("tools/convert_hf.py", *argv, str(tmp_path / "out"))
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: {want}", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--micro-batch", "5"], "global_batch=32 must be a multiple of micro_batch * dp = 5 * 1 = 5"),
+    (["--steps", "0"], "steps=0: expected a positive int"),
+    (["--lr", "-1"], "bad optimizer setting: lr=-1.0"),
+    (["--digits", "0"], "digits=0: expected 1..9"),
+    (["--model", "nope"], "model source 'nope' is neither a directory nor a named config"),
+])
+def test_the_main_job_refuses_bad_flags_before_any_run(flags, want, capsys, monkeypatch):
+    demo = load_script("launch/train_demo.py")
+    monkeypatch.setattr(demo, "_run", lambda *a, **k: pytest.fail("a run was started"))
+    assert demo.main(flags) == 1
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: {want}"), line
+
+
+def test_the_main_job_checks_pass_on_its_defaults():
+    demo = load_script("launch/train_demo.py")
+    demo.check_settings(demo.parse_args([]))   # the control: the README's command is not refused
