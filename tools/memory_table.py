@@ -98,6 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=1)
     a = p.parse_args(argv)
+    if a.seq < 8 or a.seq % 8 or a.micro_batch < 1:
+        p.error(f"--seq {a.seq} and --micro-batch {a.micro_batch}: expected a sequence length that is a positive "
+                f"multiple of 8 (sequence parallelism splits it over TP up to 8) and at least one sequence")
     tokens = a.seq * a.micro_batch
     print(f"Per-rank GiB, bf16 weights, {a.micro_batch} x {a.seq} tokens per micro-batch.\n")
     print("| model | TP | SP | params/rank | weights | grads (bf16 + fp32 buffer) | optimizer (fp32 master, m, v) "

@@ -157,7 +157,7 @@ def _decode(model, inputs) -> dict:
 
 def _errors(mesh, inputs) -> dict:
     out = {}
-    for case in ("twice", "missing", "plan"):
+    for case in ("twice", "missing", "plan", "leaves"):
         model = _hf("llama", "fp32", inputs)
         try:
             if case == "twice":
@@ -165,8 +165,10 @@ def _errors(mesh, inputs) -> dict:
             elif case == "missing":
                 del model.model.layers[1].mlp.up_proj
                 parallelize(model, mesh, "invariant")
-            else:
+            elif case == "plan":
                 parallelize(model, mesh, "rowwise")
+            else:
+                parallelize(model, mesh, "numerically_stable", leaves=4)
             out[case] = "no error"
         except Exception as err:  # noqa: BLE001 - the test reads the type and message
             out[case] = f"{type(err).__name__}: {err}"

@@ -190,6 +190,7 @@ def test_parallelize_errors(runs):
     assert "InvarianceError" in errors["twice"] and "already parallelized" in errors["twice"]
     assert "ValueError" in errors["missing"] and "matches no module" in errors["missing"]
     assert "ValueError" in errors["plan"] and "numerically_stable" in errors["plan"]
+    assert "ValueError" in errors["leaves"] and "takes none" in errors["leaves"]
 
 
 def test_validate_sizes():

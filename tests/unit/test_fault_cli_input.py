@@ -158,3 +158,11 @@ def test_the_main_job_refuses_bad_flags_before_any_run(flags, want, capsys, monk
 def test_the_main_job_checks_pass_on_its_defaults():
     demo = load_script("launch/train_demo.py")
     demo.check_settings(demo.parse_args([]))   # the control: the README's command is not refused
+
+
+@pytest.mark.parametrize("flags", [["--seq", "0"], ["--seq", "-5"], ["--seq", "12"], ["--micro-batch", "0"]])
+def test_memory_table_refuses_a_sequence_it_cannot_split(flags, capsys):
+    with pytest.raises(SystemExit) as stop:
+        load_script("tools/memory_table.py").main(flags + ["--models", "qwen3-tiny"])
+    assert stop.value.code == 2 and "positive multiple of 8" in capsys.readouterr().err
+    assert load_script("tools/memory_table.py").main(["--seq", "16", "--models", "qwen3-tiny"]) == 0   # the control

@@ -121,3 +121,12 @@ def test_megatron_spec_refuses_moe():
 
     with pytest.raises(NotImplementedError, match="num_experts"):
         get_gpt_layer_tpinv_spec(num_experts=8)
+
+
+def test_a_strided_layer_names_the_group_size_as_given(monkeypatch):
+    import tpinv.layers.linear as linear
+    monkeypatch.setattr(linear, "group_size_rank", lambda group: (3, 0))   # a group of three ranks
+    with pytest.raises(InvarianceError, match=r"group size 3 is not a power of two.* leaves=8 "):
+        ColumnParallelLinear(64, 128, config=cfg(), init_method=init, stride=2, tp_group=object())
+    monkeypatch.setattr(linear, "group_size_rank", lambda group: (2, 0))   # the control: two ranks build
+    ColumnParallelLinear(64, 128, config=cfg(), init_method=init, stride=2, tp_group=object())

@@ -234,6 +234,9 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: str = "invariant", 
         raise ValueError(f"expected a 1-D DeviceMesh (slice a N-D mesh, e.g. mesh['tp']), got {tp_mesh!r}")
     if plan == "invariant":
         styles = invariant_plan(model, tp_mesh, leaves=leaves, shard_logits=shard_logits)
+    elif leaves != DEFAULT_LEAVES:
+        raise ValueError(f"leaves={leaves} is the invariant plan's leaf count; plan={plan!r} takes none "
+                         f"(its reductions are torch's)")
     else:
         styles = _torch_plan(model, tp_mesh, plan, shard_logits)
     _check_matches(model, styles)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tpinv.core.autograd import PLAIN_TENSORS, apply_function, observed
-from tpinv.core.contract import check_divisible
+from tpinv.core.contract import check_divisible, check_tp_size
 from tpinv.distributed.groups import group_size_rank
 from tpinv.layers.common import (
     check_layer_sizes, runs_only, config_leaves, config_row_strategy, init_sharded_weight,
@@ -115,6 +115,7 @@ class ColumnParallelLinear(torch.nn.Module):
         if stride not in (1, 2, 4):
             raise NotImplementedError(f"{name}: stride={stride} is not supported (1, 2 or 4)")
         self.stride = stride
+        check_tp_size(self.tp_size, self.leaves)   # named as given, before the strided sizes below
         check_layer_sizes(name, "output_size", output_size, self.tp_size * stride, self.leaves * stride)
         # replicas R (tpinv's KV-head replication): R consecutive ranks hold the same 1/(TP/R) of the rows
         if not isinstance(replicas, int) or replicas < 1 or self.tp_size % replicas or (replicas > 1 and stride != 1):
