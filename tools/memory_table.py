@@ -106,6 +106,16 @@ def main(argv=None) -> int:
     print("| model | TP | SP | params/rank | weights | grads (bf16 + fp32 buffer) | optimizer (fp32 master, m, v) "
           "| weights+grads+optimizer | peak activations |")
     print("|---|---|---|---|---|---|---|---|---|")
+    try:
+        _rows(a, tokens)
+    finally:   # the fake group of the last TP size: never left behind for the caller
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _rows(a, tokens: int) -> None:
     for name in a.models:
         for tp in (1, 2, 4, 8):
             for sp in ((False,) if tp == 1 else (False, True)):
@@ -114,7 +124,6 @@ def main(argv=None) -> int:
                 print(f"| {name} | {tp} | {'on' if sp else 'off'} | {m['params'] / 1e9:.3f} B | {gib(m['weights'])} | "
                       f"{gib(m['grads'])} | {gib(m['optimizer'])} | {gib(total)} | {gib(m['activations'])} |",
                       flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -166,3 +166,5 @@ def test_memory_table_refuses_a_sequence_it_cannot_split(flags, capsys):
         load_script("tools/memory_table.py").main(flags + ["--models", "qwen3-tiny"])
     assert stop.value.code == 2 and "positive multiple of 8" in capsys.readouterr().err
     assert load_script("tools/memory_table.py").main(["--seq", "16", "--models", "qwen3-tiny"]) == 0   # the control
+    import torch.distributed as dist
+    assert not dist.is_initialized()   # its fake process group is not left behind for the tests after it
