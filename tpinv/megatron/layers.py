@@ -51,6 +51,12 @@ def megatron_tp_group(tp_group):
     return parallel_state.get_tensor_model_parallel_group()
 
 
+def token_sum(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x [..., h] -> [h]``: the tokens' rows summed in one fixed order (``tree_sum(leaves=1)``),
+    the order of every token sum of a parameter's gradient in :mod:`tpinv.megatron`."""
+    return tree_sum(x.reshape(-1, x.shape[-1]).t(), 1)
+
+
 class BroadcastBias(torch.autograd.Function):
     """``bias`` expanded to ``shape``; the gradient sums the leading dims in a fixed order."""
 
@@ -61,7 +67,7 @@ class BroadcastBias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        return tree_sum(dy.reshape(-1, dy.shape[-1]).t(), 1).to(ctx.dtype), None
+        return token_sum(dy).to(ctx.dtype), None
 
 
 class MegatronColumnParallelLinear(ColumnParallelLinear):

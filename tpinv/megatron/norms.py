@@ -19,14 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from tpinv.core.autograd import apply_function
-from tpinv.ops import tree_sum
+from tpinv.megatron.layers import token_sum
 
 __all__ = ["AffineByTokens", "InvariantNorm", "NORM_TYPES"]
-
-
-def _token_sum(x: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x [..., h] -> [h]``: the tokens' rows summed in one fixed order (``tree_sum(leaves=1)``)."""
-    return tree_sum(x.reshape(-1, x.shape[-1]).t(), 1)
 
 
 class AffineByTokens(torch.autograd.Function):
@@ -45,8 +40,8 @@ class AffineByTokens(torch.autograd.Function):
     def backward(ctx, dy):
         normed, weight = ctx.saved_tensors
         dy = dy.float()
-        d_weight = _token_sum(dy * normed).to(weight.dtype)
-        d_bias = _token_sum(dy).to(weight.dtype) if ctx.has_bias else None
+        d_weight = token_sum(dy * normed).to(weight.dtype)
+        d_bias = token_sum(dy).to(weight.dtype) if ctx.has_bias else None
         return dy * weight.float(), d_weight, d_bias, None
 
 

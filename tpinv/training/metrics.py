@@ -107,16 +107,16 @@ def drop_records_after(path: str, step: int) -> None:
         return
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
-    keep = 0
-    for keep, line in enumerate(lines):   # noqa: B007 - ``keep`` is the first dropped line
+    keep = len(lines)   # the index of the first line dropped (none: all kept)
+    for i, line in enumerate(lines):
         try:
             rec = json.loads(line)
-        except ValueError:
-            break                          # a torn last line of a killed run
-        if rec.get("event", "step") == "step" and rec.get("step", 0) > step:
+        except ValueError:   # a torn last line of a killed run
+            keep = i
             break
-    else:
-        keep = len(lines)
+        if rec.get("event", "step") == "step" and rec.get("step", 0) > step:
+            keep = i
+            break
     if keep == len(lines):
         return
     tmp = f"{path}.tmp-{os.getpid()}"
