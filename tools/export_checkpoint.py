@@ -5,7 +5,8 @@
 STEP_DIR is a ``step_XXXXXXXX`` directory of a ``--save`` root, or the root itself (its
 ``latest``).  OUT_DIR becomes a tpinv checkpoint (``--model OUT_DIR`` for training or
 inference, any TP size), or with ``--hf`` a HF model directory.  The weights are copied bit for
-bit; every file's sha256 is checked first; OUT_DIR appears atomically.
+bit; every file's sha256 is checked first; OUT_DIR appears atomically.  Exit status 2 on bad
+input (a missing, incomplete or corrupt checkpoint, an OUT_DIR that exists), as the other tools.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out = export_model(args.step_dir, args.out_dir, hf=args.hf, overwrite=args.overwrite)
     except (ValueError, OSError, KeyError) as e:
         sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
-        return 1
+        return 2
     print(out)
     return 0
 

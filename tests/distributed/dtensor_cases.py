@@ -157,10 +157,12 @@ def _decode(model, inputs) -> dict:
 
 def _errors(mesh, inputs) -> dict:
     out = {}
-    for case in ("twice", "missing", "plan", "leaves"):
+    for case in ("twice", "missing", "plan", "leaves", "labels"):
         model = _hf("llama", "fp32", inputs)
         try:
-            if case == "twice":
+            if case == "labels":  # HF's own loss on vocabulary-sharded logits
+                parallelize(model, mesh, "invariant", shard_logits=True)(inputs["tokens"], labels=inputs["targets"])
+            elif case == "twice":
                 parallelize(parallelize(model, mesh, "invariant"), mesh, "invariant")
             elif case == "missing":
                 del model.model.layers[1].mlp.up_proj

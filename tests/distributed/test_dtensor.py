@@ -191,6 +191,7 @@ def test_parallelize_errors(runs):
     assert "ValueError" in errors["missing"] and "matches no module" in errors["missing"]
     assert "ValueError" in errors["plan"] and "numerically_stable" in errors["plan"]
     assert "ValueError" in errors["leaves"] and "takes none" in errors["leaves"]
+    assert "ValueError" in errors["labels"] and "tpinv.dtensor.cross_entropy" in errors["labels"]
 
 
 def test_validate_sizes():

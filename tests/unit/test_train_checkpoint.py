@@ -92,7 +92,7 @@ def test_export_tool_writes_the_trained_weights(tmp_path, capsys):
     assert again.weights_sha256() == trained.weights_sha256()
     assert again.weights_sha256() != Trainer(TrainConfig(**TINY), stream=io.StringIO()).weights_sha256()  # control
     capsys.readouterr()
-    assert tool.main([str(tmp_path / "no"), str(tmp_path / "other")]) == 1
+    assert tool.main([str(tmp_path / "no"), str(tmp_path / "other")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: checkpoint") and "not found" in err and not (tmp_path / "other").exists()
 

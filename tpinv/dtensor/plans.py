@@ -248,7 +248,20 @@ def parallelize(model: nn.Module, tp_mesh: DeviceMesh, plan: str = "invariant", 
         parallelize_module(model, tp_mesh, root)
     if tied:
         model.lm_head.weight = embed.weight
+    if shard_logits:
+        model.register_forward_pre_hook(_refuse_hf_labels, with_kwargs=True)
     return model
+
+
+def _refuse_hf_labels(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A model parallelized with ``shard_logits=True`` returns vocabulary-sharded logits, which
+    HF's own ``labels=`` loss cannot read (torch fails deep inside it on mixed DTensor and
+    tensor operands): refused here, naming the loss that reads them."""
+    if kwargs.get("labels") is not None:
+        raise ValueError("this model was parallelized with shard_logits=True: its logits are a "
+                         "vocabulary-sharded DTensor, which HF's labels= loss cannot read; call it "
+                         "without labels and take tpinv.dtensor.cross_entropy(outputs.logits, targets), "
+                         "or parallelize with shard_logits=False (whole logits, HF's loss works)")
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
