@@ -69,14 +69,17 @@ def check_paths(args) -> None:
         raise ValueError(f"--output {args.output}: not writable")
 
 
-def result_line(res, number: int, error_result) -> str:
-    """One standard JSON line (never a bare NaN/Infinity); a non-finite value makes it an error
-    result naming the request's line of the file, ``number``."""
+def result_line(res, number: int, error_result) -> tuple[str, Optional[str]]:
+    """``(line, error)``: one standard JSON line (never a bare NaN/Infinity) and the result's
+    error (None if it has none); a non-finite value makes it an error result naming the
+    request's line of the file, ``number``."""
+    record = res.to_json()
     try:
-        return json.dumps(res.to_json(), allow_nan=False)
+        return json.dumps(record, allow_nan=False), record.get("error")
     except ValueError:
-        err = error_result(res.request_id, f"line {number}: the result holds a non-finite value (NaN or inf)")
-        return json.dumps(err.to_json(), allow_nan=False)
+        message = f"line {number}: the result holds a non-finite value (NaN or inf)"
+        record = error_result(res.request_id, message).to_json()
+        return json.dumps(record, allow_nan=False), record["error"]
 
 
 def check_request_defaults(args) -> None:
@@ -144,8 +147,8 @@ def _run(args) -> int:
     texts, failed = [], []   # failed: (line number, message) of each error result
     for i, line in enumerate(lines):
         res = error_result(i, line.error) if line.request is None else next(results)
-        texts.append(result_line(res, line.number, error_result))
-        error = json.loads(texts[-1])["error"]   # a non-finite result is an error result by now
+        text, error = result_line(res, line.number, error_result)
+        texts.append(text)
         if error is not None:
             failed.append((line.number, error.removeprefix(f"line {line.number}: ")))
     if rank == 0:

@@ -90,9 +90,9 @@ def test_results_with_non_finite_values_become_standard_json_errors():
     import torch
     from tpinv.engine.scheduler import Result, error_result
     res = Result("r", [1], [2], torch.tensor([float("nan")]), torch.tensor([0.0]), "length")
-    line = _generate().result_line(res, 3, error_result)
+    line, error = _generate().result_line(res, 3, error_result)
     parsed = json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in the output"))
-    assert parsed["error"].startswith("line 3: the result holds a non-finite")
+    assert parsed["error"] == error and error.startswith("line 3: the result holds a non-finite")
 
 
 @pytest.fixture(scope="module")
