@@ -68,11 +68,15 @@ CONFIGS: dict[str, ModelArgs] = {
 ALIASES = {"qwen3-0.5b": "qwen3-0.6b"}
 
 
+def config_names() -> list[str]:
+    """Every name :func:`get_config` takes: the configs, then their aliases."""
+    return sorted(CONFIGS) + sorted(ALIASES)
+
+
 def get_config(name: str, **overrides) -> ModelArgs:
     """The named config, with ``overrides`` (e.g. ``dtype=torch.bfloat16``) applied."""
     key = ALIASES.get(name, name)
     if key not in CONFIGS:
-        names = ", ".join(sorted(CONFIGS) + sorted(ALIASES))
-        raise KeyError(f"unknown model config {name!r}; known: {names}")
+        raise KeyError(f"unknown model config {name!r}; known: {', '.join(config_names())}")
     args = CONFIGS[key]
     return args.replace(**overrides) if overrides else args

@@ -16,7 +16,7 @@ from tpinv.io.checkpoint import (META_FILE, load_shard, param_meta_from_module, 
                                  shard_index)
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.models.args import check_model_sizes
-from tpinv.models.configs import CONFIGS, get_config
+from tpinv.models.configs import config_names, get_config
 from tpinv.io.hf_keys import args_from_dict
 from tpinv.io.run_dir import is_training_checkpoint
 from tpinv.models.transformer import Transformer
@@ -46,7 +46,7 @@ def source_kind(source: str) -> str:
         if os.sep in source or source.startswith("."):
             raise FileNotFoundError(f"model source {source}: no such directory") from None
         raise ValueError(f"model source {source!r} is neither a directory nor a named config; named configs: "
-                         f"{', '.join(sorted(CONFIGS))}") from None
+                         f"{', '.join(config_names())}") from None
     return "config"
 
 
