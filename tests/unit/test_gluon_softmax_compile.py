@@ -19,7 +19,8 @@ first:
 - in both kernels the max pass reads a leaf's steps as their copies land, one cp.async group a
   step (control: a leaf of one step waits for all of it);
 - bf16's max pass takes signed and unsigned maxima of the raw bits, with no bf16 min/max
-  instruction left (control: fp16's compares in fp16, with no integer maximum).
+  instruction left (control: fp16's compares in fp16, with no integer maximum);
+- the cluster kernel's meetings hold no memory fence (asynchronous stores and mbarrier waits).
 """
 from __future__ import annotations
 
@@ -315,3 +316,24 @@ def test_bf16_s_max_pass_compares_raw_bits(compile_program):
     assert not BF16_MIN_MAX.search(bf16)
     assert not (SIGNED_PAIR_MAX.search(fp16) or UNSIGNED_PAIR_MAX.search(fp16))
     assert re.search(r"\bV?HMNMX2?\b", fp16)
+
+
+#: sm_90 SASS: a memory fence, an asynchronous store to a cluster peer's shared memory, and an
+#: mbarrier phase wait.
+MEMORY_FENCE = re.compile(r"\bMEMBAR\b")
+PEER_STORE = re.compile(r"\bSTAS\b")
+PHASE_WAIT = re.compile(r"\bSYNCS\.PHASECHK\b")
+
+
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, 0), (torch.float32, 1),
+                                        (torch.bfloat16, 1), (torch.bfloat16, 2)])
+def test_cluster_meetings_hold_no_fence(dtype, mode):
+    """A row's meetings in the cluster kernel (:mod:`~tpinv.kernels.gluon_softmax_cluster`) are
+    asynchronous stores to every program's slots that complete on its mbarrier, and waits on
+    the program's own: no memory fence in the row loop, which would wait for the program's
+    earlier global stores.  The program's only fences are the two cluster barriers before its
+    first row and before it exits (two each), and the count sees them (the control: a meeting
+    with a fence, two a meeting, would make 8)."""
+    sass = _sass(compile_clustered(dtype, mode)[0])
+    assert PEER_STORE.search(sass) and PHASE_WAIT.search(sass)
+    assert len(MEMORY_FENCE.findall(sass)) == 4
