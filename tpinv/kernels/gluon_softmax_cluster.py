@@ -309,9 +309,9 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr,
         previous_m = gl.to_tensor(0.0)
         while row < n_rows:
             previous_m, previous_sum = _statistics_of_row(
-                a, b, c, row, leaf, meetings, count, previous_sum, previous_m, x_ptr, max_ptr, total_ptr,
-                lse_ptr, leaf_len, stride_x, lanes, LEAVES, STEPS, A, B, BLOCK, TILE, LOG2_TILE,
-                LIVE, PARTIAL, HELD, LSE, lanes_layout, fold_layout)
+                a, b, c, row, leaf, meetings, count, previous_sum, previous_m, x_ptr, max_ptr,
+                total_ptr, lse_ptr, leaf_len, stride_x, lanes, LEAVES, STEPS, A, B, BLOCK, TILE,
+                LOG2_TILE, LIVE, PARTIAL, HELD, LSE, lanes_layout, fold_layout)
             row += n_clusters
             count += 1
             _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes,
