@@ -242,34 +242,37 @@ def test_the_cluster_copies_its_next_row_during_the_output_pass(dtype, mode):
         assert (among > 0) == flag, (flag, among, len(ASYNC_COPY.findall(ptx)))
 
 
-#: A meeting's slots: two parities of eight fp32 words, in static shared memory beside the
-#: dynamic shared memory Triton sizes (one such array for each ``.shared`` the PTX declares).
-MEETING_SLOTS_BYTES = 2 * 8 * 4
+#: The meetings' static shared array (four mbarriers, then [kind][parity][set][8] slot words),
+#: beside the dynamic shared memory Triton sizes.
+MEETINGS_BYTES = 288
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_the_cluster_kernel_meets_in_shared_memory(dtype, mode):
-    """A row's leaves meet by writing into each other's shared memory (``mapa`` and
-    ``st.shared::cluster``) and one cluster barrier a meeting (two a row; the statistics alone
-    meet once a row, for the max, with the previous row's leaf sums carried in that meeting's
-    second set of slots, and once more after the loop for the last row's sums: two meetings in
-    the program, three slot writes, no global slots at all), never by polling global memory; a
-    program with its meeting slots still lets the table's programs share an SM.  Control: the
-    ticket kernel polls its row's slots in global memory."""
+    """A row's leaves meet by storing into each other's shared memory (``mapa`` and
+    ``st.async``, completing on the receiver's mbarrier) and waiting on their own mbarrier (two
+    meetings a row; the statistics alone meet once a row, for the max, with the previous row's
+    leaf sums carried in that meeting's second set of slots, and once more after the loop for
+    the last row's sums: two meetings in the program, three stores, no global slots at all),
+    never by polling global memory; the only cluster barriers are the one after the mbarriers'
+    initialization and the one before a program exits; a program with its meetings' array still
+    lets the table's programs share an SM.  Control: the ticket kernel polls its row's slots in
+    global memory."""
     compiled, per_sm = compile_clustered(dtype, mode)
     ptx = compiled.asm["ptx"]
-    writes = 3 if mode == 0 else 2
+    stores = 3 if mode == 0 else 2
     assert ptx.count("barrier.cluster.arrive.release") == 2
     assert ptx.count("barrier.cluster.wait.acquire") == 2
-    assert ptx.count("mapa.shared::cluster") == writes
-    assert ptx.count("st.shared::cluster") == writes
+    assert ptx.count("st.async.shared::cluster.mbarrier::complete_tx::bytes") == stores
+    assert ptx.count("mapa.shared::cluster") == 2 * 2            # a slot and an mbarrier a meeting
+    assert ptx.count("mbarrier.try_wait.parity") == 2
+    assert ptx.count("mbarrier.init.shared::cta") == 4
+    assert "st.shared::cluster" not in ptx
     assert "atom.global.gpu.relaxed.exch" not in ptx
     assert "ld.volatile.global" not in ptx
-    assert ".shared .align 16 .b32 tpinv_row_maxima[16]" in ptx
-    assert (".shared .align 16 .b32 tpinv_previous_sums[16]" in ptx) == (mode == 0)
-    slot_sets = ptx.count(".shared .align 16 .b32 tpinv_")
-    shared = compiled.metadata.shared + MEETING_SLOTS_BYTES * slot_sets
+    assert f".shared .align 16 .b8 tpinv_meetings[{MEETINGS_BYTES}]" in ptx
+    shared = compiled.metadata.shared + MEETINGS_BYTES
     assert per_sm * (shared + RESERVED_PER_PROGRAM) <= SM90_SHARED, shared
     assert "ld.volatile.global" in compile_held(dtype, mode)[0].asm["ptx"]
 
