@@ -19,7 +19,8 @@ first:
 - in both kernels the max pass reads a leaf's steps as their copies land, one cp.async group a
   step (control: a leaf of one step waits for all of it);
 - bf16's max pass takes signed and unsigned maxima of the raw bits, with no bf16 min/max
-  instruction left (control: fp16's compares in fp16, with no integer maximum).
+  instruction left (control: fp16's compares in fp16, with no integer maximum);
+- the cluster kernel's meetings hold no memory fence (asynchronous stores and mbarrier waits).
 """
 from __future__ import annotations
 
@@ -241,34 +242,37 @@ def test_the_cluster_copies_its_next_row_during_the_output_pass(dtype, mode):
         assert (among > 0) == flag, (flag, among, len(ASYNC_COPY.findall(ptx)))
 
 
-#: A meeting's slots: two parities of eight fp32 words, in static shared memory beside the
-#: dynamic shared memory Triton sizes (one such array for each ``.shared`` the PTX declares).
-MEETING_SLOTS_BYTES = 2 * 8 * 4
+#: The meetings' static shared array (four mbarriers, then [kind][parity][set][8] slot words),
+#: beside the dynamic shared memory Triton sizes.
+MEETINGS_BYTES = 288
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_the_cluster_kernel_meets_in_shared_memory(dtype, mode):
-    """A row's leaves meet by writing into each other's shared memory (``mapa`` and
-    ``st.shared::cluster``) and one cluster barrier a meeting (two a row; the statistics alone
-    meet once a row, for the max, with the previous row's leaf sums carried in that meeting's
-    second set of slots, and once more after the loop for the last row's sums: two meetings in
-    the program, three slot writes, no global slots at all), never by polling global memory; a
-    program with its meeting slots still lets the table's programs share an SM.  Control: the
-    ticket kernel polls its row's slots in global memory."""
+    """A row's leaves meet by storing into each other's shared memory (``mapa`` and
+    ``st.async``, completing on the receiver's mbarrier) and waiting on their own mbarrier (two
+    meetings a row; the statistics alone meet once a row, for the max, with the previous row's
+    leaf sums carried in that meeting's second set of slots, and once more after the loop for
+    the last row's sums: two meetings in the program, three stores, no global slots at all),
+    never by polling global memory; the only cluster barriers are the one after the mbarriers'
+    initialization and the one before a program exits; a program with its meetings' array still
+    lets the table's programs share an SM.  Control: the ticket kernel polls its row's slots in
+    global memory."""
     compiled, per_sm = compile_clustered(dtype, mode)
     ptx = compiled.asm["ptx"]
-    writes = 3 if mode == 0 else 2
+    stores = 3 if mode == 0 else 2
     assert ptx.count("barrier.cluster.arrive.release") == 2
     assert ptx.count("barrier.cluster.wait.acquire") == 2
-    assert ptx.count("mapa.shared::cluster") == writes
-    assert ptx.count("st.shared::cluster") == writes
+    assert ptx.count("st.async.shared::cluster.mbarrier::complete_tx::bytes") == stores
+    assert ptx.count("mapa.shared::cluster") == 2 * 2            # a slot and an mbarrier a meeting
+    assert ptx.count("mbarrier.try_wait.parity") == 2
+    assert ptx.count("mbarrier.init.shared::cta") == 4
+    assert "st.shared::cluster" not in ptx
     assert "atom.global.gpu.relaxed.exch" not in ptx
     assert "ld.volatile.global" not in ptx
-    assert ".shared .align 16 .b32 tpinv_row_maxima[16]" in ptx
-    assert (".shared .align 16 .b32 tpinv_previous_sums[16]" in ptx) == (mode == 0)
-    slot_sets = ptx.count(".shared .align 16 .b32 tpinv_")
-    shared = compiled.metadata.shared + MEETING_SLOTS_BYTES * slot_sets
+    assert f".shared .align 16 .b8 tpinv_meetings[{MEETINGS_BYTES}]" in ptx
+    shared = compiled.metadata.shared + MEETINGS_BYTES
     assert per_sm * (shared + RESERVED_PER_PROGRAM) <= SM90_SHARED, shared
     assert "ld.volatile.global" in compile_held(dtype, mode)[0].asm["ptx"]
 
@@ -315,3 +319,24 @@ def test_bf16_s_max_pass_compares_raw_bits(compile_program):
     assert not BF16_MIN_MAX.search(bf16)
     assert not (SIGNED_PAIR_MAX.search(fp16) or UNSIGNED_PAIR_MAX.search(fp16))
     assert re.search(r"\bV?HMNMX2?\b", fp16)
+
+
+#: sm_90 SASS: a memory fence, an asynchronous store to a cluster peer's shared memory, and an
+#: mbarrier phase wait.
+MEMORY_FENCE = re.compile(r"\bMEMBAR\b")
+PEER_STORE = re.compile(r"\bSTAS\b")
+PHASE_WAIT = re.compile(r"\bSYNCS\.PHASECHK\b")
+
+
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, 0), (torch.float32, 1),
+                                        (torch.bfloat16, 1), (torch.bfloat16, 2)])
+def test_cluster_meetings_hold_no_fence(dtype, mode):
+    """A row's meetings in the cluster kernel (:mod:`~tpinv.kernels.gluon_softmax_cluster`) are
+    asynchronous stores to every program's slots that complete on its mbarrier, and waits on
+    the program's own: no memory fence in the row loop, which would wait for the program's
+    earlier global stores.  The program's only fences are the two cluster barriers before its
+    first row and before it exits (two each), and the count sees them (the control: a meeting
+    with a fence, two a meeting, would make 8)."""
+    sass = _sass(compile_clustered(dtype, mode)[0])
+    assert PEER_STORE.search(sass) and PHASE_WAIT.search(sass)
+    assert len(MEMORY_FENCE.findall(sass)) == 4

@@ -13,9 +13,12 @@ system: about 1-2 us a meeting on an H200 (docs/benchmarks.md, "The held softmax
 in a thread-block cluster").  Here the ``LEAVES`` programs of a cluster (:mod:`tpinv.kernels.
 cluster_launch`) hold the leaves of one row at a time: program ``r`` of a cluster holds leaf
 ``r``, a cluster takes rows ``c, c + n_clusters, ...`` (the same rows for all its programs), and a
-meeting is one write of the leaf's fp32 bits into every program's shared memory (slot ``r``,
-the row's parity choosing one of two sets of slots) and one cluster barrier (release, acquire),
-after which each program reads the row's values from its own shared memory.  The hardware keeps
+meeting is one asynchronous store of the leaf's fp32 bits into every program's shared memory
+(slot ``r``; ``st.async``, which signals the receiving program's mbarrier as it lands) and a
+wait on the program's own mbarrier, after which it reads the row's values from its own shared
+memory: no release fence, which would wait for every earlier global store of the program (a
+cluster barrier's release held 21% of the kernel's warp samples: docs/benchmarks.md, "The bf16
+max pass compares raw bits").  The hardware keeps
 a cluster's programs resident together, so no launch order, residency or other kernel can make
 a meeting wait forever, and no global counter or memset is needed.  The statistics alone meet
 once a row, for the max, and that meeting also carries each leaf's sum of the cluster's previous
@@ -48,49 +51,97 @@ __all__ = ["softmax_rows_clustered", "CLUSTER_LEAVES"]
 #: Leaves a row may be cut in to meet in one cluster (8: the largest portable cluster).
 CLUSTER_LEAVES = (2, 4, 8)
 
-# A meeting, in every thread: the leaf's value into slot [rank] of program (thread index % 8)'s
-# set [parity] of sixteen words (eight a parity), its cluster barrier, then the set's eight
-# words read from this program's own shared memory.  Each program's threads write every
-# program's slot (a cluster of fewer than eight: a program's slot is written more than once,
-# always with the same value); the barrier's release and acquire order the writes before
-# the reads.  The set of the next row's parity is written only after every program has passed
-# this row's barrier, so no value is overwritten before it is read.
-def _meeting_asm(*names: str) -> str:
-    """The PTX of a meeting over one set of slots per name (static shared arrays of sixteen
-    words, two parities of eight): operands ``$0 ..`` the eight words read from each set in
-    turn, then one value a set, then the parity, then ``LEAVES``."""
-    k = len(names)
-    value, parity, leaves = 8 * k, 8 * k + k, 8 * k + k + 1
-    bases = [f"%tpv_base{i}" for i in range(k)]
-    lines = ["{", *(f".shared .align 16 .b32 {name}[16];" for name in names),
-             f".reg .u32 {', '.join(bases)}, %tpv_slot, %tpv_t, %tpv_rank, %tpv_to;",
-             *(f"mov.u32 {base}, {name};" for base, name in zip(bases, names)),
-             f"and.b32 %tpv_t, ${parity}, 1;",
-             *(f"mad.lo.u32 {base}, %tpv_t, 32, {base};" for base in bases),
-             "mov.u32 %tpv_rank, %cluster_ctarank;",
-             "mov.u32 %tpv_to, %tid.x;",
-             f"rem.u32 %tpv_to, %tpv_to, ${leaves};"]
-    for i, base in enumerate(bases):
-        lines += [f"mad.lo.u32 %tpv_slot, %tpv_rank, 4, {base};",
-                  "mapa.shared::cluster.u32 %tpv_slot, %tpv_slot, %tpv_to;",
-                  f"st.shared::cluster.b32 [%tpv_slot], ${value + i};"]
-    lines += ["barrier.cluster.arrive.release.aligned;", "barrier.cluster.wait.acquire.aligned;"]
-    for i, base in enumerate(bases):
+# The meetings' shared memory, one array a program: four mbarriers, [kind][parity] (kind 0 the
+# maxima, 1 the sums; parity the row's), then 64 slot words, [kind][parity][set][8] (set 1 the
+# statistics' previous sums).  A program's meeting of kind k for its cluster's row i: thread 0
+# expects ``4 * sets * LEAVES`` bytes on mbarrier [k][i % 2]; thread t < LEAVES stores the
+# program's values into slot [rank] of program t's set [k][i % 2] with ``st.async``, which
+# completes those bytes on program t's mbarrier [k][i % 2]; every thread waits for that
+# mbarrier's phase (i // 2) % 2 to complete (acquire, cluster scope), then reads the set.  A
+# program reaches row i + 2's meeting of a kind only after row i + 1's, which needs every
+# program's value of row i + 1, which each sends only after its own row i's wait and reads: so
+# no slot is overwritten before it is read and no mbarrier phase receives another row's bytes.
+_SETUP_ASM = gl.constexpr("\n".join([
+    "{",
+    ".shared .align 16 .b8 tpinv_meetings[288];",
+    ".reg .pred %tpv_first;",
+    ".reg .u32 %tpv_t;",
+    "mov.u32 $0, tpinv_meetings;",
+    "mov.u32 %tpv_t, %tid.x;",
+    "setp.eq.u32 %tpv_first, %tpv_t, 0;",
+    *(f"@%tpv_first mbarrier.init.shared::cta.b64 [tpinv_meetings+{8 * i}], 1;" for i in range(4)),
+    "fence.mbarrier_init.release.cluster;",
+    "barrier.cluster.arrive.release.aligned;",
+    "barrier.cluster.wait.acquire.aligned;",
+    "}"]))
+# Before a program exits: every program is past its last meeting, so no store is in flight to it.
+_TEARDOWN_ASM = gl.constexpr("{ barrier.cluster.arrive.release.aligned; "
+                             "barrier.cluster.wait.acquire.aligned; mov.u32 $0, 0; }")
+
+
+def _meeting_asm(kind: int, sets: int) -> str:
+    """The PTX of a meeting of ``kind`` (0: maxima, 1: sums) carrying ``sets`` fp32 values a
+    program: operands ``$0 ..`` the eight words read from each set in turn, then the values, the
+    meetings' array (:data:`_SETUP_ASM`), the cluster's row count and ``LEAVES``."""
+    value = 8 * sets
+    array, count, leaves = value + sets, value + sets + 1, value + sets + 2
+    lines = ["{",
+             ".reg .pred %tpv_first, %tpv_sender, %tpv_done;",
+             ".reg .u32 %tpv_t, %tpv_parity, %tpv_phase, %tpv_bar, %tpv_set, %tpv_to, "
+             "%tpv_to_bar, %tpv_bytes;",
+             ".reg .b64 %tpv_state;",
+             f"and.b32 %tpv_parity, ${count}, 1;",
+             f"bfe.u32 %tpv_phase, ${count}, 1, 1;",
+             f"mad.lo.u32 %tpv_bar, %tpv_parity, 8, ${array};",
+             f"add.u32 %tpv_bar, %tpv_bar, {16 * kind};",
+             f"mad.lo.u32 %tpv_set, %tpv_parity, 64, ${array};",
+             f"add.u32 %tpv_set, %tpv_set, {32 + 128 * kind};",
+             "mov.u32 %tpv_t, %tid.x;",
+             "setp.eq.u32 %tpv_first, %tpv_t, 0;",
+             f"mul.lo.u32 %tpv_bytes, ${leaves}, {4 * sets};",
+             "@%tpv_first mbarrier.arrive.expect_tx.shared::cta.b64 %tpv_state, [%tpv_bar], "
+             "%tpv_bytes;",
+             f"setp.lt.u32 %tpv_sender, %tpv_t, ${leaves};",
+             "mov.u32 %tpv_to, %cluster_ctarank;",
+             "mad.lo.u32 %tpv_to, %tpv_to, 4, %tpv_set;",
+             "@%tpv_sender mapa.shared::cluster.u32 %tpv_to, %tpv_to, %tpv_t;",
+             "@%tpv_sender mapa.shared::cluster.u32 %tpv_to_bar, %tpv_bar, %tpv_t;"]
+    for i in range(sets):
+        lines.append("@%tpv_sender st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 "
+                     f"[%tpv_to+{32 * i}], ${value + i}, [%tpv_to_bar];")
+    lines += ["TPV_WAIT:",
+              "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 %tpv_done, [%tpv_bar], "
+              "%tpv_phase;",
+              "@!%tpv_done bra TPV_WAIT;"]
+    for i in range(sets):
         for half in (0, 4):
             words = ", ".join(f"${8 * i + half + j}" for j in range(4))
-            lines.append(f"ld.shared.v4.b32 {{{words}}}, [{base}{'+16' if half else ''}];")
+            lines.append(f"ld.shared.v4.b32 {{{words}}}, [%tpv_set+{32 * i + 4 * half}];")
     return "\n".join(lines + ["}"])
 
 
-_MAX_MEETING = gl.constexpr(_meeting_asm("tpinv_row_maxima"))
-_SUM_MEETING = gl.constexpr(_meeting_asm("tpinv_row_sums"))
+_MAX_MEETING = gl.constexpr(_meeting_asm(0, 1))
+_SUM_MEETING = gl.constexpr(_meeting_asm(1, 1))
 # The statistics' max meeting also carries each leaf's sum of the cluster's previous row, in a
-# second set of slots (the same parity rule): one barrier a row, and the previous row's sums
-# are in every program's shared memory once the next row's maxima are.
-_MAX_AND_PREVIOUS_SUMS_MEETING = gl.constexpr(_meeting_asm("tpinv_row_maxima",
-                                                           "tpinv_previous_sums"))
-_MEETING_OPERANDS = gl.constexpr("=r," * 8 + "r,r,r")
-_TWO_SETS_MEETING_OPERANDS = gl.constexpr("=r," * 16 + "r,r,r,r")
+# second set of slots: one meeting a row, and the previous row's sums are in every program's
+# shared memory once the next row's maxima are.
+_MAX_AND_PREVIOUS_SUMS_MEETING = gl.constexpr(_meeting_asm(0, 2))
+_MEETING_OPERANDS = gl.constexpr("=r," * 8 + "r,r,r,r")
+_TWO_SETS_MEETING_OPERANDS = gl.constexpr("=r," * 16 + "r,r,r,r,r")
+
+
+@gluon.jit
+def _meetings():
+    """The program's meetings' shared array (its address), its mbarriers initialized, once every
+    program of the cluster has initialized its own."""
+    return gl.inline_asm_elementwise(_SETUP_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _leave_cluster():
+    """Wait until every program of the cluster is past its last meeting."""
+    return gl.inline_asm_elementwise(_TEARDOWN_ASM, "=r", [], dtype=gl.int32, is_pure=False,
+                                     pack=1)
 
 
 @gluon.jit
@@ -103,22 +154,24 @@ def _floats(w, FIRST: gl.constexpr):
 
 
 @gluon.jit
-def _meet(asm: gl.constexpr, value, parity, LEAVES: gl.constexpr):
-    """The row's ``LEAVES`` fp32 values (leaf order) once every program of the cluster gave its."""
+def _meet(asm: gl.constexpr, value, meetings, count, LEAVES: gl.constexpr):
+    """The row's ``LEAVES`` fp32 values (leaf order) once every program of the cluster gave its
+    (``count``: the cluster's rows before this one; ``meetings``: :func:`_meetings`)."""
     w = gl.inline_asm_elementwise(asm, _MEETING_OPERANDS,
-                                  [value.to(gl.int32, bitcast=True), parity, LEAVES + parity * 0],
+                                  [value.to(gl.int32, bitcast=True), meetings, count,
+                                   LEAVES + count * 0],
                                   dtype=(gl.int32,) * 8, is_pure=False, pack=1)
     return _floats(w, 0)
 
 
 @gluon.jit
-def _meet_with_sums(value, previous_sum, parity, LEAVES: gl.constexpr):
+def _meet_with_sums(value, previous_sum, meetings, count, LEAVES: gl.constexpr):
     """``(maxima, previous sums)``: the row's ``LEAVES`` leaf maxima and the leaf sums of the
     cluster's previous row (leaf order), once every program of the cluster gave both."""
     w = gl.inline_asm_elementwise(
         _MAX_AND_PREVIOUS_SUMS_MEETING, _TWO_SETS_MEETING_OPERANDS,
-        [value.to(gl.int32, bitcast=True), previous_sum.to(gl.int32, bitcast=True), parity,
-         LEAVES + parity * 0],
+        [value.to(gl.int32, bitcast=True), previous_sum.to(gl.int32, bitcast=True), meetings,
+         count, LEAVES + count * 0],
         dtype=(gl.int32,) * 16, is_pure=False, pack=1)
     return _floats(w, 0), _floats(w, 8)
 
@@ -146,7 +199,7 @@ def _nan_max_of(v, LEAVES: gl.constexpr):
 
 
 @gluon.jit
-def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr, n_rows,
+def _row_of_leaves(a, b, c, row, leaf, meetings, count, x_ptr, y_ptr, max_ptr, total_ptr, n_rows,
                    leaf_len, stride_x, stride_y, lanes, MODE: gl.constexpr, LEAVES: gl.constexpr,
                    STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, BLOCK: gl.constexpr,
                    TILE: gl.constexpr, LOG2_TILE: gl.constexpr, LIVE: gl.constexpr,
@@ -159,13 +212,13 @@ def _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr,
     x_leaf = x_ptr + row64 * stride_x + leaf.to(gl.int64) * leaf_len   # for tiles not held
     m_leaf, lo = leaf_extremes(a, b, c, x_leaf, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
                                PARTIAL, HELD, lanes_layout)
-    m = _nan_max_of(_meet(_MAX_MEETING, m_leaf, parity, LEAVES), LEAVES)
+    m = _nan_max_of(_meet(_MAX_MEETING, m_leaf, meetings, count, LEAVES), LEAVES)
     shift = shift_of(m)
     _thread_barrier()   # the sum pass reads shared memory again (as in the ticket kernel)
     acc = _sum_lanes(a, b, c, x_leaf, shift, lo, lanes, leaf_len, MODE, STEPS, A, B, BLOCK, TILE,
                      LIVE, PARTIAL, HELD, lanes_layout)
     s_leaf = fold_lanes(acc, TILE, LOG2_TILE, fold_layout)
-    total = _pair_tree_of(_meet(_SUM_MEETING, s_leaf, parity, LEAVES), LEAVES)
+    total = _pair_tree_of(_meet(_SUM_MEETING, s_leaf, meetings, count, LEAVES), LEAVES)
     if leaf == 0:
         gl.store(max_ptr + row64, m)
         gl.store(total_ptr + row64, total)
@@ -192,7 +245,7 @@ def _row_total(sums, row, m, total_ptr, lse_ptr, LEAVES: gl.constexpr, LSE: gl.c
 
 
 @gluon.jit
-def _statistics_of_row(a, b, c, row, leaf, parity, previous_sum, previous_m, x_ptr, max_ptr,
+def _statistics_of_row(a, b, c, row, leaf, meetings, count, previous_sum, previous_m, x_ptr, max_ptr,
                        total_ptr, lse_ptr, leaf_len, stride_x, lanes, LEAVES: gl.constexpr,
                        STEPS: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
                        BLOCK: gl.constexpr, TILE: gl.constexpr, LOG2_TILE: gl.constexpr,
@@ -207,7 +260,7 @@ def _statistics_of_row(a, b, c, row, leaf, parity, previous_sum, previous_m, x_p
     x_leaf = x_ptr + row64 * stride_x + leaf.to(gl.int64) * leaf_len   # for tiles not held
     m_leaf, lo = leaf_extremes(a, b, c, x_leaf, lanes, leaf_len, A, B, BLOCK, TILE, STEPS, LIVE,
                                PARTIAL, HELD, lanes_layout)
-    maxima, previous_sums = _meet_with_sums(m_leaf, previous_sum, parity, LEAVES)
+    maxima, previous_sums = _meet_with_sums(m_leaf, previous_sum, meetings, count, LEAVES)
     m = _nan_max_of(maxima, LEAVES)
     if (leaf == 0) & (row >= gl.num_programs(0) // LEAVES):   # not the cluster's first row
         _row_total(previous_sums, row64 - gl.num_programs(0) // LEAVES, previous_m, total_ptr,
@@ -249,35 +302,37 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr,
         _stagger(sync_ptr, stagger_ns, STAGGER)
     _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes, LEAVES, STEPS,
            A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
-    parity = 0
+    meetings = _meetings()
+    count = gl.to_tensor(0)   # the cluster's rows so far: a meeting's parity and phase
     if MODE == 0:
         previous_sum = gl.to_tensor(0.0)   # nothing before the cluster's first row
         previous_m = gl.to_tensor(0.0)
         while row < n_rows:
             previous_m, previous_sum = _statistics_of_row(
-                a, b, c, row, leaf, parity, previous_sum, previous_m, x_ptr, max_ptr, total_ptr,
-                lse_ptr, leaf_len, stride_x, lanes, LEAVES, STEPS, A, B, BLOCK, TILE, LOG2_TILE,
-                LIVE, PARTIAL, HELD, LSE, lanes_layout, fold_layout)
+                a, b, c, row, leaf, meetings, count, previous_sum, previous_m, x_ptr, max_ptr,
+                total_ptr, lse_ptr, leaf_len, stride_x, lanes, LEAVES, STEPS, A, B, BLOCK, TILE,
+                LOG2_TILE, LIVE, PARTIAL, HELD, LSE, lanes_layout, fold_layout)
             row += n_clusters
-            parity = 1 - parity
+            count += 1
             _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes,
                    LEAVES, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
         if row >= n_clusters:   # the cluster's last row: its sums meet once more
-            sums = _meet(_SUM_MEETING, previous_sum, parity, LEAVES)
+            sums = _meet(_SUM_MEETING, previous_sum, meetings, count * 0, LEAVES)
             if leaf == 0:
                 _row_total(sums, (row - n_clusters).to(gl.int64), previous_m, total_ptr,
                            lse_ptr, LEAVES, LSE)
     else:
         while row < n_rows:
-            _row_of_leaves(a, b, c, row, leaf, parity, x_ptr, y_ptr, max_ptr, total_ptr,
+            _row_of_leaves(a, b, c, row, leaf, meetings, count, x_ptr, y_ptr, max_ptr, total_ptr,
                            n_rows, leaf_len, stride_x, stride_y, lanes, MODE, LEAVES, STEPS, A,
                            B, BLOCK, TILE, LOG2_TILE, LIVE, PARTIAL, HELD, lanes_layout,
                            fold_layout, PREFETCH)
             row += n_clusters
-            parity = 1 - parity
+            count += 1
             if not PREFETCH:   # else the output pass copied it
                 _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes,
                        LEAVES, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
+    _leave_cluster()
 
 
 def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mode: int,
