@@ -197,8 +197,7 @@ def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs,
     """Every mode with a row's leaves in one thread-block cluster (the table's choice widened to
     every dtype and mode), leaves 8/4/2, one cluster looping over every row and as many as fit:
     the row kernel's bytes; the clustered launch is asserted to run, and the table's choice is
-    asserted to be what runs (bf16 softmax, log_softmax and fp32 statistics clustered, bf16
-    statistics not)."""
+    asserted to be what runs (every mode of bf16, fp16 and fp32 clustered)."""
     ts, bl = mods()
     if not bl.HELD[0]:
         pytest.skip("the cluster kernel holds its leaves in shared memory")
@@ -213,13 +212,23 @@ def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs,
     monkeypatch.setattr(gluon_softmax_cluster, "softmax_rows_clustered", counted)
     for table_dtype, mode, want_cluster in ((torch.bfloat16, ts._MODE_SOFTMAX, True),
                                             (torch.bfloat16, ts._MODE_LOG, True),
-                                            (torch.bfloat16, ts._MODE_STATS, False),
+                                            (torch.bfloat16, ts._MODE_STATS, True),
+                                            (torch.float16, ts._MODE_STATS, True),
                                             (torch.float32, ts._MODE_STATS, True)):
         x = special_rows(rand(37, 151936, dtype=table_dtype, seed=31))
         before = len(clustered)
         check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode), row_kernel(ts, x, DEFAULT_LEAVES, mode),
                    f"table's choice, {table_dtype} mode={mode}")
         assert (len(clustered) > before) == want_cluster, (table_dtype, mode)
+    with monkeypatch.context() as m:   # control: a (dtype, mode) the table leaves out meets by tickets
+        m.setattr(gluon_softmax_plan, "CLUSTERED", gluon_softmax_plan.CLUSTERED - {(torch.bfloat16, 0)})
+        before = len(clustered)
+        check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_STATS),
+                   row_kernel(ts, x, DEFAULT_LEAVES, ts._MODE_STATS), "cluster, float32 statistics")
+        x16 = x.to(torch.bfloat16)
+        check_same(bl.softmax_rows_by_leaves(x16, DEFAULT_LEAVES, ts._MODE_STATS),
+                   row_kernel(ts, x16, DEFAULT_LEAVES, ts._MODE_STATS), "tickets, bf16 statistics")
+        assert len(clustered) == before + 1   # the fp32 call clustered, the bf16 one did not
     monkeypatch.setattr(gluon_softmax_plan, "CLUSTERED",
                         frozenset((d, m) for d in (torch.float32, torch.bfloat16, torch.float16)
                                   for m in (0, 1, 2)))
@@ -332,8 +341,9 @@ def test_control_a_change_in_one_leaf_moves_its_row(held_runs):
 def test_logsumexp_takes_its_tail_in_the_held_launches(dtype, held_runs, monkeypatch):
     """The public logsumexp: where the held kernel runs, its own launches write each row's
     ``safe_shift(max) + log(total)`` rounded once to the input's dtype (asserted to run there:
-    the ticket kernel's combine launch, 16-bit; the cluster kernel itself, fp32, whose program 0
-    of a row's cluster takes the row's total), with the bytes of :func:`logsumexp_from_parts` on
+    the cluster kernel itself, whose program 0 of a row's cluster takes the row's total, for the
+    (dtype, statistics) the plan's ``CLUSTERED`` names; the ticket kernel's combine launch
+    elsewhere), with the bytes of :func:`logsumexp_from_parts` on
     the row kernel's max and total (and on ``max_and_sum_exp``'s), NaN, infinities and -inf rows
     included, leaves of 8 and 4.  Control: a new max in one row moves that row's logsumexp and
     no other row's."""
@@ -356,7 +366,8 @@ def test_logsumexp_takes_its_tail_in_the_held_launches(dtype, held_runs, monkeyp
 
         monkeypatch.setattr(gluon_softmax, "combine_sums", combine)
         monkeypatch.setattr(gluon_softmax_cluster, "held_launch_options", cluster_options)
-    where = "cluster" if dtype == torch.float32 else "combine"
+    from tpinv.kernels import gluon_softmax_plan
+    where = "cluster" if (dtype, ts._MODE_STATS) in gluon_softmax_plan.CLUSTERED else "combine"
     expected = []
     for leaves in (8, 4):      # an fp32 leaf of 37,984 elements is not held: the L2 kernel
         flat = special_rows(rand(26, 151936, dtype=dtype, seed=50 + leaves))
@@ -378,7 +389,9 @@ def test_logsumexp_takes_its_tail_in_the_held_launches(dtype, held_runs, monkeyp
     assert tails == expected, (tails, expected)
     assert ((where, True) in tails) == bool(bl.HELD[0]), "the held kernel runs Qwen3's leaves of 8"
     y = flat.clone()
-    y[9, 3 * (151936 // 4) + 5] = flat[9].float().max() + 2.0
+    # a new element 20 above row 9's max: the row's logsumexp, at most max + log(151936) (11.93)
+    # before, is at least max + 20 after, a change no rounding to 16 bits can hide
+    y[9, 3 * (151936 // 4) + 5] = flat[9].float().max() + 20.0
     after = ts.logsumexp_forward_cuda(y, 4)
     before = ts.logsumexp_forward_cuda(flat, 4)
     others = [r for r in range(flat.shape[0]) if r != 9]

@@ -73,10 +73,14 @@ HELD_CONFIG = {
 #: (:func:`~tpinv.kernels.gluon_softmax_extremes.leaf_extremes`), bf16 log_softmax in a cluster
 #: copying its next row during the output pass (:data:`PREFETCHED`): 85.0 / 80.8-81.1 against
 #: 83.5 / 79.3-79.5 with tickets (bf16 statistics still slower in a cluster: 65.4 / 59.5 against
-#: 70.7-70.9 / 62.3 before the change).  Speed only: the same bits either way.
+#: 70.7-70.9 / 62.3 before the change); then, the meetings as asynchronous stores on mbarriers
+#: (no release fence), 2026-12-05, % of copy at 1024 / 4096 rows: bf16 statistics in a cluster
+#: 71.8-73.8 / 86.1-87.3 against 58.0-60.5 / 80.3-80.4 with tickets (replayed from a CUDA graph
+#: 79.7 / 87.7 against 75.0-75.1 / 82.3), so 16-bit statistics meet in a cluster too (fp16 as
+#: bf16: the same program shape).  Speed only: the same bits either way.
 CLUSTERED = frozenset({(torch.float32, 0), (torch.float32, 1), (torch.float32, 2),
-                       (torch.bfloat16, 1), (torch.float16, 1), (torch.bfloat16, 2),
-                       (torch.float16, 2)})
+                       (torch.bfloat16, 0), (torch.float16, 0), (torch.bfloat16, 1),
+                       (torch.float16, 1), (torch.bfloat16, 2), (torch.float16, 2)})
 #: The clustered (input dtype, mode) whose programs copy the cluster's next row into their leaf
 #: tile by tile during the output pass, each tile as soon as the pass has written its output
 #: (:func:`~tpinv.kernels.gluon_softmax._write_leaf`), rather than after the whole row.  H200, %
