@@ -33,7 +33,7 @@ rank, so the cross-rank sum adds one value to zeros and is exact).  lm_head: col
 (``Shard(0)``, tied to the embedding when the model ties them); by default its output is the
 whole ``[..., V]`` gathered exactly (no cross-rank sum, and HF's own loss and generation work
 unchanged); ``shard_logits=True`` keeps a ``Shard(-1)`` DTensor for a vocab-parallel loss
-(:func:`cross_entropy`).  A tpinv Transformer keeps its own convention (local vocabulary
+(:func:`cross_entropy`; a call with HF's ``labels=`` is then refused).  A tpinv Transformer keeps its own convention (local vocabulary
 shard; ``model.loss`` / ``gather_logits``) and takes the invariant plan only.
 """
 from __future__ import annotations
