@@ -220,7 +220,9 @@ def test_rows_meeting_in_a_cluster_give_the_row_kernel_s_bytes(dtype, held_runs,
         check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, mode), row_kernel(ts, x, DEFAULT_LEAVES, mode),
                    f"table's choice, {table_dtype} mode={mode}")
         assert (len(clustered) > before) == want_cluster, (table_dtype, mode)
-    with monkeypatch.context() as m:   # control: a (dtype, mode) the table leaves out meets by tickets
+    # control: a (dtype, mode) the table leaves out meets by tickets; ``x`` is the loop's last
+    # rows (fp32 statistics, still in the table: they cluster), ``x16`` the same rows in bf16
+    with monkeypatch.context() as m:
         m.setattr(gluon_softmax_plan, "CLUSTERED", gluon_softmax_plan.CLUSTERED - {(torch.bfloat16, 0)})
         before = len(clustered)
         check_same(bl.softmax_rows_by_leaves(x, DEFAULT_LEAVES, ts._MODE_STATS),

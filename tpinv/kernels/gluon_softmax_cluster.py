@@ -317,6 +317,7 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr,
             _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes,
                    LEAVES, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
         if row >= n_clusters:   # the cluster's last row: its sums meet once more
+            # the statistics' only meeting on the sums' mbarriers: their first phase (count 0)
             sums = _meet(_SUM_MEETING, previous_sum, meetings, count * 0, LEAVES)
             if leaf == 0:
                 _row_total(sums, (row - n_clusters).to(gl.int64), previous_m, total_ptr,
