@@ -283,17 +283,31 @@ def _timer_ns():
 
 
 @gluon.jit
+def _sm_id():
+    """The SM this program runs on (it stays there until it exits)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
 def _stagger(sm_count_ptr, unit_ns, SLOTS: gl.constexpr):
     """Hold this program ``k * unit_ns`` before its first ticket, ``k`` its arrival order on its
     SM modulo ``SLOTS``: the programs an SM holds then copy and compute in different phases
     rather than all copying, then all computing.  Scheduling only: no value depends on it."""
-    smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32,
-                                     is_pure=True, pack=1)
-    k = gl.atomic_add(sm_count_ptr + smid % 1024, 1, sem="relaxed", scope="gpu") % SLOTS
+    k = gl.atomic_add(sm_count_ptr + _sm_id() % 1024, 1, sem="relaxed", scope="gpu") % SLOTS
     wait = k.to(gl.int64) * unit_ns
     start = _timer_ns()
     while _timer_ns() - start < wait:
         pass
+
+
+@gluon.jit
+def _unstagger(sm_count_ptr):
+    """Take back, as the program exits, the arrival :func:`_stagger` counted on its SM: once a
+    launch's programs have all exited, each SM's count is where it was before the launch, so a
+    count zeroed once serves every later launch on the stream (no memset a call).  Scheduling
+    only: no value depends on it."""
+    gl.atomic_add(sm_count_ptr + _sm_id() % 1024, -1, sem="relaxed", scope="gpu")
 
 
 @gluon.jit

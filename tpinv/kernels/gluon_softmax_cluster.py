@@ -40,7 +40,7 @@ from triton.experimental.gluon import language as gl
 
 from tpinv.kernels.cluster_launch import clustered
 from tpinv.kernels.gluon_softmax import (_issue, _stagger, _sum_lanes, _thread_barrier,
-                                         _write_output)
+                                         _unstagger, _write_output)
 from tpinv.kernels.gluon_softmax_plan import PREFETCHED, held_launch_options
 from tpinv.kernels.gluon_softmax_extremes import leaf_extremes
 from tpinv.kernels.gluon_softmax_leaf import fold_lanes, shift_of
@@ -334,6 +334,24 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr,
                 _issue(a, b, c, x_ptr, stride_x, leaf_len, row * LEAVES + leaf, n_items, lanes,
                        LEAVES, STEPS, A, B, BLOCK, TILE, LIVE, PARTIAL, HELD)
     _leave_cluster()
+    if STAGGER > 1:
+        _unstagger(sync_ptr)
+
+
+#: Per device: the staggered starts' arrival count of each SM (int32), zeroed once.  A program
+#: counts its arrival (:func:`~tpinv.kernels.gluon_softmax._stagger`) and takes it back as it
+#: exits (:func:`~tpinv.kernels.gluon_softmax._unstagger`), so every count is zero again when a
+#: launch ends: the next launch needs no memset.  Launches on several streams at once may see
+#: one another's arrivals: that moves a start, never a value.
+_ARRIVALS: dict = {}
+
+
+def arrival_counts(device: torch.device) -> torch.Tensor:
+    """The staggered starts' per-SM arrival counts of ``device`` (made, zeroed, on first use)."""
+    counts = _ARRIVALS.get(device)
+    if counts is None:
+        counts = _ARRIVALS[device] = torch.zeros(1024, dtype=torch.int32, device=device)
+    return counts
 
 
 def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mode: int,
@@ -352,9 +370,7 @@ def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mo
                                   per_sm, stagger_ns, lse is not None,
                                   (rows.dtype, mode) in PREFETCHED)
     staggered = options["STAGGER"] > 0
-    # staggered starts: an arrival count per SM (int32, zero before the launch); else unread
-    sync = (torch.zeros(1024, dtype=torch.int32, device=rows.device) if staggered
-            else torch.empty(1, dtype=torch.int32, device=rows.device))
+    sync = arrival_counts(rows.device)     # read where starts are staggered
     args = (rows, target, max_, total, total if lse is None else lse, sync, n_rows, leaf_len,
             rows.stride(0), target.stride(0), stagger_ns if staggered else 0)
     kernel = clustered(_softmax_cluster_kernel, args, options, leaves)
