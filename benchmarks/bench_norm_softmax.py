@@ -7,11 +7,14 @@ plain torch ops (the HF RMSNorm formula, ``F.log_softmax``, ``F.softmax``,
 (``log_softmax_forward_cuda``, ``softmax_forward_cuda``, ``logsumexp_forward_cuda``: the row read
 once, plus the ``[T]`` result; long rows run one program per leaf, its leaf held in shared memory
 on an sm_90 GPU) and, beside them, the same by-leaves kernel reading its leaf through L2 and the
-one-program-per-row kernel.  Prints a Markdown table and writes JSON (``--json PATH``).
-``--sweep`` also times the held-leaf kernel's launch shapes (warps, programs per SM) for
+one-program-per-row kernel, in fp32, bf16 and fp16 (``--softmax-dtypes``); each public op is also
+timed replayed from a CUDA graph (no launch gaps, no host time), and its bytes are checked first
+against the row kernel's on rows of special values and on the timed input (the run exits 1 if
+any differ).  ``--softmax-only`` skips RMSNorm.  Prints a Markdown table and writes JSON
+(``--json PATH``).  ``--sweep`` also times the held-leaf kernel's launch shapes (warps, programs per SM) for
 log_softmax, softmax and the statistics alone, each checked first to give the row kernel's bytes.
 
-    python -m benchmarks.bench_norm_softmax [--sweep] --json out.json
+    python -m benchmarks.bench_norm_softmax [--softmax-only] [--sweep] --json out.json
 """
 from __future__ import annotations
 
@@ -29,10 +32,13 @@ from tpinv.kernels import triton_softmax, triton_softmax_leaves
 from tpinv.kernels.triton_softmax import (log_softmax_forward_cuda, logsumexp_forward_cuda,
                                          softmax_forward_cuda)
 from tpinv.models.vanilla import plain_rms_norm
-from tpinv.testing import same_bits
+from tpinv.kernels.reference_softmax import logsumexp_from_parts
+from tpinv.testing import same_bits, special_rows
 
 #: The softmax rows' vocabulary (Qwen3's).
 VOCAB = 151936
+#: The softmax rows' dtypes, by the names ``--softmax-dtypes`` takes.
+SOFTMAX_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def gbps(n_bytes: int, fn) -> tuple[float, float]:
@@ -51,7 +57,8 @@ def through_l2(fn):
     return call
 
 
-def run(copy_gbps: float) -> list[dict]:
+def run_norm(copy_gbps: float) -> list[dict]:
+    """RMSNorm forward and backward, bf16, against the HF formula in torch."""
     rows = []
     shapes = [(tokens, hidden) for tokens in (4096, 16384) for hidden in (1024, 4096, 8192)]
     shapes += [(4096, 16, 128), (4096, 8, 128)]            # Qwen3 q/k norm: [T, heads, head_dim]
@@ -75,27 +82,74 @@ def run(copy_gbps: float) -> list[dict]:
                          frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
                          bwd_ms=bms, bwd_gbps=bbw, bwd_frac_copy=bbw / copy_gbps))
         del x, g
+    return rows
+
+
+def bytes_match(op, mode: int, x: torch.Tensor) -> bool:
+    """Whether the public ``op`` gives the row kernel's bytes on ``x`` (logsumexp: its max and
+    total's ``logsumexp_from_parts``, rounded once)."""
+    ts = triton_softmax
+    got = op(x, DEFAULT_LEAVES)
+    out, m, s = ts._fused(x, DEFAULT_LEAVES, mode, ts._FUSED_CONFIG[x.dtype])
+    want = logsumexp_from_parts(m, s).to(x.dtype) if mode == ts._MODE_STATS else out
+    return same_bits(got, want)
+
+
+def graph_ms(fn, calls: int = 5) -> float:
+    """Median ms of one call of ``fn`` replayed from a CUDA graph of ``calls`` calls (no launch
+    gaps between them, no host time)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = do_bench(graph.replay, return_mode="median") / calls
+    del graph
+    return ms
+
+
+def run_softmax(copy_gbps: float, dtypes: tuple = ("fp32", "bf16", "fp16")) -> list[dict]:
+    """The softmax family at 1024 and 4096 rows of Qwen3's vocabulary, each dtype: the public ops
+    (eager and replayed from a CUDA graph), their by-leaves kernel through L2, the row kernel and
+    torch; each public op's bytes first checked against the row kernel's on rows of special
+    values (:func:`tpinv.testing.special_rows`) and on the timed input."""
     ts = triton_softmax
     softmax_ops = (("log_softmax", log_softmax_forward_cuda, F.log_softmax, ts._MODE_LOG),
                    ("softmax", softmax_forward_cuda, F.softmax, ts._MODE_SOFTMAX),
                    ("logsumexp", logsumexp_forward_cuda, torch.logsumexp, ts._MODE_STATS))
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+    rows = []
+    for name in dtypes:
+        dtype = SOFTMAX_DTYPES[name]
         for tokens in (1024, 4096):
+            gen = torch.Generator().manual_seed(tokens)
+            special = special_rows(torch.randn(32, VOCAB, generator=gen).to(dtype)).cuda()
             x = torch.randn(tokens, VOCAB, device="cuda", dtype=dtype)
             row_cfg = ts._FUSED_CONFIG[dtype]
             for op, ours, theirs, mode in softmax_ops:
+                same = bytes_match(ours, mode, special) and bytes_match(ours, mode, x)
                 # the row read and written once; logsumexp writes one value a row
                 written = tokens if mode == ts._MODE_STATS else x.numel()
                 n_bytes = (x.numel() + written) * x.element_size()
                 ms, bw = gbps(n_bytes, lambda: ours(x, DEFAULT_LEAVES))
+                gms = graph_ms(lambda: ours(x, DEFAULT_LEAVES))
                 tms, tbw = gbps(n_bytes, lambda: theirs(x, -1))
                 rms, rbw = gbps(n_bytes, lambda: ts._fused(x, DEFAULT_LEAVES, mode, row_cfg))
                 lms, lbw = gbps(n_bytes, through_l2(lambda: ours(x, DEFAULT_LEAVES)))
                 rows.append(dict(op=op, dtype=name, T=tokens, V=VOCAB, ms=ms, gbps=bw,
-                                 frac_copy=bw / copy_gbps, torch_ms=tms, torch_gbps=tbw,
+                                 frac_copy=bw / copy_gbps, same_bytes=same, graph_ms=gms,
+                                 graph_frac_copy=n_bytes / gms / 1e6 / copy_gbps,
+                                 torch_ms=tms, torch_gbps=tbw,
                                  row_kernel_ms=rms, row_kernel_frac_copy=rbw / copy_gbps,
                                  l2_ms=lms, l2_frac_copy=lbw / copy_gbps))
-            del x
+                print(f"{op} {name} T={tokens}: {100 * bw / copy_gbps:.1f}% of copy "
+                      f"(graph {100 * n_bytes / gms / 1e6 / copy_gbps:.1f}%) same bytes={same}",
+                      flush=True)
+            del x, special
             torch.cuda.empty_cache()
     return rows
 
@@ -139,27 +193,40 @@ def sweep(copy_gbps: float, tokens: int = 4096, dtypes: tuple = ("fp32", "bf16")
 
 def table(rows: list[dict], copy_gbps: float) -> str:
     lines = [f"copy bandwidth (d2d, 2 GiB): {copy_gbps:.0f} GB/s", "",
-             "| op | dtype | shape | tpinv ms | tpinv GB/s | % of copy | through L2 % of copy | row kernel % of copy | torch ms | torch GB/s | bwd GB/s (% copy) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| op | dtype | shape | tpinv ms | tpinv GB/s | % of copy | graph % of copy | same bytes "
+             "| through L2 % of copy | row kernel % of copy | torch ms | torch GB/s | bwd GB/s (% copy) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shape = (f"T={r['T']} H={r['H']}" + (f" heads={r['heads']}" if r.get("heads", 1) > 1 else "")
                  if r["op"] == "rms_norm" else f"T={r['T']} V={r['V']}")
         bwd = f"{r['bwd_gbps']:.0f} ({100 * r['bwd_frac_copy']:.0f}%)" if "bwd_gbps" in r else "-"
-        row_kernel = f"{100 * r['row_kernel_frac_copy']:.0f}%" if "row_kernel_frac_copy" in r else "-"
-        l2 = f"{100 * r['l2_frac_copy']:.0f}%" if "l2_frac_copy" in r else "-"
+        row_kernel = f"{100 * r['row_kernel_frac_copy']:.1f}%" if "row_kernel_frac_copy" in r else "-"
+        l2 = f"{100 * r['l2_frac_copy']:.1f}%" if "l2_frac_copy" in r else "-"
+        graph = f"{100 * r['graph_frac_copy']:.1f}%" if "graph_frac_copy" in r else "-"
+        same = {True: "yes", False: "**NO**"}.get(r.get("same_bytes"), "-")
         lines.append(f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {r['gbps']:.0f} | "
-                     f"{100 * r['frac_copy']:.0f}% | {l2} | {row_kernel} | {r['torch_ms']:.3f} | {r['torch_gbps']:.0f} | {bwd} |")
+                     f"{100 * r['frac_copy']:.1f}% | {graph} | {same} | {l2} | {row_kernel} | "
+                     f"{r['torch_ms']:.3f} | {r['torch_gbps']:.0f} | {bwd} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write the records to this path")
+    parser.add_argument("--softmax-only", action="store_true", help="skip the RMSNorm rows")
+    parser.add_argument("--softmax-dtypes", default="fp32,bf16,fp16",
+                        help=f"the softmax rows' dtypes, of {','.join(SOFTMAX_DTYPES)}")
     parser.add_argument("--sweep", action="store_true", help="also time the held-leaf kernel's launch shapes")
     parser.add_argument("--sweep-dtypes", default="fp32,bf16", help="the dtypes --sweep times")
     args = parser.parse_args()
+    dtypes = tuple(args.softmax_dtypes.split(","))
+    unknown = [d for d in dtypes if d not in SOFTMAX_DTYPES]
+    if unknown:
+        parser.error(f"--softmax-dtypes: unknown {unknown}; choose from {','.join(SOFTMAX_DTYPES)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_norm_softmax times CUDA kernels: no CUDA device here")
     copy_gbps = copy_bandwidth_gbps(2 << 30)
-    rows = run(copy_gbps)
+    rows = ([] if args.softmax_only else run_norm(copy_gbps)) + run_softmax(copy_gbps, dtypes)
     print(table(rows, copy_gbps))
     swept = sweep(copy_gbps, dtypes=tuple(args.sweep_dtypes.split(","))) if args.sweep else []
     for op in sorted({r["op"] + " " + r["dtype"] + " T=" + str(r["T"]) for r in swept}):
@@ -169,6 +236,9 @@ def main() -> None:
     if args.json:
         write_json(args.json, dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                    copy_gbps=copy_gbps, rows=rows, sweep=swept))
+    differ = [f"{r['op']} {r['dtype']} T={r['T']}" for r in rows + swept if r.get("same_bytes") is False]
+    if differ:
+        raise SystemExit(f"bytes differ from the row kernel's: {', '.join(differ)}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ if want elementwise; then
 fi
 if want softmax; then
   echo "== RMSNorm and softmax bandwidth"
-  CUDA_VISIBLE_DEVICES=0 timeout 180 python3 -m benchmarks.bench_norm_softmax --json "$OUT/bench_norm_softmax.json" 2>&1 | tail -20
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_norm_softmax --json "$OUT/bench_norm_softmax.json" 2>&1 | tail -40
 fi
 if want gluon; then
   echo "== Gluon matmul: bits vs the Triton kernel, speed vs cuBLAS"

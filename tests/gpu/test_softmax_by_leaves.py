@@ -21,6 +21,7 @@ import torch
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.kernels.reference_softmax import logsumexp_from_parts
 from tpinv.testing import assert_bits_differ, assert_same_bits
+from tpinv.testing.special_values import special_rows
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEV = "cuda"
@@ -68,41 +69,6 @@ def mods():
 def rand(*shape, dtype=torch.float32, seed=0, scale=3.0):
     gen = torch.Generator().manual_seed(seed)
     return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(DEV)
-
-
-def special_rows(x: torch.Tensor) -> torch.Tensor:
-    x = x.clone()
-    w = x.shape[1]
-    x[0, 5] = float("nan")
-    x[1] = float("-inf")
-    x[2, w - 1] = float("inf")
-    x[3, :] = -x[3].abs()            # a max of 0 reached with both signs
-    x[3, 7] = 0.0
-    x[3, w // 2 + 3] = -0.0
-    x[4, w // 3] = float("-inf")
-    if x.shape[0] > 8:   # the max pass's bf16 orders: NaN of either sign, -0, subnormals
-        negative_nan = -x.new_tensor(float("nan"))
-        x[5, 11] = negative_nan
-        x[6] = -x[6].abs() - 1.0     # a max of -0 alone
-        x[6, 9] = -0.0
-        x[6, w // 2] = -0.0
-        x[7] = x[7] * (torch.finfo(x.dtype).tiny / 4)    # subnormal
-        x[8, 3] = float("nan")
-        x[8, 4] = negative_nan
-    if x.shape[0] > 16:  # bf16's raw-bit maxima: leaves with no element of clear sign
-        n = w // 8       # a leaf of 8 (a part of one of fewer)
-        x[9] = -x[9].abs() - 0.5                        # every leaf negative
-        x[10, :n] = -0.0                                # a leaf of -0 alone
-        x[11, :n] = float("-inf")                       # a leaf of -inf and one finite element
-        x[11, n // 2] = -1000.0
-        x[12, :n] = -x[12, :n].abs() - 3.0              # a negative NaN at a negative leaf's end
-        x[12, n - 1] = negative_nan
-        x[13] = x[13].abs() + 100.0                     # positive, far from 0
-        x[14] = -x[14].abs()                            # -0 at the row's last element
-        x[14, w - 1] = -0.0
-        x[15] = -0.0                                    # -0 alone
-        x[16] = x[16].abs() * 1e-3                      # positive, near 0
-    return x
 
 
 def row_kernel(ts, x, leaves, mode):
