@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 from typing import Mapping
 
+from tpinv.kernels import launch as _launch
 from tpinv.kernels.launch import _current_device, _specialization, remember
 
 __all__ = ["clustered", "ClusteredKernel"]
@@ -47,10 +48,16 @@ class ClusteredKernel:
             raise RuntimeError(f"not one cluster of {cluster_size} programs fits this GPU "
                                f"({compiled.metadata.shared} bytes of shared memory a program)")
         self.names = kernel.arg_names
+        self.kernel = kernel
 
     def launch(self, n_clusters: int, args: tuple, options: Mapping) -> None:
         """``n_clusters`` clusters (``n_clusters * cluster_size`` programs) over ``args`` (the
-        kernel's runtime arguments, in order) and ``options`` (its constexprs)."""
+        kernel's runtime arguments, in order) and ``options`` (its constexprs).  A recording of
+        launches (:data:`tpinv.kernels.launch.RECORDER`) is told this one went through Triton, so
+        it refuses to become a program that would replay without it."""
+        recorder = _launch.RECORDER[0]
+        if recorder is not None:
+            recorder.unbound(self.kernel)
         full = list(args) + [options[name] for name in self.names[len(args):]]
         self.compiled[(n_clusters, 1, 1)](*full)
 
