@@ -305,8 +305,8 @@ def _stagger(sm_count_ptr, unit_ns, SLOTS: gl.constexpr):
 def _unstagger(sm_count_ptr):
     """Take back, as the program exits, the arrival :func:`_stagger` counted on its SM: once a
     launch's programs have all exited, each SM's count is where it was before the launch, so a
-    count zeroed once serves every later launch on the stream (no memset a call).  Scheduling
-    only: no value depends on it."""
+    count zeroed once serves every later launch on the stream (nothing zeroed a call).
+    Scheduling only: no value depends on it."""
     gl.atomic_add(sm_count_ptr + _sm_id() % 1024, -1, sem="relaxed", scope="gpu")
 
 

@@ -341,8 +341,8 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr,
 #: Per device: the staggered starts' arrival count of each SM (int32), zeroed once.  A program
 #: counts its arrival (:func:`~tpinv.kernels.gluon_softmax._stagger`) and takes it back as it
 #: exits (:func:`~tpinv.kernels.gluon_softmax._unstagger`), so every count is zero again when a
-#: launch ends: the next launch needs no memset.  Launches on several streams at once may see
-#: one another's arrivals: that moves a start, never a value.
+#: launch ends: no launch zeroes them before the next.  Launches on several streams at once may
+#: see one another's arrivals: that moves a start, never a value.
 _ARRIVALS: dict = {}
 
 
