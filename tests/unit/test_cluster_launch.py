@@ -1,9 +1,12 @@
-"""Launching as clusters refuses a Triton whose launcher it does not know, before launching.
+"""Launching as clusters: an unknown launcher form is refused before launching; a launch is a
+bound launch.
 
 :class:`tpinv.kernels.cluster_launch.ClusteredKernel` changes one field of a compiled kernel's
 launch metadata (the CTA count Triton's launcher turns into a cluster dimension).  Where that
 metadata has another form, it raises a clear error instead of launching something else; control:
-Triton 3.6's form passes the check (and then needs a driver, which a CPU machine lacks).
+Triton 3.6's form passes the check (and then needs a driver, which a CPU machine lacks).  Its
+launches take :func:`tpinv.kernels.launch.run_entry`, as bound launches do, and a recording of
+launches sees them.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import types
 import pytest
 
 from tpinv.kernels.cluster_launch import ClusteredKernel
+from tpinv.kernels.launch import _direct_entry
 
 
 def compiled_with(packed):
@@ -36,34 +40,46 @@ def test_control_triton_3_6_s_form_passes_the_check():
         pass
 
 
-class _Compiled:
-    """A compiled kernel's stand-in that notes its launches."""
+class _Launcher:
+    """A compiled kernel's launcher stand-in (not Triton's ``CudaLauncher``: no C entry is taken
+    from it) that notes its calls."""
     def __init__(self):
-        self.launches = []
+        self.calls = []
 
-    def __getitem__(self, grid):
-        return lambda *args: self.launches.append((grid, args))
+    def __call__(self, *args):
+        self.calls.append(args)
 
 
 def _kernel_without_driver():
-    clustered = object.__new__(ClusteredKernel)       # __init__ asks a GPU driver for occupancy
-    clustered.compiled, clustered.cluster_size = _Compiled(), 8
-    clustered.names, clustered.kernel = ["x", "y", "N"], types.SimpleNamespace(__name__="k")
+    """A ClusteredKernel over a stand-in compiled kernel (``__init__`` asks a GPU driver for the
+    clusters' occupancy), kept as ``__init__`` keeps it."""
+    compiled = types.SimpleNamespace(run=_Launcher(), function="f", packed_metadata=(4, 8, 1024),
+                                     launch_metadata=lambda *a: "metadata")
+    clustered = object.__new__(ClusteredKernel)
+    kernel = types.SimpleNamespace(__name__="k", arg_names=["x", "y", "N"])
+    clustered.compiled, clustered.cluster_size, clustered.names = compiled, 8, kernel.arg_names
+    clustered.entry = (compiled, (), _direct_entry(compiled), kernel)
     return clustered
 
 
-def test_a_recording_is_told_of_a_cluster_launch(monkeypatch):
-    """A recorded program replays bound launches only; a cluster launch inside a recording makes
-    it refuse (``unbound``) rather than leave the launch out of the program.  Control: with no
-    recording the launch alone happens.  Both launch, with the constexpr tail appended."""
+def test_a_cluster_launch_is_a_bound_launch(monkeypatch):
+    """A cluster launch runs its compiled kernel's launcher with the cluster's launch metadata
+    (``num_ctas`` = the cluster size: the launcher's cluster dimension), the constexpr tail
+    appended, on the current stream; a running recording of launches is told of it as of any bound
+    launch (with the entry it can replay).  Control: with no recording, the launch alone."""
     from tpinv.kernels import launch
+    monkeypatch.setattr(launch, "_GETTERS", [lambda: 0, lambda device: 77])
+    monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
     told = []
-    recorder = types.SimpleNamespace(unbound=lambda fn: told.append(fn.__name__))
+    recorder = types.SimpleNamespace(launch=lambda entry, grid, full: told.append((entry, grid, full)))
     clustered = _kernel_without_driver()
+    assert clustered.entry[2] is None          # a stand-in launcher has no C entry: through it
     monkeypatch.setattr(launch, "RECORDER", [recorder])
     clustered.launch(3, ("a", "b"), {"N": 7})
-    assert told == ["k"]
+    assert told == [(clustered.entry, (3, 1, 1), ("a", "b", 7))]
     monkeypatch.setattr(launch, "RECORDER", [None])
     clustered.launch(2, ("a", "b"), {"N": 7})
-    assert told == ["k"]
-    assert clustered.compiled.launches == [((3, 1, 1), ("a", "b", 7)), ((2, 1, 1), ("a", "b", 7))]
+    assert len(told) == 1
+    assert clustered.compiled.run.calls == [
+        (3, 1, 1, 77, "f", (4, 8, 1024), None, None, None, "a", "b", 7),
+        (2, 1, 1, 77, "f", (4, 8, 1024), None, None, None, "a", "b", 7)]

@@ -7,7 +7,10 @@ Triton's own launcher sets from a compiled kernel's CTA count), so the hardware 
 programs on the SMs of one GPC at the same time and they may wait for one another (a cluster
 barrier) and write to one another's shared memory.  The kernel is compiled for one CTA a program
 (its layouts hold no CTA split); a program finds its rank in its cluster as
-``program_id(0) % cluster_size`` and its cluster as ``program_id(0) // cluster_size``.
+``program_id(0) % cluster_size`` and its cluster as ``program_id(0) // cluster_size``.  A launch
+is a bound launch (:func:`tpinv.kernels.launch.run_entry`: the launcher's C entry where it has
+one), with the cluster's launch metadata, and a recording of launches (:mod:`tpinv.ops.replay`)
+is told of it as of any other.
 
 Written for Triton 3.6's launcher (a compiled kernel's ``packed_metadata`` is ``(num_warps,
 num_ctas, shared)``, and its driver can ask the occupancy of clusters); another form raises a
@@ -19,7 +22,8 @@ import copy
 from typing import Mapping
 
 from tpinv.kernels import launch as _launch
-from tpinv.kernels.launch import _current_device, _specialization, remember
+from tpinv.kernels.launch import (_current_device, _direct_entry, _specialization, remember,
+                                  run_entry)
 
 __all__ = ["clustered", "ClusteredKernel"]
 
@@ -48,18 +52,21 @@ class ClusteredKernel:
             raise RuntimeError(f"not one cluster of {cluster_size} programs fits this GPU "
                                f"({compiled.metadata.shared} bytes of shared memory a program)")
         self.names = kernel.arg_names
-        self.kernel = kernel
+        # kept as launch.py keeps a bound kernel: its launcher's C entry where it has one
+        self.entry = (self.compiled, (), _direct_entry(self.compiled), kernel)
 
     def launch(self, n_clusters: int, args: tuple, options: Mapping) -> None:
         """``n_clusters`` clusters (``n_clusters * cluster_size`` programs) over ``args`` (the
-        kernel's runtime arguments, in order) and ``options`` (its constexprs).  A recording of
-        launches (:data:`tpinv.kernels.launch.RECORDER`) is told this one went through Triton, so
-        it refuses to become a program that would replay without it."""
+        kernel's runtime arguments, in order) and ``options`` (its constexprs), as
+        :func:`~tpinv.kernels.launch.launch` launches a bound kernel: a recording of launches
+        (:data:`tpinv.kernels.launch.RECORDER`) is told of it, with the cluster's launch
+        metadata, as of any bound launch."""
+        grid = (n_clusters, 1, 1)
+        full = (*args, *(options[name] for name in self.names[len(args):]))
         recorder = _launch.RECORDER[0]
         if recorder is not None:
-            recorder.unbound(self.kernel)
-        full = list(args) + [options[name] for name in self.names[len(args):]]
-        self.compiled[(n_clusters, 1, 1)](*full)
+            recorder.launch(self.entry, grid, full)
+        run_entry(self.entry, grid, full, _current_device())
 
 
 def clustered(kernel, args: tuple, options: Mapping, cluster_size: int) -> ClusteredKernel:

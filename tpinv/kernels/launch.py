@@ -38,7 +38,7 @@ try:
 except ImportError:          # Triton without the 3.4+ runtime knobs: always launch through Triton
     _knobs = None
 
-__all__ = ["launch", "launch_with", "cdiv", "next_power_of_2", "bound_launches", "direct_launches",
+__all__ = ["launch", "launch_with", "run_entry", "cdiv", "next_power_of_2", "bound_launches", "direct_launches",
            "direct_available", "is_bound", "operands_key", "remember", "rows_2d", "BIND",
            "REUSE_DESCRIPTORS", "DIRECT", "RECORDER"]
 
@@ -204,11 +204,22 @@ def launch_with(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict
         elif recorder is not None:
             recorder.launch(entry, grid, (*args, *entry[1]))
         return
-    compiled, tail, direct = entry[:3]
-    stream = _current_stream(device)
-    full = (*args, *tail)
+    full = (*args, *entry[1])
     if recorder is not None:
         recorder.launch(entry, grid, full)
+    if run_entry(entry, grid, full, device):
+        _DIRECT_COUNT[0] += 1
+    _COUNT[0] += 1
+
+
+def run_entry(entry: tuple, grid: tuple, full: tuple, device: int) -> bool:
+    """Launch a kept entry's compiled kernel (``(compiled, constexpr tail, direct entry, ...)``,
+    as :func:`_bind` keeps them) over ``full`` (its runtime arguments, then the tail) on
+    ``device``'s current stream: through its launcher's C entry where it has one (:data:`DIRECT`),
+    else through its launcher; Triton's launch hooks passed where one is registered.  Returns
+    whether the C entry ran.  No table is read and no key built: the caller found the entry."""
+    compiled, _, direct = entry[:3]
+    stream = _current_stream(device)
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     enter, leave = _hooks()
@@ -219,11 +230,10 @@ def launch_with(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict
             full = expand_descriptors(full, descriptors)
         c_launch(grid[0], g1, g2, stream, compiled.function, cooperative, pdl, None, None,
                  compiled.packed_metadata, metadata, enter, leave, *full)
-        _DIRECT_COUNT[0] += 1
-    else:
-        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, metadata,
-                     enter, leave, *full)
-    _COUNT[0] += 1
+        return True
+    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, metadata,
+                 enter, leave, *full)
+    return False
 
 
 def _bind(fn, grid: tuple, args: tuple, kwargs: dict, bound: Optional[dict], device: int, key) -> Optional[tuple]:
