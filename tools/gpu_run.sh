@@ -15,6 +15,7 @@ OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
 STEPS=${STEPS:-reduce,model,e2e,tests,attention,elementwise,softmax}
 TESTS=${TESTS:-tests/gpu}; TESTS_TIMEOUT=${TESTS_TIMEOUT:-560}; MODEL_SEQ=${MODEL_SEQ:-256}; E2E_RUNS=${E2E_RUNS:-1}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
+SECONDS=0   # each step's header gives the seconds since the start (a call has 600)
 # tpinv.models is the top-level models/ folder mapped by setup.cfg: install in place, offline.
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,52 +23,53 @@ nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -ge 2 ] && want reduce; then
-  echo "== tree reducer vs NCCL all_reduce, $NGPU GPUs"
+  echo "== [${SECONDS}s] tree reducer vs NCCL all_reduce, $NGPU GPUs"
   timeout 240 torchrun --nproc-per-node "$NGPU" -m benchmarks.bench_reduce --backend nccl \
     --sizes 4K,64K,1M,4M,16M,64M,256M --iters 20 --json "$OUT/bench_reduce_nccl.json" 2>&1 | grep -v "^W1" | tail -40
 fi
 if [ "$NGPU" -ge 2 ] && want model; then
-  echo "== decoder at TP=1 vs TP=2 over NCCL"
+  echo "== [${SECONDS}s] decoder at TP=1 vs TP=2 over NCCL"
   timeout 300 torchrun --nproc-per-node 2 tools/gpu_model_tp.py --models qwen3-tiny,qwen3-0.6b:24 --seq "$MODEL_SEQ" \
     --json "$OUT/gpu_model_tp.json" 2>&1 | grep -v "^W1" | tail -20
 fi
 if want e2e; then
   for i in $(seq 1 "$E2E_RUNS"); do
     json="$OUT/bench_e2e.json"; [ "$E2E_RUNS" -gt 1 ] && json="$OUT/bench_e2e_$i.json"
-    echo "== end to end: training step and decode, invariant vs vanilla (run $i of $E2E_RUNS)"
+    echo "== [${SECONDS}s] end to end: training step and decode, invariant vs vanilla (run $i of $E2E_RUNS)"
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_e2e --model qwen3-0.6b --json "$json" 2>&1 | tail -6
   done
 fi
 if want tests; then
-  echo "== GPU tests"
+  echo "== [${SECONDS}s] GPU tests"
   timeout "$TESTS_TIMEOUT" python3 -m pytest $TESTS -q -n "${TEST_WORKERS:-auto}" -rf --junitxml "$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-300 | head -30; tail -2 "$OUT/gpu_tests.log"
 fi
 if want attention; then
-  echo "== attention vs SDPA"
+  echo "== [${SECONDS}s] attention vs SDPA"
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m benchmarks.bench_attention --check --json "$OUT/bench_attention.json" 2>&1 | tail -25
 fi
 if want loads; then
-  echo "== attention: pointer loads vs TMA descriptors (forward and backward, graph-timed, bits checked)"
+  echo "== [${SECONDS}s] attention: pointer loads vs TMA descriptors (forward and backward, graph-timed, bits checked)"
   CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m benchmarks.bench_attention --loads --json "$OUT/bench_attention_loads.json" 2>&1 | tail -25
 fi
 if want elementwise; then
-  echo "== SiLU-and-mul and RoPE bandwidth"
+  echo "== [${SECONDS}s] SiLU-and-mul and RoPE bandwidth"
   CUDA_VISIBLE_DEVICES=0 timeout 180 python3 -m benchmarks.bench_elementwise --json "$OUT/bench_elementwise.json" 2>&1 | tail -20
 fi
 if want softmax; then
-  echo "== RMSNorm and softmax bandwidth"
+  echo "== [${SECONDS}s] RMSNorm and softmax bandwidth"
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_norm_softmax --json "$OUT/bench_norm_softmax.json" 2>&1 | tail -40
 fi
 if want gluon; then
-  echo "== Gluon matmul: bits vs the Triton kernel, speed vs cuBLAS"
+  echo "== [${SECONDS}s] Gluon matmul: bits vs the Triton kernel, speed vs cuBLAS"
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.check_gluon_matmul --json "$OUT/check_gluon_matmul.json" 2>&1 | tail -30
 fi
 if want matmul; then
-  echo "== contract matmul vs cuBLAS"
+  echo "== [${SECONDS}s] contract matmul vs cuBLAS"
   CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_ops --gpu-args --json "$OUT/bench_matmul.json" 2>&1 | tail -20
 fi
 if want host; then
-  echo "== host time per eager call, tpinv ops vs torch"
+  echo "== [${SECONDS}s] host time per eager call, tpinv ops vs torch"
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m benchmarks.bench_host --json "$OUT/bench_host.json" 2>&1 | tail -12
 fi
+echo "== [${SECONDS}s] done"
