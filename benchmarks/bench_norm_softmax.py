@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from benchmarks.common import copy_gbps as copy_bandwidth_gbps, write_json
+from benchmarks.common import copy_gbps as copy_bandwidth_gbps, graph_time_us, write_json
 from tpinv.core.contract import DEFAULT_LEAVES
 from tpinv.kernels.triton_norm import (rms_norm_backward_cuda, rms_norm_backward_heads_cuda,
                                       rms_norm_forward_cuda, tile_for)
@@ -95,24 +95,6 @@ def bytes_match(op, mode: int, x: torch.Tensor) -> bool:
     return same_bits(got, want)
 
 
-def graph_ms(fn, calls: int = 5) -> float:
-    """Median ms of one call of ``fn`` replayed from a CUDA graph of ``calls`` calls (no launch
-    gaps between them, no host time)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    ms = do_bench(graph.replay, return_mode="median") / calls
-    del graph
-    return ms
-
-
 def run_softmax(copy_gbps: float, dtypes: tuple = ("fp32", "bf16", "fp16")) -> list[dict]:
     """The softmax family at 1024 and 4096 rows of Qwen3's vocabulary, each dtype: the public ops
     (eager and replayed from a CUDA graph), their by-leaves kernel through L2, the row kernel and
@@ -136,7 +118,7 @@ def run_softmax(copy_gbps: float, dtypes: tuple = ("fp32", "bf16", "fp16")) -> l
                 written = tokens if mode == ts._MODE_STATS else x.numel()
                 n_bytes = (x.numel() + written) * x.element_size()
                 ms, bw = gbps(n_bytes, lambda: ours(x, DEFAULT_LEAVES))
-                gms = graph_ms(lambda: ours(x, DEFAULT_LEAVES))
+                gms = graph_time_us(lambda _: ours(x, DEFAULT_LEAVES), 1, 1e3 * ms) / 1e3
                 tms, tbw = gbps(n_bytes, lambda: theirs(x, -1))
                 rms, rbw = gbps(n_bytes, lambda: ts._fused(x, DEFAULT_LEAVES, mode, row_cfg))
                 lms, lbw = gbps(n_bytes, through_l2(lambda: ours(x, DEFAULT_LEAVES)))

@@ -78,7 +78,7 @@ def test_chunks_in_parallel_captured_replays_give_the_same_bits(gluon):
     replayed in turn and interleaved with eager split launches on the same inputs: every
     replay gives the one-program bytes, and every captured launch leaves its counters at 0; the
     Triton kernel's launch and the Gluon kernel's (an sm_90 GPU)."""
-    from tpinv.kernels import triton_attention_split as sp
+    from tpinv.kernels import launch_counters, triton_attention_split as sp
     if gluon and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon decode kernel needs an sm_90 GPU")
     cases = [qkv(B, 1, T, seed=B + T) + (arange_pos(B, 1, T - 1),)
@@ -95,7 +95,7 @@ def test_chunks_in_parallel_captured_replays_give_the_same_bits(gluon):
             got.append(attention_forward_cuda(q, k, v, p, None, True, None, None, split=True,
                                               gluon=gluon))
         graphs.append(g)
-    store, used = sp._CAPTURED[torch.device(DEV, torch.cuda.current_device())]
+    store, used = launch_counters._CAPTURED[torch.device(DEV, torch.cuda.current_device())]
     assert used >= 1 * HKV + 4 * HKV, "the captured launches took counters of their own"
     for _ in range(3):
         for g, (o, l), (wo, wl), (q, k, v, p) in zip(graphs, got, want, cases):

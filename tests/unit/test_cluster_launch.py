@@ -57,8 +57,8 @@ def _kernel_without_driver():
                                      launch_metadata=lambda *a: "metadata")
     clustered = object.__new__(ClusteredKernel)
     kernel = types.SimpleNamespace(__name__="k", arg_names=["x", "y", "N"])
-    clustered.compiled, clustered.cluster_size, clustered.names = compiled, 8, kernel.arg_names
-    clustered.entry = (compiled, (), _direct_entry(compiled), kernel)
+    clustered.compiled, clustered.cluster_size = compiled, 8
+    clustered.entry = (compiled, (7,), _direct_entry(compiled), kernel)   # N=7: the tail
     return clustered
 
 
@@ -74,11 +74,14 @@ def test_a_cluster_launch_is_a_bound_launch(monkeypatch):
     recorder = types.SimpleNamespace(launch=lambda entry, grid, full: told.append((entry, grid, full)))
     clustered = _kernel_without_driver()
     assert clustered.entry[2] is None          # a stand-in launcher has no C entry: through it
-    monkeypatch.setattr(launch, "RECORDER", [recorder])
-    clustered.launch(3, ("a", "b"), {"N": 7})
+    assert launch.RECORDER[0] is None
+    launch.RECORDER[0] = recorder             # as a Recording sets it while it runs
+    try:
+        clustered.launch(3, ("a", "b"))
+    finally:
+        launch.RECORDER[0] = None
     assert told == [(clustered.entry, (3, 1, 1), ("a", "b", 7))]
-    monkeypatch.setattr(launch, "RECORDER", [None])
-    clustered.launch(2, ("a", "b"), {"N": 7})
+    clustered.launch(2, ("a", "b"))
     assert len(told) == 1
     assert clustered.compiled.run.calls == [
         (3, 1, 1, 77, "f", (4, 8, 1024), None, None, None, "a", "b", 7),

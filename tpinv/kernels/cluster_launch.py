@@ -21,9 +21,8 @@ from __future__ import annotations
 import copy
 from typing import Mapping
 
-from tpinv.kernels import launch as _launch
-from tpinv.kernels.launch import (_current_device, _direct_entry, _specialization, remember,
-                                  run_entry)
+from tpinv.kernels.launch import (RECORDER, _current_device, _direct_entry, _specialization,
+                                  remember, run_entry)
 
 __all__ = ["clustered", "ClusteredKernel"]
 
@@ -32,9 +31,10 @@ _CLUSTERED: dict = {}   # (device, id(kernel), specialization, options, cluster 
 
 class ClusteredKernel:
     """A compiled kernel launched as clusters of ``cluster_size`` programs; ``max_clusters`` of
-    them fit the GPU at once (the driver's occupancy for its registers and shared memory)."""
+    them fit the GPU at once (the driver's occupancy for its registers and shared memory);
+    ``tail``: its constexprs' values, passed after the runtime arguments of every launch."""
 
-    def __init__(self, kernel, compiled, cluster_size: int):
+    def __init__(self, kernel, compiled, cluster_size: int, tail: tuple = ()):
         packed = getattr(compiled, "packed_metadata", None)
         if not (isinstance(packed, tuple) and len(packed) == 3 and packed[1] == 1):
             raise RuntimeError(
@@ -51,19 +51,17 @@ class ClusteredKernel:
         if self.max_clusters < 1:
             raise RuntimeError(f"not one cluster of {cluster_size} programs fits this GPU "
                                f"({compiled.metadata.shared} bytes of shared memory a program)")
-        self.names = kernel.arg_names
-        # kept as launch.py keeps a bound kernel: its launcher's C entry where it has one
-        self.entry = (self.compiled, (), _direct_entry(self.compiled), kernel)
+        # kept as launch.py keeps a bound kernel: the constexpr tail, its launcher's C entry
+        self.entry = (self.compiled, tuple(tail), _direct_entry(self.compiled), kernel)
 
-    def launch(self, n_clusters: int, args: tuple, options: Mapping) -> None:
+    def launch(self, n_clusters: int, args: tuple) -> None:
         """``n_clusters`` clusters (``n_clusters * cluster_size`` programs) over ``args`` (the
-        kernel's runtime arguments, in order) and ``options`` (its constexprs), as
-        :func:`~tpinv.kernels.launch.launch` launches a bound kernel: a recording of launches
-        (:data:`tpinv.kernels.launch.RECORDER`) is told of it, with the cluster's launch
-        metadata, as of any bound launch."""
+        kernel's runtime arguments, in order), as :func:`~tpinv.kernels.launch.launch` launches
+        a bound kernel: a recording of launches (:data:`tpinv.kernels.launch.RECORDER`) is told
+        of it, with the cluster's launch metadata, as of any bound launch."""
         grid = (n_clusters, 1, 1)
-        full = (*args, *(options[name] for name in self.names[len(args):]))
-        recorder = _launch.RECORDER[0]
+        full = (*args, *self.entry[1])
+        recorder = RECORDER[0]
         if recorder is not None:
             recorder.launch(self.entry, grid, full)
         run_entry(self.entry, grid, full, _current_device())
@@ -77,6 +75,7 @@ def clustered(kernel, args: tuple, options: Mapping, cluster_size: int) -> Clust
     if entry is None:
         compiled = kernel.warmup(*args, grid=(1,), **options)
         compiled._init_handles()
-        entry = remember(_CLUSTERED, key, ClusteredKernel(kernel, compiled, cluster_size))
+        tail = tuple(options[name] for name in kernel.arg_names[len(args):])
+        entry = remember(_CLUSTERED, key, ClusteredKernel(kernel, compiled, cluster_size, tail))
     return entry
 

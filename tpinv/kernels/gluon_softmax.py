@@ -282,6 +282,11 @@ def _timer_ns():
                                      is_pure=False, pack=1)
 
 
+#: The staggered starts' arrival counts a launch reads: one per SM id (``%smid`` modulo this).
+ARRIVAL_SLOTS = 1024
+_ARRIVAL_SLOTS = gl.constexpr(ARRIVAL_SLOTS)
+
+
 @gluon.jit
 def _sm_id():
     """The SM this program runs on (it stays there until it exits)."""
@@ -294,7 +299,8 @@ def _stagger(sm_count_ptr, unit_ns, SLOTS: gl.constexpr):
     """Hold this program ``k * unit_ns`` before its first ticket, ``k`` its arrival order on its
     SM modulo ``SLOTS``: the programs an SM holds then copy and compute in different phases
     rather than all copying, then all computing.  Scheduling only: no value depends on it."""
-    k = gl.atomic_add(sm_count_ptr + _sm_id() % 1024, 1, sem="relaxed", scope="gpu") % SLOTS
+    k = gl.atomic_add(sm_count_ptr + _sm_id() % _ARRIVAL_SLOTS, 1, sem="relaxed",
+                      scope="gpu") % SLOTS
     wait = k.to(gl.int64) * unit_ns
     start = _timer_ns()
     while _timer_ns() - start < wait:
@@ -305,9 +311,10 @@ def _stagger(sm_count_ptr, unit_ns, SLOTS: gl.constexpr):
 def _unstagger(sm_count_ptr):
     """Take back, as the program exits, the arrival :func:`_stagger` counted on its SM: once a
     launch's programs have all exited, each SM's count is where it was before the launch, so a
-    count zeroed once serves every later launch on the stream (nothing zeroed a call).
+    count left at zero serves every later launch on the stream (nothing zeroed a call:
+    :func:`tpinv.kernels.launch_counters.counters`).
     Scheduling only: no value depends on it."""
-    gl.atomic_add(sm_count_ptr + _sm_id() % 1024, -1, sem="relaxed", scope="gpu")
+    gl.atomic_add(sm_count_ptr + _sm_id() % _ARRIVAL_SLOTS, -1, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
@@ -372,8 +379,8 @@ def softmax_rows_held(rows: torch.Tensor, out, max_, total, leaves: int, mode: i
     slots_per_sm = options["STAGGER"]
     # one zeroed buffer: the rows' meeting slots, the ticket counter (int32, padded to 64
     # bits), then (staggered starts) an arrival count per SM (int32)
-    zeroed = torch.zeros(n_rows * 2 * leaves + 1 + (512 if slots_per_sm else 0), dtype=torch.int64,
-                         device=rows.device)
+    zeroed = torch.zeros(n_rows * 2 * leaves + 1 + (ARRIVAL_SLOTS // 2 if slots_per_sm else 0),
+                         dtype=torch.int64, device=rows.device)
     slots = zeroed[:n_rows * 2 * leaves]
     sync = zeroed[n_rows * 2 * leaves:].view(torch.int32)
     launch(_softmax_held_kernel, (n_programs,),

@@ -39,9 +39,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from tpinv.kernels.cluster_launch import clustered
-from tpinv.kernels.gluon_softmax import (_issue, _stagger, _sum_lanes, _thread_barrier,
-                                         _unstagger, _write_output)
+from tpinv.kernels.gluon_softmax import (ARRIVAL_SLOTS, _issue, _stagger, _sum_lanes,
+                                         _thread_barrier, _unstagger, _write_output)
 from tpinv.kernels.gluon_softmax_plan import PREFETCHED, held_launch_options
+from tpinv.kernels.launch_counters import counters
 from tpinv.kernels.gluon_softmax_extremes import leaf_extremes
 from tpinv.kernels.gluon_softmax_leaf import fold_lanes, shift_of
 from tpinv.kernels.triton_softmax_combine import logsumexp_of
@@ -338,22 +339,6 @@ def _softmax_cluster_kernel(x_ptr, y_ptr, max_ptr, total_ptr, lse_ptr, sync_ptr,
         _unstagger(sync_ptr)
 
 
-#: Per device: the staggered starts' arrival count of each SM (int32), zeroed once.  A program
-#: counts its arrival (:func:`~tpinv.kernels.gluon_softmax._stagger`) and takes it back as it
-#: exits (:func:`~tpinv.kernels.gluon_softmax._unstagger`), so every count is zero again when a
-#: launch ends: no launch zeroes them before the next.  Launches on several streams at once may
-#: see one another's arrivals: that moves a start, never a value.
-_ARRIVALS: dict = {}
-
-
-def arrival_counts(device: torch.device) -> torch.Tensor:
-    """The staggered starts' per-SM arrival counts of ``device`` (made, zeroed, on first use)."""
-    counts = _ARRIVALS.get(device)
-    if counts is None:
-        counts = _ARRIVALS[device] = torch.zeros(1024, dtype=torch.int32, device=device)
-    return counts
-
-
 def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mode: int,
                            block: int, n_programs: int, num_warps: int, per_sm: float,
                            stagger_ns: int, lse: torch.Tensor | None = None) -> None:
@@ -370,9 +355,11 @@ def softmax_rows_clustered(rows: torch.Tensor, out, max_, total, leaves: int, mo
                                   per_sm, stagger_ns, lse is not None,
                                   (rows.dtype, mode) in PREFETCHED)
     staggered = options["STAGGER"] > 0
-    sync = arrival_counts(rows.device)     # read where starts are staggered
+    # staggered starts: the arrival count of each SM, left at zero by every launch; else unread
+    # (an int32 view of an output: nothing allocated, no counters taken)
+    sync = counters(ARRIVAL_SLOTS, rows.device) if staggered else total.view(torch.int32)
     args = (rows, target, max_, total, total if lse is None else lse, sync, n_rows, leaf_len,
             rows.stride(0), target.stride(0), stagger_ns if staggered else 0)
     kernel = clustered(_softmax_cluster_kernel, args, options, leaves)
-    kernel.launch(max(1, min(n_rows, n_programs // leaves, kernel.max_clusters)), args, options)
+    kernel.launch(max(1, min(n_rows, n_programs // leaves, kernel.max_clusters)), args)
 

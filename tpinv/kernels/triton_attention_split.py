@@ -18,8 +18,8 @@ One launch, :func:`_split_kernel`, one program per (chunk, batch row, kv head):
   which program merges changes no value: the states and their order are fixed.
 
 Since every launch leaves its counters at zero, launches that run one after another share them
-(:func:`counters`: one set per stream, one of its own per launch captured into a CUDA graph), and
-no launch pays for a memset.
+(:func:`tpinv.kernels.launch_counters.counters`: one set per stream, one of its own per launch
+captured into a CUDA graph), and no launch pays for a memset.
 
 Every value comes from the forward's jit functions on the same values in the same order, so
 ``out`` and ``lse`` are bit-identical to the one-program forward; only the time differs.
@@ -30,21 +30,20 @@ never a bits choice.
 """
 from __future__ import annotations
 
-import threading
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from tpinv.core.capture import capturing
 from tpinv.kernels.device import gluon_module, sm_count
 from tpinv.kernels.launch import launch, next_power_of_2
+from tpinv.kernels.launch_counters import counters
 from tpinv.kernels.triton_attention import finish_rows, forward_block, merge_state, n_chunks
 from tpinv.kernels.triton_attention_tiles import block_ranges, row_tile
 
 __all__ = ["split_forward_cuda", "merge_chunks_cuda", "SplitLaunch", "use_split", "n_chunks",
-           "counters", "decode_kernel_for"]
+           "decode_kernel_for"]
 
 #: Most (batch row x kv head) pairs for which chunks in parallel pay off (speed only; on an
 #: H100 at 4096 cached tokens: faster at 128 pairs, 109 against 117 us; slower at 256, 201
@@ -55,42 +54,6 @@ SPLIT_MAX_HEADS = 128
 MERGE_GROUP, MERGE_GROUP_ELEMENTS = 8, 4096
 #: Most bytes of chunk states a split call may allocate (speed and memory only).
 SPLIT_MAX_STATE_BYTES = 64 << 20
-#: Counters set aside for the launches captured into CUDA graphs, per device (256 KiB); past
-#: them a captured launch zeroes counters of its own (a memset node: the same bits).
-CAPTURE_COUNTERS = 1 << 16
-
-
-def _zeros(n: int, device: torch.device) -> torch.Tensor:
-    return torch.zeros(n, dtype=torch.int32, device=device)
-
-
-_SERIAL: dict = {}     # (device, stream or thread) -> counters its launches share
-_CAPTURED: dict = {}   # device -> [counters, next free]: handed out once, to captured launches
-
-
-def counters(n: int, device: torch.device) -> torch.Tensor:
-    """``n`` int32 counters at zero for one split launch, never in use by a launch that may run
-    at the same time: launches on one stream run one after another, so they share a set (a
-    host thread's on the CPU, where Triton's interpreter runs launches in turn); a launch
-    captured into a CUDA graph gets counters no other launch has (CUDA runs a graph's replays
-    one after another), from a store zeroed outside capture, or zeroes its own (a memset node
-    in the graph) once the store is spent or before any launch outside capture made it."""
-    if device.type == "cuda" and capturing():
-        store = _CAPTURED.get(device)
-        if store is None or store[1] + n > store[0].numel():
-            return _zeros(n, device)
-        store[1] += n
-        return store[0][store[1] - n:store[1]]
-    who = (torch.cuda.current_stream(device).stream_id if device.type == "cuda"
-           else threading.get_ident())
-    mine = _SERIAL.get((device, who))
-    if mine is None or mine.numel() < n:
-        mine = _SERIAL[(device, who)] = _zeros(max(n, SPLIT_MAX_HEADS), device)
-        if device.type == "cuda" and device not in _CAPTURED:
-            _CAPTURED[device] = [_zeros(CAPTURE_COUNTERS, device), 0]
-    return mine[:n]
-
-
 def use_split(B: int, Hkv: int, rows: int, block_m: int, T: int, kb: int, cb: int,
               DP: int) -> bool:
     """Speed choice: chunks in parallel when one row tile holds every row of a kv head, the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tpinv.kernels.launch_counters import counters
 from tpinv.testing.bits import assert_same_bits
 
 __all__ = ["assert_split_launch"]
@@ -30,7 +31,7 @@ def assert_split_launch(launch, want: tuple, n_pairs: int, gluon=None):
     acc_st, ml_st = sp.split_forward_cuda(launch, out, lse, gluon)
     assert_same_bits(out, want_out, "the split launch's out")
     assert_same_bits(lse, want_lse, "the split launch's lse")
-    count = sp.counters(n_pairs, out.device)  # the set the launches on this stream share
+    count = counters(n_pairs, out.device)  # the set the launches on this stream share
     assert_same_bits(count, torch.zeros_like(count), "launches leave counters at 0")
     out.zero_()
     sp.merge_chunks_cuda(launch, acc_st, ml_st, out, lse)
