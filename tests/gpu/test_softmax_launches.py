@@ -99,7 +99,9 @@ def test_counts_are_zero_after_graph_replays(clustered_16bit):
     assert used == used_before + taken, "each captured launch took counters of its own"
     graph.replay()                       # on the capture's values
     first = [out.clone() for out in outs]
-    static.copy_(torch.randn_like(static))
+    # new values a fresh draw shifted by 4: every output's bytes move by construction (a bf16
+    # logsumexp of two standard-normal rows of this width lies within one rounding step)
+    static.copy_(torch.randn_like(static) + 4)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
