@@ -57,15 +57,14 @@ def _bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # us
 
 
-def run_checks() -> bool:
-    """Bitwise invariance on the device at the benchmark's sizes."""
+def run_checks() -> dict[str, bool]:
+    """Bitwise invariance on the device at the benchmark's sizes: each check's name and verdict."""
     from tpinv.kernels.triton_attention import attention_forward_cuda as fwd
     from tpinv.kernels.triton_attention_bwd import attention_backward_cuda as bwd
-    ok_all = True
+    results: dict[str, bool] = {}
 
     def report(name, ok):
-        nonlocal ok_all
-        ok_all &= bool(ok)
+        results[name] = bool(ok)
         print(f"check {name:<44} {'PASS' if ok else 'FAIL'}")
 
     B, S, T = 2, 1000, 1536
@@ -105,10 +104,10 @@ def run_checks() -> bool:
         F.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1],
                                        enable_gqa=True), van[:, :, i:i + 1])
         for i in (511, 700, S - 1)))
-    return ok_all
+    return results
 
 
-def run_long_checks(S: int = 32768) -> bool:
+def run_long_checks(S: int = 32768) -> dict[str, bool]:
     """At long context: the last 512 queries run as a chunk, and the last query as a decode
     step, against the whole cache equal the whole prefill's rows, bitwise (control: SDPA's
     decode of the last query differs from its prefill's row)."""
@@ -125,7 +124,7 @@ def run_long_checks(S: int = 32768) -> bool:
                f"S={S}: control: SDPA decode != SDPA prefill": not same_bits(van_step, van[:, :, -1:])}
     for name, ok in results.items():
         print(f"check {name:<44} {'PASS' if ok else 'FAIL'}")
-    return all(results.values())
+    return {name: bool(ok) for name, ok in results.items()}
 
 
 def bench_prefill(B, S, backend_ctx):
@@ -305,11 +304,12 @@ def main(argv=None) -> int:
             write_json(args.json, dict(meta=dict(device=torch.cuda.get_device_name(), torch=torch.__version__),
                                        records=swept))
         return 0 if all(r.get("same_bits", True) for r in swept) else 1
-    status = 0
-    if args.check and not run_checks():
-        status = 1
-    if args.check and args.long and not run_long_checks():
-        status = 1
+    checks: dict[str, bool] = {}
+    if args.check:
+        checks.update(run_checks())
+    if args.check and args.long:
+        checks.update(run_long_checks())
+    status = 0 if all(checks.values()) else 1
     name, ctx = _sdpa_backend()
     print(f"device {torch.cuda.get_device_name()}  SDPA backend (prefill): {name}")
     records = []
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
     if args.json:
         meta = dict(device=torch.cuda.get_device_name(), sdpa_backend=name, torch=torch.__version__,
                     kernels=resources)
-        write_json(args.json, dict(meta=meta, records=records))
+        write_json(args.json, dict(meta=meta, checks=checks, records=records))
     return status
 
 

@@ -9,21 +9,26 @@ and the target it is held to.  Each timing is a CUDA graph of many calls replaye
 ``triton.testing.do_bench`` (median of replays, L2 cleared before each): the graph
 removes Python launch cost (an eager ``do_bench`` time of the table config is kept in
 the JSON), and the calls rotate over enough input sets to be twice the L2 size, so small
-weights are not read from cache.  ``--sweep`` also times every candidate launch config
-and reports the best.  Relative errors against an fp64 product are reported per M.
+weights are not read from cache.  cuBLAS and the contract are timed side by side in
+``--rounds`` rounds (default 3) whose order moves one place a round, and each time is the
+median of its rounds (:func:`benchmarks.common.rotated_rounds`: the first kernel timed after
+set-up reads fast on a GPU, so a fixed order would favour one side).  ``--sweep`` also times
+every candidate launch config and reports the best.  Relative errors against an fp64 product
+are reported per M.
 
-    python -m benchmarks.bench_matmul [--sweep] [--json out.json] [--ms 32,256,4096]
+    python -m benchmarks.bench_matmul [--sweep] [--rounds 3] [--json out.json] [--ms 32,256,4096]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 
 import torch
 import triton
 from triton.testing import do_bench
 
-from benchmarks.common import copy_gbps, graph_time_us, write_json
+from benchmarks.common import copy_gbps, graph_time_us, rotated_rounds, write_json
 from tpinv.kernels import tiles
 from tpinv.kernels.matmul_route import gluon_kernel_for, matmul_cuda
 from tpinv.kernels.triton_matmul import _contract_mm_kernel, launch_contract
@@ -67,7 +72,10 @@ def sweep_configs(leaves: int) -> list[tiles.MatmulConfig]:
     return out
 
 
-def bench_shape(name, m, n, k, peak_flops, copy_bw, l2_bytes, sweep):
+def bench_shape(name, m, n, k, peak_flops, copy_bw, l2_bytes, sweep, rounds=3):
+    """cuBLAS, the contract at 1 and 8 leaves (and with ``sweep`` every candidate config) timed in
+    ``rounds`` rotated rounds (:func:`benchmarks.common.rotated_rounds`); each time is the median of
+    its rounds, each round's reading kept in the record."""
     set_bytes = 2 * (m * k + n * k)
     sets = max(1, min(8, -(-2 * l2_bytes // set_bytes)))
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
@@ -75,28 +83,34 @@ def bench_shape(name, m, n, k, peak_flops, copy_bw, l2_bytes, sweep):
     flops = 2 * m * n * k
     byte_floor = 2 * (m * k + n * k + m * n) / copy_bw * 1e6
     est = max(flops / 6e14 * 1e6, byte_floor)
-    rec = {"shape": name, "M": m, "N": n, "K": k, "input_sets": sets,
-           "flop_floor_us": flops / peak_flops * 1e6 if peak_flops else None,
-           "byte_floor_us": byte_floor}
-    rec["cublas_us"] = graph_time_us(lambda i: torch.matmul(xs[i], ws[i].T), sets, est)
-    rec["cublas_tflops"] = flops / rec["cublas_us"] / 1e6
+    ops = {"cublas": lambda i: torch.matmul(xs[i], ws[i].T)}
     for leaves in (1, 8):
-        cfg = kernel_name(xs[0], ws[0], leaves)
-        us = graph_time_us(lambda i: matmul_cuda(xs[i], ws[i], leaves), sets, est)
+        ops[f"leaves{leaves}"] = lambda i, leaves=leaves: matmul_cuda(xs[i], ws[i], leaves)
+        for c in sweep_configs(leaves) if sweep else ():
+            ops[f"leaves{leaves} {c.name()}"] = (
+                lambda i, leaves=leaves, c=c: launch_contract(xs[i], ws[i], leaves, torch.bfloat16, c))
+    readings = rotated_rounds({key: (lambda op=op: graph_time_us(op, sets, est)) for key, op in ops.items()},
+                              rounds)
+    med = {key: statistics.median(v) for key, v in readings.items()}
+    rec = {"shape": name, "M": m, "N": n, "K": k, "input_sets": sets, "rounds": rounds,
+           "flop_floor_us": flops / peak_flops * 1e6 if peak_flops else None,
+           "byte_floor_us": byte_floor, "cublas_us": med["cublas"], "cublas_us_rounds": readings["cublas"],
+           "cublas_tflops": flops / med["cublas"] / 1e6}
+    for leaves in (1, 8):
+        key = f"leaves{leaves}"
+        us = med[key]
         eager = do_bench(lambda: matmul_cuda(xs[0], ws[0], leaves), warmup=10, rep=40,
                          return_mode="median") * 1e3
-        r = {"config": cfg, "us": us, "eager_us": eager, "tflops": flops / us / 1e6,
-             "ratio": rec["cublas_us"] / us, "target": target(leaves, m)}
+        r = {"config": kernel_name(xs[0], ws[0], leaves), "us": us, "us_rounds": readings[key],
+             "eager_us": eager, "tflops": flops / us / 1e6, "ratio": med["cublas"] / us,
+             "target": target(leaves, m)}
         if sweep:
-            runs = {}
-            for c in sweep_configs(leaves):
-                runs[c.name()] = graph_time_us(
-                    lambda i: launch_contract(xs[i], ws[i], leaves, torch.bfloat16, c), sets, est)
+            runs = {k_[len(key) + 1:]: v for k_, v in med.items() if k_.startswith(key + " ")}
             best = min(runs, key=runs.get)
             r["sweep_us"] = runs
             r["best_config"], r["best_us"] = best, runs[best]
-            r["best_ratio"] = rec["cublas_us"] / runs[best]
-        rec[f"leaves{leaves}"] = r
+            r["best_ratio"] = med["cublas"] / runs[best]
+        rec[key] = r
     return rec
 
 
@@ -121,15 +135,15 @@ def accuracy(m: int) -> dict:
 def _fmt_ratio(r):
     t = r["target"]
     if t is None:
-        return f"{r['ratio']:.2f}"
+        return f"{r['ratio']:.3f}"
     gap = r["ratio"] - t
-    return f"{r['ratio']:.2f}{' ok' if gap >= 0 else f' MISS {gap:+.2f}'}"
+    return f"{r['ratio']:.3f}{' ok' if gap >= 0 else f' MISS {gap:+.3f}'}"
 
 
 def print_table(records, device):
     print(f"\ncontract matmul vs cuBLAS, bf16, {device}  (us per call: do_bench median of "
-          f"CUDA-graph replays; ratio = cuBLAS time / ours, then ok or MISS by how much "
-          f"against its target)")
+          f"CUDA-graph replays, then the median of {records[0]['rounds']} rotated rounds; "
+          f"ratio = cuBLAS time / ours, then ok or MISS by how much against its target)")
     hdr = (f"{'shape':<10}{'M':>6}{'N':>7}{'K':>7}{'flop_fl':>9}{'byte_fl':>9}{'cuBLAS':>9}"
            f"{'TF/s':>6} | {'l=1 us':>8}{'TF/s':>6}{'ratio':>16} | {'l=8 us':>8}{'TF/s':>6}"
            f"{'ratio':>16} | {'kernel (or sweep best) l=1':>26} | {'l=8':>26}")
@@ -169,8 +183,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default="32,256,4096", help="comma-separated M values")
     p.add_argument("--sweep", action="store_true", help="also time every candidate config")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rotated rounds of cuBLAS beside the contract; each time is their median")
     p.add_argument("--json", default=None, help="write all numbers to this path")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if not torch.cuda.is_available():
         raise SystemExit("bench_matmul needs a CUDA device")
     ms = [int(v) for v in args.ms.split(",")]
@@ -178,7 +196,7 @@ def main(argv=None) -> None:
     device = f"{props.name} ({props.multi_processor_count} SMs)"
     copy_bw = copy_bandwidth()
     l2 = getattr(props, "L2_cache_size", 50 << 20)
-    big = bench_shape("8192^3", 8192, 8192, 8192, None, copy_bw, l2, args.sweep)
+    big = bench_shape("8192^3", 8192, 8192, 8192, None, copy_bw, l2, args.sweep, args.rounds)
     peak = 2 * 8192 ** 3 / (big["cublas_us"] * 1e-6)
     big["flop_floor_us"] = big["cublas_us"]
     print(f"device {device}; torch {torch.__version__}; triton {triton.__version__}")
@@ -190,7 +208,7 @@ def main(argv=None) -> None:
                "peak_flops": peak, "records": records}
     for m in ms:
         for name, n, k in QWEN3_8B:
-            records.append(bench_shape(name, m, n, k, peak, copy_bw, l2, args.sweep))
+            records.append(bench_shape(name, m, n, k, peak, copy_bw, l2, args.sweep, args.rounds))
             print(f"  done {name} M={m}", flush=True)
             _write(args.json, payload)
     records.append(big)

@@ -11,11 +11,14 @@
 3. ``--sweep``: a few other Gluon launch shapes at M=4096 and M=256 (bits checked, then timed);
    ``--sweep-only`` runs just that, on all four shapes (``--sweep-rows 256``: those M only).
 
+Every timing case times its kernels side by side in ``--rounds`` rotated rounds and reports each
+one's median (:func:`benchmarks.common.rotated_rounds`, as bench_matmul does).
+
 Every case runs in its own try/except and prints a line before it starts (a per-case watchdog
 dumps the stack and exits if one hangs); ``--budget`` seconds after the start no new case
 begins, and the JSON is rewritten after every case.
 
-    python -m benchmarks.check_gluon_matmul [--json out.json] [--sweep | --sweep-only] [--budget 250]
+    python -m benchmarks.check_gluon_matmul [--json out.json] [--sweep | --sweep-only] [--budget 250] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import dataclasses
 import datetime
 import faulthandler
 import json
+import statistics
 import time
 import traceback
 
@@ -32,6 +36,7 @@ import torch
 import triton
 
 from benchmarks import bench_matmul as bm  # timing helpers and shapes
+from benchmarks.common import rotated_rounds
 from tpinv.kernels import tiles
 from tpinv.kernels.gluon_matmul import gluon_matmul_cuda, table_config
 from tpinv.kernels.tiles import GluonConfig
@@ -147,7 +152,7 @@ def control_case(name, m, n, k):
     return {"shape": name, "M": m, "cublas_differs_from_leaves8": differs, "control": True}
 
 
-def time_case(name, m, n, k, leaves, peak, l2_bytes, configs=None):
+def time_case(name, m, n, k, leaves, peak, l2_bytes, configs=None, rounds=3):
     set_bytes = 2 * (m * k + n * k)
     sets = max(1, min(8, -(-2 * l2_bytes // set_bytes)))
     xs = [make(m, n, k, torch.bfloat16, seed=s)[0] for s in range(sets)]
@@ -157,20 +162,12 @@ def time_case(name, m, n, k, leaves, peak, l2_bytes, configs=None):
     rec = {"shape": name, "M": m, "N": n, "K": k, "leaves": leaves, "input_sets": sets,
            "target": bm.target(leaves, m)}
 
-    def timed(key, op):
-        try:
-            us = bm.graph_time_us(op, sets, est)
-            rec[key] = {"us": us, "tflops": flops / us / 1e6}
-        except Exception as exc:
-            rec[key] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
-            traceback.print_exc()
-
-    timed("cublas", lambda i: torch.matmul(xs[i], ws[i].T))
+    ops = {"cublas": lambda i: torch.matmul(xs[i], ws[i].T)}
     if configs is None:
         rec["triton_config"] = tiles.launch_config(m, leaves).name()
-        timed("triton", lambda i: triton_mm(xs[i], ws[i], leaves))
+        ops["triton"] = lambda i: triton_mm(xs[i], ws[i], leaves)
         rec["gluon_config"] = str(table_config(xs[0], ws[0], leaves))
-        timed("gluon", lambda i: gluon_matmul_cuda(xs[i], ws[i], leaves))
+        ops["gluon"] = lambda i: gluon_matmul_cuda(xs[i], ws[i], leaves)
     else:
         ref = triton_mm(xs[0], ws[0], leaves)
         for cfg in configs:
@@ -181,7 +178,24 @@ def time_case(name, m, n, k, leaves, peak, l2_bytes, configs=None):
             except Exception as exc:
                 rec[key + " bits"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
                 continue
-            timed(key, lambda i, c=cfg: gluon_matmul_cuda(xs[i], ws[i], leaves, config=c))
+            ops[key] = lambda i, c=cfg: gluon_matmul_cuda(xs[i], ws[i], leaves, config=c)
+
+    def timer(key, op):
+        def run():
+            try:
+                return bm.graph_time_us(op, sets, est)
+            except Exception as exc:  # recorded; the other timers go on
+                rec[key] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+                traceback.print_exc()
+                return float("nan")
+        return run
+
+    # side by side in rotated rounds, each time the median of its rounds (bench_matmul's method)
+    readings = rotated_rounds({key: timer(key, op) for key, op in ops.items()}, rounds)
+    for key, values in readings.items():
+        if "error" not in rec.get(key, {}):
+            us = statistics.median(values)
+            rec[key] = {"us": us, "tflops": flops / us / 1e6, "us_rounds": values}
     base = rec["cublas"].get("us")
     for key, v in rec.items():
         if isinstance(v, dict) and "us" in v and base:
@@ -226,8 +240,11 @@ def print_summary(p):
             for k, v in r.items() if isinstance(v, dict)))
     if p["skipped"]:
         print(f"\nskipped for the time budget: {p['skipped']}")
-    print(f"negative control (cuBLAS != leaves=8 on some shape): "
-          f"{any(r.get('cublas_differs_from_leaves8') for r in ctrl)}")
+    if ctrl:
+        print(f"negative control (cuBLAS != leaves=8 on some shape): "
+              f"{any(r.get('cublas_differs_from_leaves8') for r in ctrl)}")
+    else:
+        print("negative control: not run (only the sweep ran)")
 
 
 def main() -> None:
@@ -240,7 +257,11 @@ def main() -> None:
                     help="only the sweep, on every Qwen3-8B shape (bits checked per config)")
     ap.add_argument("--sweep-rows", type=int, nargs="*", default=None,
                     help="sweep only these M (default: every M of the sweep table)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rotated rounds of every timing case; each time is their median")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if not torch.cuda.is_available():
         raise SystemExit("check_gluon_matmul needs a CUDA device")
     props = torch.cuda.get_device_properties(0)
@@ -256,7 +277,7 @@ def main() -> None:
                 continue
             for name, n, k in shapes:
                 r.run("sweep", f"sweep {name} M={m} leaves={leaves}",
-                      lambda: time_case(name, m, n, k, leaves, None, l2, configs))
+                      lambda: time_case(name, m, n, k, leaves, None, l2, configs, rounds=args.rounds))
         r.payload["elapsed_s"] = time.time() - r.t0
         r.write()
         print_summary(r.payload)
@@ -274,18 +295,18 @@ def main() -> None:
                       lambda: control_case(cname, 256, cn, ck))
     # timing
     big = r.run("timing", "time 8192^3 leaves=1",
-                lambda: time_case("8192^3", 8192, 8192, 8192, 1, None, l2))
+                lambda: time_case("8192^3", 8192, 8192, 8192, 1, None, l2, rounds=args.rounds))
     peak = None
     if big and "us" in big.get("cublas", {}):
         peak = 2 * 8192 ** 3 / (big["cublas"]["us"] * 1e-6)
         r.payload["cublas_8192_tflops"] = peak / 1e12
     r.run("timing", "time 8192^3 leaves=8",
-          lambda: time_case("8192^3", 8192, 8192, 8192, 8, peak, l2))
+          lambda: time_case("8192^3", 8192, 8192, 8192, 8, peak, l2, rounds=args.rounds))
     for m in TIME_MS[::-1]:
         for name, n, k in shapes:
             for leaves in (1, 8):
                 r.run("timing", f"time {name} M={m} leaves={leaves}",
-                      lambda: time_case(name, m, n, k, leaves, peak, l2))
+                      lambda: time_case(name, m, n, k, leaves, peak, l2, rounds=args.rounds))
     # fp16 on one shape (new compiles on both sides), and the backward's layouts
     name, n, k = shapes[1]
     for m in (4096, 1000, 256):
@@ -301,7 +322,7 @@ def main() -> None:
         for (m, leaves), configs in SWEEP.items():
             for name, n, k in (shapes[0], shapes[3]):
                 r.run("sweep", f"sweep {name} M={m} leaves={leaves}",
-                      lambda: time_case(name, m, n, k, leaves, peak, l2, configs))
+                      lambda: time_case(name, m, n, k, leaves, peak, l2, configs, rounds=args.rounds))
     r.payload["elapsed_s"] = time.time() - r.t0
     r.write()
     print_summary(r.payload)

@@ -10,10 +10,10 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
-__all__ = ["synchronize", "host_median_s", "device_median_ms", "graph_time_us", "copy_gbps", "write_json",
-           "format_table"]
+__all__ = ["synchronize", "host_median_s", "device_median_ms", "graph_time_us", "rotated_rounds", "copy_gbps",
+           "write_json", "format_table"]
 
 
 def synchronize(device) -> None:
@@ -45,6 +45,29 @@ def device_median_ms(fn: Callable[[], Any], **kwargs) -> float:
     """Median milliseconds of ``fn`` on the GPU (``triton.testing.do_bench``; kwargs pass through)."""
     from triton.testing import do_bench
     return do_bench(fn, return_mode="median", **kwargs)
+
+
+def rotated_rounds(timers: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each timer's readings over ``rounds`` rounds: every round calls each timer once, the order moved
+    one place each round, so no timer always takes the same slot.  Compare medians.
+
+    A ratio of two GPU timings read once each, in a fixed order, is biased: the first kernel timed after
+    the host's set-up reads fast, until the card's power limit pulls its clock back.  On an H100,
+    cuBLAS's qkv product at 4096 rows read 260-264 us in that slot and 290-302 us in the next two
+    rounds, while the contract kernel beside it read the same in every round (docs/benchmarks.md,
+    2026-12-06, second H100 session).
+    """
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
+    if not timers:
+        raise ValueError("rotated_rounds needs at least one timer")
+    names = list(timers)
+    readings: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            readings[name].append(timers[name]())
+    return readings
 
 
 def copy_gbps(n_bytes: int = 1 << 30, **kwargs) -> float:

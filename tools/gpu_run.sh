@@ -11,11 +11,15 @@
 # TESTS_PART=1 (all but the fp32 attention files, 70-170 s a test) and TESTS_PART=2 (those).
 # MODEL_SEQ (default 256) is the 2-GPU model's length;
 # E2E_RUNS (default 1) repeats the end-to-end step in the same call (bench_e2e_<i>.json), so a ratio
-# that moves between machines is read more than once on one machine.
+# that moves between machines is read more than once on one machine; E2E_ARGS adds bench_e2e
+# arguments (--compiled times vanilla under torch.compile). A checkout of the public
+# batch_invariant_ops at .peers/batch_invariant_ops (carried to the machine) goes on PYTHONPATH, so
+# the end-to-end step also times HF transformers under it.
 set -u
 OUT=${OUT:-runs/gpu}; mkdir -p "$OUT"
 STEPS=${STEPS:-reduce,model,e2e,tests,attention,elementwise,softmax}
 TESTS=${TESTS:-tests/gpu}; TESTS_TIMEOUT=${TESTS_TIMEOUT:-560}; MODEL_SEQ=${MODEL_SEQ:-256}; E2E_RUNS=${E2E_RUNS:-1}
+E2E_ARGS=${E2E_ARGS:-}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 SLOW_GPU_TESTS="test_attention_packed_cuda.py test_attention_packed_rows_cuda.py test_triton_attention.py"
 case "${TESTS_PART:-}" in
@@ -27,6 +31,7 @@ esac
 SECONDS=0   # each step's header gives the seconds since the start (a call has 600)
 # tpinv.models is the top-level models/ folder mapped by setup.cfg: install in place, offline.
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+[ -d .peers/batch_invariant_ops ] && export PYTHONPATH="$PWD/.peers/batch_invariant_ops${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
@@ -45,7 +50,7 @@ if want e2e; then
   for i in $(seq 1 "$E2E_RUNS"); do
     json="$OUT/bench_e2e.json"; [ "$E2E_RUNS" -gt 1 ] && json="$OUT/bench_e2e_$i.json"
     echo "== [${SECONDS}s] end to end: training step and decode, invariant vs vanilla (run $i of $E2E_RUNS)"
-    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_e2e --model qwen3-0.6b --json "$json" 2>&1 | tail -6
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_e2e --model qwen3-0.6b $E2E_ARGS --json "$json" 2>&1 | tail -6
   done
 fi
 if want tests; then
