@@ -16,7 +16,7 @@ set-up reads fast on a GPU, so a fixed order would favour one side).  ``--sweep`
 every candidate launch config and reports the best.  Relative errors against an fp64 product
 are reported per M.
 
-    python -m benchmarks.bench_matmul [--sweep] [--rounds 3] [--json out.json] [--ms 32,256,4096]
+    python -m benchmarks.bench_matmul [--sweep] [--rounds 3] [--json out.json] [--ms 32,256,1024,4096]
 """
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def _write(path, payload):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ms", default="32,256,4096", help="comma-separated M values")
+    p.add_argument("--ms", default="32,256,1024,4096", help="comma-separated M values")
     p.add_argument("--sweep", action="store_true", help="also time every candidate config")
     p.add_argument("--rounds", type=int, default=3,
                    help="rotated rounds of cuBLAS beside the contract; each time is their median")

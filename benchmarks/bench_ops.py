@@ -6,7 +6,7 @@ PyTorch op it replaces, forward and forward+backward: the invariant ops build ev
 reduction from exact elementwise adds, so they cost a known factor over BLAS/ATen; this
 prints that factor for model-sized shapes and writes JSON.  With a CUDA device it runs
 ``benchmarks/bench_matmul.py`` instead (TFLOP/s and the ratio to cuBLAS for the Qwen3-8B linear
-shapes at M = 32, 256, 4096 and for 8192^3, leaves 1 and 8; arguments after ``--gpu-args``
+shapes at M = 32, 256, 1024, 4096 and for 8192^3, leaves 1 and 8; arguments after ``--gpu-args``
 go to it).
 
     python -m benchmarks.bench_ops [--cpu] [--threads 2] [--json runs/bench_ops.json] [--quick]
