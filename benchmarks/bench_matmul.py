@@ -84,11 +84,13 @@ def bench_shape(name, m, n, k, peak_flops, copy_bw, l2_bytes, sweep, rounds=3):
     byte_floor = 2 * (m * k + n * k + m * n) / copy_bw * 1e6
     est = max(flops / 6e14 * 1e6, byte_floor)
     ops = {"cublas": lambda i: torch.matmul(xs[i], ws[i].T)}
+    swept = {}   # leaves -> {config name: its key in ops}
     for leaves in (1, 8):
         ops[f"leaves{leaves}"] = lambda i, leaves=leaves: matmul_cuda(xs[i], ws[i], leaves)
+        swept[leaves] = {}
         for c in sweep_configs(leaves) if sweep else ():
-            ops[f"leaves{leaves} {c.name()}"] = (
-                lambda i, leaves=leaves, c=c: launch_contract(xs[i], ws[i], leaves, torch.bfloat16, c))
+            swept[leaves][c.name()] = key = f"leaves{leaves} {c.name()}"
+            ops[key] = lambda i, leaves=leaves, c=c: launch_contract(xs[i], ws[i], leaves, torch.bfloat16, c)
     readings = rotated_rounds({key: (lambda op=op: graph_time_us(op, sets, est)) for key, op in ops.items()},
                               rounds)
     med = {key: statistics.median(v) for key, v in readings.items()}
@@ -105,7 +107,7 @@ def bench_shape(name, m, n, k, peak_flops, copy_bw, l2_bytes, sweep, rounds=3):
              "eager_us": eager, "tflops": flops / us / 1e6, "ratio": med["cublas"] / us,
              "target": target(leaves, m)}
         if sweep:
-            runs = {k_[len(key) + 1:]: v for k_, v in med.items() if k_.startswith(key + " ")}
+            runs = {name: med[k_] for name, k_ in swept[leaves].items()}
             best = min(runs, key=runs.get)
             r["sweep_us"] = runs
             r["best_config"], r["best_us"] = best, runs[best]

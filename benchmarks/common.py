@@ -51,11 +51,11 @@ def rotated_rounds(timers: Mapping[str, Callable[[], float]], rounds: int) -> di
     """Each timer's readings over ``rounds`` rounds: every round calls each timer once, the order moved
     one place each round, so no timer always takes the same slot.  Compare medians.
 
-    A ratio of two GPU timings read once each, in a fixed order, is biased: the first kernel timed after
-    the host's set-up reads fast, until the card's power limit pulls its clock back.  On an H100,
-    cuBLAS's qkv product at 4096 rows read 260-264 us in that slot and 290-302 us in the next two
-    rounds, while the contract kernel beside it read the same in every round (docs/benchmarks.md,
-    2026-12-06, second H100 session).
+    A ratio of two GPU timings read once each, in a fixed order, is biased: after seconds without
+    device work (set-up, compiles) the first kernels timed read fast, the first fastest.  On an H100,
+    cuBLAS's qkv product at 4096 rows read 260-264 us in the first slot and 290-302 us in the next two
+    rounds; the contract kernels timed after it in the first round read 266-297 us, slot by slot
+    slower, and 289-297 us later (docs/benchmarks.md, 2026-12-06, second H100 session).
     """
     if not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be a positive int, got {rounds!r}")

@@ -5,6 +5,8 @@ card makes the first reading after set-up fast by construction (as an idle GPU's
 the medians of rotated rounds come back unbiased; control: one reading in a fixed order hands the
 fast slot to the first timer, so its ratio moves.  bench_matmul's table is printed from records of
 the form ``bench_shape`` writes, so a formatting error cannot end a GPU run after its timings."""
+import statistics
+
 import pytest
 
 from benchmarks.common import rotated_rounds
@@ -26,7 +28,7 @@ class FastFirstSlotCard:
 
 
 def medians(readings):
-    return {name: sorted(v)[len(v) // 2] for name, v in readings.items()}
+    return {name: statistics.median(v) for name, v in readings.items()}
 
 
 def test_each_timer_takes_each_slot_once_in_as_many_rounds():
