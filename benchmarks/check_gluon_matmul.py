@@ -55,16 +55,17 @@ TIME_MS = (256, 4096)
 #: most what fits beside the epilogue's staging tile (tiles.check_gluon_config)
 SWEEP = {(4096, 1): (GluonConfig(128, 256, 8, 3), GluonConfig(128, 256, 8, 3, group_m=4),
                      GluonConfig(128, 256, 8, 3, group_m=16), GluonConfig(128, 128, 8, 6)),
-         (4096, 8): (GluonConfig(128, 128, 8, 4), GluonConfig(128, 128, 8, 3),
-                     GluonConfig(128, 128, 8, 4, group_m=4), GluonConfig(128, 128, 8, 4, group_m=16)),
+         (4096, 8): (GluonConfig(128, 128, 8, 5), GluonConfig(128, 128, 8, 4), GluonConfig(128, 128, 8, 3),
+                     GluonConfig(128, 64, 8, 8)),
          (256, 1): (GluonConfig(128, 128, 8, 6), GluonConfig(128, 64, 8, 8), GluonConfig(128, 256, 8, 3),
                     GluonConfig(128, 64, 8, 6, block_n2=32), GluonConfig(128, 64, 8, 7, block_n2=32),
                     GluonConfig(128, 128, 8, 3, block_n2=64), GluonConfig(128, 128, 8, 4, block_n2=64),
                     GluonConfig(128, 128, 8, 4, block_n2=64, group_m=4)),
-         (256, 8): (GluonConfig(128, 128, 8, 4), GluonConfig(128, 64, 8, 7), GluonConfig(128, 128, 8, 3),
-                    GluonConfig(128, 64, 8, 4, block_n2=32), GluonConfig(128, 64, 8, 5, block_n2=32),
-                    # one warpgroup a tile: qkv's 6,144 columns in 192 tiles of 64x128 or 256 of 64x96
-                    GluonConfig(64, 128, 4, 6), GluonConfig(64, 64, 4, 8, block_n2=32))}
+         (256, 8): (GluonConfig(128, 128, 8, 5), GluonConfig(128, 128, 8, 4), GluonConfig(128, 64, 8, 8),
+                    GluonConfig(128, 64, 8, 7), GluonConfig(128, 64, 8, 6, block_n2=32),
+                    GluonConfig(128, 64, 8, 5, block_n2=32),
+                    # one warpgroup a tile: qkv's 6,144 columns in 256 tiles of 64x96
+                    GluonConfig(64, 64, 4, 8, block_n2=32), GluonConfig(64, 64, 4, 10, block_n2=32))}
 CASE_TIMEOUT_S = 150
 
 

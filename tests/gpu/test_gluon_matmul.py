@@ -74,6 +74,23 @@ def test_every_table_tile_gives_the_same_bits(cfg, leaves, n):
                      f'gluon {cfg.name()} rounded')
 
 
+@pytest.mark.parametrize("cfg", [p.values[0] for p in _table_tiles() if p.values[1] == 8],
+                         ids=lambda cfg: cfg.name())
+def test_tree_staging_tile_shares_the_third_level_across_tiles(cfg):
+    """Under an 8-leaf tree the epilogue's staging tile and the tree's third level are the same
+    bytes: each CTA walks several tiles (a tile's store drains while the next one's leaves run
+    and its leaf 3 writes the level), over short leaves (two k tiles each), through the TMA
+    store: the Triton kernel's bits."""
+    from tpinv.kernels.device import sm_count
+    m, n = 2048, 4096
+    x, w = make(m, n, 1024)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.tile_n)
+    assert tiles >= 3 * sm_count(x.device), tiles
+    assert gm().uses_tma_store(x, w, 8, config=cfg)
+    assert_same_bits(gm().gluon_matmul_cuda(x, w, 8, config=cfg), triton_only(x, w, 8),
+                     f"gluon {cfg.name()} 8 leaves, {tiles} tiles")
+
+
 @pytest.mark.parametrize("leaves", [1, 8])
 @pytest.mark.parametrize("n", [1000, 1001, 1004])   # 16-byte aligned rows: TMA store; else registers
 def test_both_epilogues_give_the_triton_kernels_bytes(leaves, n):

@@ -69,6 +69,27 @@ def test_gluon_checks_refuse_what_does_not_fit():
         tiles.check_gluon_config(tiles.GluonConfig(96, 128, 8, 4), 1, 64)
 
 
+def test_tree_tiles_fill_shared_memory_with_the_staging_tile_shared():
+    """Under an 8-leaf tree the epilogue's staging tile is a view of the tree's third level, so
+    each table tree tile runs the most stages that fit beside that level alone; control: one stage
+    more does not fit, and with leaves < 8 the staging tile counts on its own."""
+    trees = {cfg for cfg, leaves in tiles.GLUON_TABLE_TILES if leaves == 8}
+    assert len(trees) == 3
+    for cfg in trees:
+        tiles.check_gluon_config(cfg, 8, 64)
+        more = tiles.GluonConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages + 1,
+                                 block_n2=cfg.block_n2)
+        with pytest.raises(ValueError, match="shared memory"):
+            tiles.check_gluon_config(more, 8, 64)
+    # 128x128: 5 stages (160 KB) and the third level (64 KB) fit only because the staging tile
+    # (32 KB) has no bytes of its own; with two leaves 7 stages (224 KB) would fit alone but not
+    # beside the staging tile, which then counts
+    tiles.check_gluon_config(tiles.GluonConfig(128, 128, 8, 5), 8, 64)
+    tiles.check_gluon_config(tiles.GluonConfig(128, 128, 8, 6), 2, 64)
+    with pytest.raises(ValueError, match="shared memory"):
+        tiles.check_gluon_config(tiles.GluonConfig(128, 128, 8, 7), 2, 64)
+
+
 def test_gluon_dispatch_takes_only_what_it_can_run():
     w = torch.zeros(128, 256, dtype=torch.bfloat16)
     assert tiles.GLUON_MIN_ROWS > 64          # decode-sized products stay on the Triton kernel

@@ -34,7 +34,10 @@ of a tile (round, store) overlaps the loads of the next one.  A 16-bit output wh
 16-byte aligned leaves through shared memory and a TMA store (``EPI_TMA``): the consumers round
 the tile into a shared-memory buffer and one thread issues the store, which drains while the
 next tile's wgmmas run (before the buffer is written again, its previous store has been read
-out); an fp32 output is stored from registers.  Either way each element is the same rounding
+out); under an 8-leaf tree the staging tiles are the bytes of the tree's third level (read for the
+last time before the epilogue writes them; a tile's leaf 3 writes the level once the previous
+tile's store has read them out), which gives the ring one stage more.  An fp32 output is stored
+from registers.  Either way each element is the same rounding
 of the same fp32 value.  M and N edges: TMA zero-fills loads past the tensor, clips its stores
 to the tensor, and the register epilogue masks its stores; padded rows and columns never mix
 with real ones.
@@ -48,6 +51,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 #: Leaf counts the kernel unrolls (saved tree levels: registers for 1-2, smem for the 3rd).
 SUPPORTED_LEAVES = (1, 2, 4, 8)
+#: This Gluon names a shared-memory view of another type ``reinterpret`` (newer releases) or
+#: ``_reinterpret`` (the kernel's ``PUBLIC_REINTERPRET``).
+PUBLIC_REINTERPRET = hasattr(getattr(gl, "shared_memory_descriptor", None), "reinterpret")
 
 
 @gluon.jit
@@ -214,6 +220,11 @@ def _consumer(a_bufs, b_bufs, b2_bufs, ready, empty, s2_buf, t2_buf, c_buf, c2_b
                             if BN2 > 0:
                                 result2 = v2
                         else:
+                            if EPI_TMA:
+                                # the level's bytes are the staging tiles: the previous tile's
+                                # stores have read them out
+                                tma.store_wait(0)
+                                gl.thread_barrier()
                             s2_buf.store(v)
                             if BN2 > 0:
                                 t2_buf.store(v2)
@@ -256,7 +267,8 @@ def _contract_mm_ws_kernel(x_desc, w_desc, w2_desc, out_ptr, out_desc, out2_desc
                            tiles_per_leaf, LEAVES: gl.constexpr, STAGES: gl.constexpr,
                            GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            ZERO_ACC: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr,
-                           BN2: gl.constexpr, EPI_TMA: gl.constexpr, num_warps: gl.constexpr):
+                           BN2: gl.constexpr, EPI_TMA: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr,
+                           num_warps: gl.constexpr):
     X0: gl.constexpr = x_desc.block_type.shape[0]
     X1: gl.constexpr = x_desc.block_type.shape[1]
     W0: gl.constexpr = w_desc.block_type.shape[0]
@@ -290,8 +302,25 @@ def _contract_mm_ws_kernel(x_desc, w_desc, w2_desc, out_ptr, out_desc, out2_desc
     t2_buf = gl.allocate_shared_memory(
         gl.float32, [T2_ROWS, T2_COLS],
         gl.NVMMASharedLayout.get_default_for([T2_ROWS, T2_COLS], gl.float32))
-    # the epilogue's staging tiles (out_desc / out2_desc stand in for x_desc where EPI_TMA is off)
-    if EPI_TMA:
+    # the epilogue's staging tiles (out_desc / out2_desc stand in for x_desc where EPI_TMA is off);
+    # under an 8-leaf tree they take the bytes of its third level (fp32, twice their size): the
+    # epilogue writes them after the level's last read and a tile's leaf 3 writes the level after
+    # the previous tile's store has read them out
+    if EPI_TMA and LEAVES == 8:
+        if PUBLIC_REINTERPRET:
+            c_buf = s2_buf.reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        else:
+            c_buf = s2_buf._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        if BN2 > 0:
+            if PUBLIC_REINTERPRET:
+                c2_buf = t2_buf.reinterpret(out2_desc.dtype, out2_desc.block_type.shape,
+                                            out2_desc.layout)
+            else:
+                c2_buf = t2_buf._reinterpret(out2_desc.dtype, out2_desc.block_type.shape,
+                                             out2_desc.layout)
+        else:
+            c2_buf = c_buf
+    elif EPI_TMA:
         c_buf = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
         if BN2 > 0:
             c2_buf = gl.allocate_shared_memory(out2_desc.dtype, out2_desc.block_type.shape,
