@@ -80,15 +80,21 @@ def test_tree_staging_tile_shares_the_third_level_across_tiles(cfg):
     """Under an 8-leaf tree the epilogue's staging tile and the tree's third level are the same
     bytes: each CTA walks several tiles (a tile's store drains while the next one's leaves run
     and its leaf 3 writes the level), over short leaves (two k tiles each), through the TMA
-    store: the Triton kernel's bits."""
+    store: the Triton kernel's bits.  Control: the same product with leaves 0-3 (the sum the third
+    level holds) zeroed in x gives other bits, so a level lost under the staging tile shows."""
     from tpinv.kernels.device import sm_count
-    m, n = 2048, 4096
-    x, w = make(m, n, 1024)
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.tile_n)
+    from tpinv.kernels.launch import cdiv
+    m, n, k = 2048, 4096, 1024
+    x, w = make(m, n, k)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.tile_n)
     assert tiles >= 3 * sm_count(x.device), tiles
     assert gm().uses_tma_store(x, w, 8, config=cfg)
-    assert_same_bits(gm().gluon_matmul_cuda(x, w, 8, config=cfg), triton_only(x, w, 8),
-                     f"gluon {cfg.name()} 8 leaves, {tiles} tiles")
+    got = gm().gluon_matmul_cuda(x, w, 8, config=cfg)
+    assert_same_bits(got, triton_only(x, w, 8), f"gluon {cfg.name()} 8 leaves, {tiles} tiles")
+    first_half_lost = x.clone()
+    first_half_lost[:, :k // 2] = 0
+    assert_bits_differ(gm().gluon_matmul_cuda(first_half_lost, w, 8, config=cfg), got,
+                       "control: the third level's leaves dropped")
 
 
 @pytest.mark.parametrize("leaves", [1, 8])

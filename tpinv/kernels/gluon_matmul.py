@@ -14,12 +14,12 @@ import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tpinv.kernels.gluon_matmul_kernel import (PUBLIC_REINTERPRET, SUPPORTED_LEAVES,
-                                               _contract_mm_ws_kernel)
+from tpinv.kernels.gluon_matmul_kernel import SUPPORTED_LEAVES, _contract_mm_ws_kernel
 from tpinv.kernels.descriptors import reused_descriptor
 from tpinv.kernels.device import gluon_device_reason, sm_count
 from tpinv.kernels.launch import cdiv, is_bound, launch_with, operands_key, remember
-from tpinv.kernels.tiles import GluonConfig, block_k, check_gluon_config, gluon_launch_config
+from tpinv.kernels.tiles import (GluonConfig, block_k, check_gluon_config, gluon_launch_config,
+                                 gluon_staging_bytes)
 
 __all__ = ["SUPPORTED_LEAVES", "unsupported_reason", "supported", "gluon_matmul_cuda", "plan_for",
            "uses_tma_store", "table_config", "launch_plan", "LaunchPlan"]
@@ -203,18 +203,15 @@ def _plan(x, w, leaves: int, out_dtype: torch.dtype, cfg: GluonConfig) -> Launch
         if cfg.block_n2:
             out2_block = ([cfg.block_m, cfg.block_n2], _layout([cfg.block_m, cfg.block_n2], _DTYPES[out_dtype]))
     # a config's stages are those that fit beside the staging tile; an epilogue from registers
-    # gives the staging tile's bytes back to the ring (the fp32 partials of the leaf-by-leaf route),
-    # except under an 8-leaf tree, whose staging tile has no bytes of its own (it shares the tree's
-    # third level)
+    # gives the staging tile's own bytes back to the ring (the fp32 partials of the leaf-by-leaf route)
     stages = cfg.num_stages
-    if not epi_tma and leaves != 8:
-        stages += (cfg.block_m * cfg.tile_n * 2) // ((cfg.block_m + cfg.tile_n) * bk * 2)
+    if not epi_tma:
+        stages += gluon_staging_bytes(cfg, leaves) // ((cfg.block_m + cfg.tile_n) * bk * 2)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.tile_n)
     grid = (min(sm_count(x.device), tiles), )
     kw = dict(LEAVES=leaves, STAGES=stages, GROUP_M=cfg.group_m,
               PRODUCER_REGS=cfg.producer_regs, ZERO_ACC=cfg.zero_acc, X_T=x_t, W_KN=w_kn,
-              BN2=cfg.block_n2, EPI_TMA=epi_tma, PUBLIC_REINTERPRET=PUBLIC_REINTERPRET,
-              num_warps=cfg.num_warps)
+              BN2=cfg.block_n2, EPI_TMA=epi_tma, num_warps=cfg.num_warps)
     return LaunchPlan(x_t, w_kn, (x_block, _layout(x_block, gdt)), (w_block, _layout(w_block, gdt)), w2_block,
                       out_block, out2_block, grid, bk, kw, {}, {}, {}, {}, {}, {})
 

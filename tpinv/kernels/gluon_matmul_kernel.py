@@ -51,9 +51,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 #: Leaf counts the kernel unrolls (saved tree levels: registers for 1-2, smem for the 3rd).
 SUPPORTED_LEAVES = (1, 2, 4, 8)
-#: This Gluon names a shared-memory view of another type ``reinterpret`` (newer releases) or
-#: ``_reinterpret`` (the kernel's ``PUBLIC_REINTERPRET``).
-PUBLIC_REINTERPRET = hasattr(getattr(gl, "shared_memory_descriptor", None), "reinterpret")
 
 
 @gluon.jit
@@ -267,8 +264,7 @@ def _contract_mm_ws_kernel(x_desc, w_desc, w2_desc, out_ptr, out_desc, out2_desc
                            tiles_per_leaf, LEAVES: gl.constexpr, STAGES: gl.constexpr,
                            GROUP_M: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                            ZERO_ACC: gl.constexpr, X_T: gl.constexpr, W_KN: gl.constexpr,
-                           BN2: gl.constexpr, EPI_TMA: gl.constexpr, PUBLIC_REINTERPRET: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           BN2: gl.constexpr, EPI_TMA: gl.constexpr, num_warps: gl.constexpr):
     X0: gl.constexpr = x_desc.block_type.shape[0]
     X1: gl.constexpr = x_desc.block_type.shape[1]
     W0: gl.constexpr = w_desc.block_type.shape[0]
@@ -307,17 +303,9 @@ def _contract_mm_ws_kernel(x_desc, w_desc, w2_desc, out_ptr, out_desc, out2_desc
     # epilogue writes them after the level's last read and a tile's leaf 3 writes the level after
     # the previous tile's store has read them out
     if EPI_TMA and LEAVES == 8:
-        if PUBLIC_REINTERPRET:
-            c_buf = s2_buf.reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-        else:
-            c_buf = s2_buf._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        c_buf = s2_buf._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
         if BN2 > 0:
-            if PUBLIC_REINTERPRET:
-                c2_buf = t2_buf.reinterpret(out2_desc.dtype, out2_desc.block_type.shape,
-                                            out2_desc.layout)
-            else:
-                c2_buf = t2_buf._reinterpret(out2_desc.dtype, out2_desc.block_type.shape,
-                                             out2_desc.layout)
+            c2_buf = t2_buf._reinterpret(out2_desc.dtype, out2_desc.block_type.shape, out2_desc.layout)
         else:
             c2_buf = c_buf
     elif EPI_TMA:

@@ -210,6 +210,12 @@ def gluon_launch_config(m: int, n: int, leaves: int, sms: int) -> GluonConfig:
     return min(_GLUON_ONE_LEAF if leaves == 1 else _GLUON_TREE, key=finish)
 
 
+def gluon_staging_bytes(cfg: GluonConfig, leaves: int) -> int:
+    """Shared memory the epilogue's 16-bit staging tile takes of its own: none under an 8-leaf
+    tree, whose third fp32 level it is a view of."""
+    return 0 if leaves == 8 else cfg.block_m * cfg.tile_n * 2
+
+
 def check_gluon_config(cfg: GluonConfig, leaves: int, bk: int) -> None:
     """Shapes the kernel is built for: wgmma rows per warp, registers, shared memory."""
     if cfg.num_warps not in (4, 8) or cfg.block_m != 16 * cfg.num_warps:
@@ -222,10 +228,7 @@ def check_gluon_config(cfg: GluonConfig, leaves: int, bk: int) -> None:
     regs = tiles_live * cfg.block_m * cfg.tile_n // (32 * cfg.num_warps)
     if regs > 192:
         raise ValueError(f"{cfg}: {tiles_live} live fp32 tiles need {regs} registers a thread")
-    smem = cfg.num_stages * (cfg.block_m + cfg.tile_n) * bk * 2
-    if leaves == 8:     # the tree's third level; the epilogue's staging tile shares its bytes
-        smem += cfg.block_m * cfg.tile_n * 4
-    else:               # the epilogue's 16-bit staging tile
-        smem += cfg.block_m * cfg.tile_n * 2
+    smem = cfg.num_stages * (cfg.block_m + cfg.tile_n) * bk * 2 + gluon_staging_bytes(cfg, leaves)
+    smem += cfg.block_m * cfg.tile_n * 4 if leaves == 8 else 0   # the tree's third level
     if smem > 227 * 1024 - 1024:
         raise ValueError(f"{cfg}: {smem} bytes of shared memory is over the 227 KB limit")
